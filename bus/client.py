@@ -1,0 +1,392 @@
+"""The epibus client: connect, sign, publish with receipts, through the local outbox by default (DESIGN §6).
+
+    async with connect(agent="alice") as client:
+        receipt = await client.publish(client.event("finding", {...}, project="demo"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Generator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from bus.errors import InvalidEvent, Unavailable
+from bus.event import Body, Envelope, draft_event, encode_event
+from bus.forwarder import Forwarder
+from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
+from bus.ids import new_event_id
+from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams
+from bus.outbox import Outbox, OutboxRow
+from bus.publish import Receipt, send_batch, send_one
+from bus.signing import AgentKey
+from bus.subjects import JOURNAL_LOOKUP, event_subject
+from bus.vocab import EpistemicSource, ReceiptLevel
+
+log = logging.getLogger(__name__)
+MAX_PUBLISH_ATTEMPTS = 5
+
+
+async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
+    """A reconnecting NATS connection, or Unavailable if none is made within timeout_s."""
+    nc = NatsClient()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.connect(
+                servers=list(servers),
+                name=name,
+                connect_timeout=max(1, int(timeout_s)),
+                reconnect_time_wait=1,
+                max_reconnect_attempts=-1,  # keep trying; the outbox holds events meanwhile
+                **callbacks,
+            )
+    except NATS_UNAVAILABLE as e:
+        with contextlib.suppress(*NATS_UNAVAILABLE):  # closing a half-open client; nothing to lose
+            await nc.close()
+        raise Unavailable("nats", f"cannot connect to {', '.join(servers)}: {type(e).__name__} {e}") from e
+    return nc
+
+
+class EpibusClient:
+    """One agent's connection to the bus. Use as `async with`; see `connect()`."""
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        key: AgentKey,
+        *,
+        outbox: Path | None,
+        session_id: str | None = None,
+        goal_id: str | None = None,
+        connect_timeout_s: float = 5.0,
+        publish_timeout_s: float = 10.0,
+        max_in_flight: int = 512,
+        replicas: int = 1,
+    ) -> None:
+        self.servers = list(servers)
+        self.key = key
+        self.session_id = session_id or str(new_event_id())
+        self.goal_id = goal_id
+        self.connect_timeout_s = connect_timeout_s
+        self.publish_timeout_s = publish_timeout_s
+        self.max_in_flight = max_in_flight
+        self.replicas = replicas
+        self._outbox_path = outbox
+        self.outbox: Outbox | None = None
+        self.forwarder: Forwarder | None = None
+        self.nc: NatsClient | None = None
+        self._streams_ready = False
+        self._registry: AgentRegistry | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> EpibusClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the outbox (if any) and connect. Without an outbox an unreachable NATS raises Unavailable;
+        with one, the client starts offline and a background task keeps connecting."""
+        if self._outbox_path is not None:
+            self.outbox = await Outbox(self._outbox_path).open()
+            self._stack.push_async_callback(self.outbox.close)
+            self.forwarder = Forwarder(
+                self.outbox, self._jetstream_if_connected, before_send=self._prepare_server,
+                max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s,
+            )
+        group = await self._stack.enter_async_context(asyncio.TaskGroup())
+        try:
+            self.nc = await self._connect()
+        except Unavailable:
+            if self.outbox is None:
+                await self._stack.aclose()
+                raise
+            log.warning("NATS unreachable at %s; events are kept in the outbox until it answers", self.servers)
+            self._tasks.append(group.create_task(self._connect_in_background()))
+        else:
+            await self._prepare_server()
+        if self.forwarder is not None:
+            self._tasks.append(group.create_task(self.forwarder.run()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            if self.nc is not None and not self.nc.is_closed:
+                await self.nc.close()
+        finally:
+            await self._stack.aclose()
+
+    async def _connect(self) -> NatsClient:
+        return await open_nats(
+            self.servers, name=f"epibus:{self.key.agent_id}", timeout_s=self.connect_timeout_s,
+            reconnected_cb=self._on_reconnected, disconnected_cb=self._on_disconnected, error_cb=self._on_error,
+        )
+
+    async def _connect_in_background(self) -> None:
+        while self.nc is None:
+            try:
+                self.nc = await self._connect()
+            except Unavailable as e:
+                log.info("still offline: %s", e)
+                continue
+            if self.forwarder is not None:
+                self.forwarder.wake()
+
+    async def _on_reconnected(self) -> None:
+        self._streams_ready = False  # the server may be new or may have lost its store
+        if self.forwarder is not None:
+            self.forwarder.wake()
+
+    async def _on_disconnected(self) -> None:
+        log.warning("disconnected from NATS; publishing continues into the outbox")
+
+    async def _on_error(self, error: Exception) -> None:
+        log.warning("NATS connection error: %s %s", type(error).__name__, error)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self.nc is None:
+            raise Unavailable("nats", f"not connected to {', '.join(self.servers)}")
+        return self.nc.jetstream(timeout=self.publish_timeout_s)
+
+    def _jetstream_if_connected(self) -> JetStreamContext | None:
+        return self.js if self.connected else None
+
+    async def _prepare_server(self) -> None:
+        """Streams exist and this agent's key is registered; re-run after every reconnect."""
+        if self._streams_ready:
+            return
+        await ensure_streams(self.js, replicas=self.replicas)
+        self._registry = self._registry or AgentRegistry(self.js)
+        await self._registry.bind(self.key.actor)
+        self._streams_ready = True
+
+    # -- events ----------------------------------------------------------------------------------------
+
+    def event(
+        self,
+        kind: str,
+        body: Body | dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str | None = None,
+        source: EpistemicSource | str | None = None,
+        goal_id: str | None = None,
+    ) -> Envelope:
+        """A new event by this agent, validated and signed. Raises InvalidEvent naming the field."""
+        draft = draft_event(
+            kind, body, project=project, actor=self.key.actor, session_id=self.session_id,
+            artifact_id=artifact_id, goal_id=goal_id or self.goal_id, source=source,
+        )
+        return self.key.sign(draft)
+
+    def _row(self, event: Envelope) -> OutboxRow:
+        if event.signature is None:
+            event = self.key.sign(event)
+        elif event.actor != self.key.actor:
+            raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
+        subject = event_subject(event.project, event.kind, event.artifact_id)
+        return OutboxRow(str(event.event_id), subject, encode_event(event))
+
+    async def publish(
+        self, event: Envelope, *, wait_for: ReceiptLevel = ReceiptLevel.published, timeout_s: float | None = None
+    ) -> Receipt:
+        """Publish one event. Returns the level reached: `outboxed` when NATS did not answer in time (the
+        forwarder sends it later), `published` on a PubAck, `journaled` when asked and confirmed.
+        Raises InvalidEvent (nothing written), Conflict, or Unavailable (only without an outbox)."""
+        (receipt,) = await self.publish_many([event], wait_for=wait_for, timeout_s=timeout_s)
+        return receipt
+
+    async def publish_many(
+        self,
+        events: Sequence[Envelope],
+        *,
+        wait_for: ReceiptLevel = ReceiptLevel.published,
+        timeout_s: float | None = None,
+    ) -> list[Receipt]:
+        """Publish events in bulk with bounded in-flight async publishes; receipts in the input order.
+        Every event is validated before anything is written: one bad event writes none."""
+        rows = [self._row(event) for event in events]
+        if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
+            raise InvalidEvent("event_id", "appears twice in one publish_many call")
+        deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(rows) / 2000)
+        if self.outbox is not None:
+            receipts = await self._publish_through_outbox(rows, deadline_s)
+        else:
+            receipts = await self._publish_direct(rows)
+        if wait_for is ReceiptLevel.journaled:
+            await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
+            receipts = [replace(r, level=ReceiptLevel.journaled) for r in receipts]
+        return receipts
+
+    async def _publish_through_outbox(self, rows: list[OutboxRow], timeout_s: float) -> list[Receipt]:
+        assert self.outbox is not None
+        assert self.forwarder is not None
+        # Register before the rows exist, or a forwarder mid-drain could send them unobserved.
+        futures = [self.forwarder.sent(row.event_id) for row in rows]
+        try:
+            await self.outbox.add(rows)
+            self.forwarder.wake()
+            if self.connected:
+                await asyncio.wait(futures, timeout=timeout_s)
+            return [self._receipt(row, future) for row, future in zip(rows, futures, strict=True)]
+        finally:
+            for future in futures:
+                future.cancel()  # no-op when done; an unsent row keeps its place in the outbox
+
+    @staticmethod
+    def _receipt(row: OutboxRow, future: asyncio.Future[PubAck]) -> Receipt:
+        event_id = uuid.UUID(row.event_id)
+        if not future.done():
+            return Receipt(event_id, row.subject, ReceiptLevel.outboxed)
+        error = future.exception()
+        if error is not None:
+            raise error
+        ack = future.result()
+        return Receipt(event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
+
+    async def _publish_direct(self, rows: list[OutboxRow]) -> list[Receipt]:
+        acks: dict[str, PubAck] = {}
+        pending = rows
+        failures: dict[str, Unavailable] = {}
+        for attempt in range(1, MAX_PUBLISH_ATTEMPTS + 1):
+            if attempt > 1:
+                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+            if self.connected:
+                await self._prepare_server()
+                results = await send_batch(
+                    self.js, pending, max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s
+                )
+            else:
+                results = {r.event_id: Unavailable("nats", "not connected") for r in pending}
+            failures = {}
+            for row in pending:
+                result = results[row.event_id]
+                if isinstance(result, PubAck):
+                    acks[row.event_id] = result
+                elif isinstance(result, Unavailable):
+                    failures[row.event_id] = result
+                else:
+                    raise result
+            pending = [row for row in pending if row.event_id in failures]
+            if not pending:
+                break
+        if pending:
+            first = next(iter(failures.values()))
+            raise Unavailable(
+                "nats",
+                f"{len(pending)} of {len(rows)} events not acknowledged after {MAX_PUBLISH_ATTEMPTS} attempts "
+                f"({first.cause}); publishing the same events again is safe (ids dedupe)",
+            )
+        return [
+            Receipt(uuid.UUID(r.event_id), r.subject, ReceiptLevel.published, acks[r.event_id].seq,
+                    bool(acks[r.event_id].duplicate))
+            for r in rows
+        ]
+
+    async def publish_expecting(
+        self, event: Envelope, *, expected_headers: dict[str, str], timeout_s: float | None = None
+    ) -> Receipt:
+        """The awaited publish for compare-and-set state changes: raises Conflict (never retried blindly),
+        retries only Unavailable with the same Nats-Msg-Id. Bypasses the outbox: a stale expectation must
+        fail now, not after an outage."""
+        row = self._row(event)
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS), wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception_type(Unavailable), reraise=True,
+        ):
+            with attempt:
+                await self._prepare_server()
+                ack = await send_one(self.js, row, timeout_s=timeout_s or self.publish_timeout_s,
+                                     extra_headers=dict(expected_headers))
+        return Receipt(event.event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
+
+    async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> None:
+        """Return once a journal observer confirms every event id. Raises Unavailable naming what is missing."""
+        missing = {str(e) for e in event_ids}
+        delay_s = 0.01
+        last_problem = "no journal observer answered"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while missing and loop.time() < deadline:
+            if self.connected:
+                assert self.nc is not None
+                try:
+                    reply = await self.nc.request(JOURNAL_LOOKUP, json.dumps(sorted(missing)).encode(), timeout=2)
+                    missing -= set(json.loads(reply.data)["journaled"])
+                    last_problem = "the journal has not written them yet"
+                except nats.errors.NoRespondersError:
+                    last_problem = "no journal observer answered; is `epibus up` running?"
+                except NATS_UNAVAILABLE as e:
+                    last_problem = f"{type(e).__name__} {e}"
+            if missing:
+                await asyncio.sleep(delay_s)
+                delay_s = min(0.2, delay_s * 2)
+        if missing:
+            raise Unavailable("journal", f"{len(missing)} event(s) not journaled within {timeout_s}s: {last_problem}")
+
+    async def outbox_depth(self) -> int:
+        return await self.outbox.depth() if self.outbox is not None else 0
+
+
+class connect:  # noqa: N801 - used like a function: `await connect()` or `async with connect()`
+    """Connect an agent to the bus, finding the running local node unless `nats_url` is given.
+
+    `outbox=True` (default) keeps events durable in `<home>/outbox.db` before sending; `outbox=False` sends
+    directly and raises Unavailable when NATS does not answer."""
+
+    def __init__(
+        self,
+        nats_url: str | None = None,
+        *,
+        agent: str | None = None,
+        home: Path | str | None = None,
+        outbox: bool | Path = True,
+        **options: Any,
+    ) -> None:
+        self.home = epibus_home(home)
+        self.servers = [u.strip() for u in resolve_nats_url(nats_url, self.home).split(",") if u.strip()]
+        self.key = AgentKey.load_or_create(self.home, agent or default_agent())
+        self.outbox = outbox_path(self.home) if outbox is True else (outbox or None)
+        self.options = options
+        self._client: EpibusClient | None = None
+
+    async def _open(self) -> EpibusClient:
+        client = EpibusClient(self.servers, self.key, outbox=self.outbox, **self.options)
+        await client.start()
+        return client
+
+    def __await__(self) -> Generator[Any, None, EpibusClient]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> EpibusClient:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+

@@ -1,0 +1,84 @@
+"""The one error tree of epibus, split by what the caller does next (STYLE: Errors).
+
+Every error's str() is one line: what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class EpibusError(Exception):
+    """Root of every error epibus raises on purpose."""
+
+
+class InvalidEvent(EpibusError, ValueError):
+    """An event (or a field of one) failed validation; nothing was written."""
+
+    def __init__(self, field: str, problem: str, *, allowed: Iterable[str] | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.allowed = tuple(allowed) if allowed is not None else None
+        message = f"{field}: {problem}"
+        if self.allowed is not None:
+            message += " not in {" + ", ".join(self.allowed) + "}"
+        super().__init__(message)
+
+
+class IllegalTransition(EpibusError):
+    """A state change that the transition table does not allow."""
+
+    def __init__(self, artifact_id: str, current: str, requested: str, reason: str) -> None:
+        self.artifact_id = artifact_id
+        self.current = current
+        self.requested = requested
+        self.reason = reason
+        super().__init__(f"artifact {artifact_id}: {current} -> {requested} is illegal: {reason}")
+
+
+class Conflict(EpibusError):
+    """Another writer got there first (expected sequence or revision); re-read and retry deliberately."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        self.detail = detail
+        super().__init__(f"conflict on {what}: {detail}; re-read the current state and retry")
+
+
+class NotFound(EpibusError, LookupError):
+    """The thing asked for does not exist in the store that was asked."""
+
+    def __init__(self, what: str, key: str, hint: str = "") -> None:
+        self.what = what
+        self.key = key
+        super().__init__(f"{what} {key!r} not found" + (f"; {hint}" if hint else ""))
+
+
+class Unavailable(EpibusError):
+    """A component did not answer in time or refused the connection; retrying later may succeed."""
+
+    def __init__(self, component: str, cause: str) -> None:
+        self.component = component
+        self.cause = cause
+        super().__init__(f"{component} unavailable: {cause}")
+
+
+class ModelMismatch(EpibusError):
+    """Vectors from one embedding model were offered to a collection built for another."""
+
+    def __init__(self, expected: str, got: str) -> None:
+        self.expected = expected
+        self.got = got
+        super().__init__(f"embedding model mismatch: collection has {expected}, got {got}; reindex first")
+
+
+class ConfigError(EpibusError, ValueError):
+    """Configuration is missing or names something that does not exist."""
+
+    def __init__(self, setting: str, problem: str, *, allowed: Iterable[str] | None = None) -> None:
+        self.setting = setting
+        self.problem = problem
+        self.allowed = tuple(allowed) if allowed is not None else None
+        message = f"{setting}: {problem}"
+        if self.allowed is not None:
+            message += " (allowed: " + ", ".join(self.allowed) + ")"
+        super().__init__(message)

@@ -1,0 +1,358 @@
+"""The event envelope, the body model of every kind, the kind registry and canonical JSON (DESIGN §3).
+
+Events are frozen pydantic models with extra="forbid". Bodies are chosen by `kind` through the registry, so
+custom kinds can be added with `register_kind` and an unregistered kind is an InvalidEvent."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from bus.errors import ConfigError, InvalidEvent
+from bus.ids import new_event_id
+from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
+from bus.vocab import EpistemicSource, EvidenceKind, ResolutionKind, Reversibility
+
+# An encoded, signed event may not exceed 64 KiB: large enough for a long post-mortem, small enough that a
+# flood of them cannot exhaust a node (nats-server's own max_payload is 1 MiB).
+MAX_EVENT_BYTES = 64 * 1024
+SCHEMA_VERSION: Literal[1] = 1
+
+Text = Annotated[str, StringConstraints(min_length=1, max_length=16_000)]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+ProjectSlug = Annotated[str, StringConstraints(pattern=PROJECT_PATTERN.pattern)]
+ArtifactId = Annotated[str, StringConstraints(pattern=ARTIFACT_PATTERN.pattern)]
+AGENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+AgentId = Annotated[str, StringConstraints(pattern=AGENT_PATTERN.pattern)]
+PublicKey = Annotated[str, StringConstraints(pattern=r"^U[A-Z2-7]{55}$")]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Evidence(Model):
+    kind: EvidenceKind
+    ref: Annotated[str, StringConstraints(min_length=1, max_length=2_000)]
+    excerpt: Annotated[str, StringConstraints(max_length=4_000)] | None = None
+    sha256: Sha256 | None = None
+
+
+class Body(Model):
+    """Base of every body. Subclasses set `kind` and say whether they act on an existing artifact."""
+
+    kind: ClassVar[str]
+    transition: ClassVar[bool] = False
+
+    def content_text(self) -> str:
+        """The claim in words: what is embedded, hashed for tombstones, shown in a table."""
+        return " ".join(str(v) for v in self.model_dump(mode="json").values() if isinstance(v, str))
+
+
+class FindingBody(Body):
+    kind: ClassVar[str] = "finding"
+    text: Text
+    impact: Unit
+    confidence: Unit
+    subject: ShortText
+    evidence: tuple[Evidence, ...] = ()
+    revises: ArtifactId | None = None
+    supersedes: ArtifactId | None = None
+
+    def content_text(self) -> str:
+        return self.text
+
+
+class UnknownBody(Body):
+    kind: ClassVar[str] = "unknown"
+    question: Text
+    impact: Unit
+
+    def content_text(self) -> str:
+        return self.question
+
+
+class MistakeBody(Body):
+    kind: ClassVar[str] = "mistake"
+    mistake: Text
+    why_wrong: Text
+    cost_estimate: ShortText
+    root_cause: Text
+    prevention: Text
+
+
+class DecisionBody(Body):
+    kind: ClassVar[str] = "decision"
+    choice: Text
+    alternatives: tuple[ShortText, ...] = ()
+    rationale: Text
+    confidence: Unit
+    reversibility: Reversibility
+
+
+class AssumptionBody(Body):
+    kind: ClassVar[str] = "assumption"
+    text: Text
+    confidence: Unit
+
+    def content_text(self) -> str:
+        return self.text
+
+
+class DeadEndBody(Body):
+    kind: ClassVar[str] = "dead_end"
+    approach: Text
+    why_failed: Text
+
+
+class ResolvedBody(Body):
+    kind: ClassVar[str] = "resolved"
+    transition: ClassVar[bool] = True
+    resolution: ResolutionKind
+    superseded_by: ArtifactId | None = None
+    note: Text | None = None
+
+    @model_validator(mode="after")
+    def _successor_iff_superseded(self) -> ResolvedBody:
+        if self.resolution is ResolutionKind.superseded and self.superseded_by is None:
+            raise ValueError("resolution 'superseded' requires superseded_by (the replacing artifact id)")
+        if self.resolution is not ResolutionKind.superseded and self.superseded_by is not None:
+            raise ValueError(f"superseded_by is only allowed with resolution 'superseded', not {self.resolution}")
+        return self
+
+
+class VerifiedBody(Body):
+    kind: ClassVar[str] = "verified"
+    transition: ClassVar[bool] = True
+    note: Text | None = None
+    evidence: tuple[Evidence, ...] = ()
+
+
+class ContradictedBody(Body):
+    kind: ClassVar[str] = "contradicted"
+    transition: ClassVar[bool] = True
+    contradicted_by: ArtifactId
+    reason: Text
+
+
+class RolledBackBody(Body):
+    kind: ClassVar[str] = "rolled_back"
+    transition: ClassVar[bool] = True
+    reason: Text
+
+
+class ForgottenBody(Body):
+    kind: ClassVar[str] = "forgotten"
+    transition: ClassVar[bool] = True
+    reason: Text
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    name: str
+    body: type[Body]
+
+    @property
+    def transition(self) -> bool:
+        return self.body.transition
+
+
+_KINDS: dict[str, KindSpec] = {}
+
+
+def register_kind(body: type[Body], *, name: str | None = None) -> KindSpec:
+    """Register a body model under its kind name. Idempotent for the same model; a different model under a
+    taken name raises ConfigError."""
+    kind = name or body.kind
+    if not KIND_PATTERN.match(kind):
+        raise ConfigError("kind", f"{kind!r} must match {KIND_PATTERN.pattern}")
+    if body.model_config.get("extra") != "forbid":
+        raise ConfigError("kind", f"body model for {kind!r} must forbid extra keys (subclass bus.event.Body)")
+    existing = _KINDS.get(kind)
+    if existing is not None and existing.body is not body:
+        raise ConfigError("kind", f"{kind!r} is already registered to {existing.body.__name__}")
+    spec = KindSpec(kind, body)
+    _KINDS[kind] = spec
+    return spec
+
+
+def kind_names() -> list[str]:
+    return sorted(_KINDS)
+
+
+def require_kind(kind: str) -> KindSpec:
+    spec = _KINDS.get(kind)
+    if spec is None:
+        raise InvalidEvent("kind", repr(kind), allowed=kind_names())
+    return spec
+
+
+for _body in (FindingBody, UnknownBody, MistakeBody, DecisionBody, AssumptionBody, DeadEndBody,
+              ResolvedBody, VerifiedBody, ContradictedBody, RolledBackBody, ForgottenBody):
+    register_kind(_body)
+
+
+class Actor(Model):
+    agent_id: AgentId
+    public_key: PublicKey
+
+
+class Envelope(Model):
+    event_id: uuid.UUID
+    schema_version: Literal[1] = SCHEMA_VERSION
+    project: ProjectSlug
+    kind: str
+    artifact_id: ArtifactId
+    actor: Actor
+    session_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    goal_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    recorded_at: AwareDatetime
+    valid_from: AwareDatetime | None = None
+    valid_until: AwareDatetime | None = None
+    source: EpistemicSource | None = None
+    body: SerializeAsAny[Body]
+    signature: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")] | None = None
+
+    @field_validator("event_id")
+    @classmethod
+    def _uuid7(cls, value: uuid.UUID) -> uuid.UUID:
+        if value.version != 7:
+            raise ValueError(f"must be a UUIDv7, got version {value.version}")
+        return value
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in _KINDS:
+            raise ValueError(f"{value!r} not in {{{', '.join(kind_names())}}}")
+        return value
+
+    @field_validator("recorded_at", "valid_from", "valid_until")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else value.astimezone(UTC)
+
+    @field_validator("body", mode="before")
+    @classmethod
+    def _body_for_kind(cls, value: Any, info: ValidationInfo) -> Body:
+        kind = info.data.get("kind")
+        if kind is None:
+            raise ValueError("cannot be validated without a valid kind")
+        model = _KINDS[kind].body
+        if isinstance(value, Body):
+            if type(value) is not model:
+                raise ValueError(f"{type(value).__name__} is not the body of kind {kind!r} ({model.__name__})")
+            return value
+        return model.model_validate(value)
+
+    @model_validator(mode="after")
+    def _valid_interval(self) -> Envelope:
+        if self.valid_from and self.valid_until and self.valid_until < self.valid_from:
+            raise ValueError("valid_until is before valid_from")
+        return self
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the same object always gives the same bytes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def signing_payload(event: Envelope) -> bytes:
+    """What the signature covers: the canonical JSON of everything but the signature."""
+    return canonical_json(event.model_dump(mode="json", exclude={"signature"}))
+
+
+def encode_event(event: Envelope) -> bytes:
+    data = canonical_json(event.model_dump(mode="json"))
+    if len(data) > MAX_EVENT_BYTES:
+        raise InvalidEvent("event", f"is {len(data)} bytes encoded; the limit is {MAX_EVENT_BYTES}")
+    return data
+
+
+def raise_for_validation(error: ValidationError) -> InvalidEvent:
+    """The first pydantic error as an InvalidEvent naming the field, the input and what is allowed."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "event"
+    ctx = first.get("ctx") or {}
+    got = first.get("input")
+    shown = f"={got!r}" if not isinstance(got, dict | list) else ""
+    if "expected" in ctx:
+        return InvalidEvent(f"{field}{shown}", f"expected {ctx['expected']}")
+    return InvalidEvent(f"{field}{shown}", str(first["msg"]).removeprefix("Value error, "))
+
+
+def decode_event(data: bytes) -> Envelope:
+    """Parse and validate an encoded event. Raises InvalidEvent; never returns a partial event."""
+    if len(data) > MAX_EVENT_BYTES:
+        raise InvalidEvent("event", f"is {len(data)} bytes; the limit is {MAX_EVENT_BYTES}")
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidEvent("event", f"is not JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise InvalidEvent("event", f"is a JSON {type(raw).__name__}, expected an object")
+    return validate_event(raw)
+
+
+def validate_event(raw: dict[str, Any]) -> Envelope:
+    if "kind" in raw and isinstance(raw["kind"], str) and raw["kind"] not in _KINDS:
+        raise InvalidEvent(f"kind={raw['kind']!r}", "unregistered kind", allowed=kind_names())
+    try:
+        return Envelope.model_validate(raw)
+    except ValidationError as e:
+        raise raise_for_validation(e) from e
+
+
+def draft_event(
+    kind: str,
+    body: Body | dict[str, Any],
+    *,
+    project: str,
+    actor: Actor,
+    session_id: str,
+    artifact_id: str | None = None,
+    goal_id: str | None = None,
+    source: EpistemicSource | str | None = None,
+    valid_from: datetime | None = None,
+    valid_until: datetime | None = None,
+) -> Envelope:
+    """A new, unsigned event. A new artifact gets its id from the event id; a transition must name one."""
+    spec = require_kind(kind)
+    if spec.transition and artifact_id is None:
+        raise InvalidEvent("artifact_id", f"is required for transition kind {kind!r}")
+    event_id = new_event_id()
+    return validate_event(
+        {
+            "event_id": event_id,
+            "project": project,
+            "kind": kind,
+            "artifact_id": artifact_id if artifact_id is not None else str(event_id),
+            "actor": actor,
+            "session_id": session_id,
+            "goal_id": goal_id,
+            "recorded_at": datetime.now(UTC),
+            "valid_from": valid_from,
+            "valid_until": valid_until,
+            "source": source,
+            "body": body,
+        }
+    )

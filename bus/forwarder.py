@@ -1,0 +1,140 @@
+"""The forwarder: drains the outbox to JetStream with the events' own Nats-Msg-Id, so a drain after an outage
+neither loses nor doubles an event (DESIGN §6). Publishers await `sent(event_id)` for their receipt."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
+from bus.outbox import Outbox
+from bus.publish import send_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwarderStats:
+    sent: int = 0
+    duplicates: int = 0
+    failed_attempts: int = 0
+    rejected: int = 0
+    last_error: str | None = None
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+class Forwarder:
+    """Moves outbox rows to JetStream in batches. `run()` is the loop; it returns only when cancelled."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        jetstream: Callable[[], JetStreamContext | None],
+        *,
+        before_send: Callable[[], Awaitable[None]] | None = None,
+        batch_size: int = 1000,
+        max_in_flight: int = 512,
+        timeout_s: float = 10.0,
+        idle_poll_s: float = 1.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.outbox = outbox
+        self._jetstream = jetstream
+        self._before_send = before_send
+        self.batch_size = batch_size
+        self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
+        self.idle_poll_s = idle_poll_s
+        self.max_backoff_s = max_backoff_s
+        self.stats = ForwarderStats()
+        self._wake = asyncio.Event()
+        self._waiters: dict[str, list[asyncio.Future[PubAck]]] = {}
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def sent(self, event_id: str) -> asyncio.Future[PubAck]:
+        """A future resolved with the PubAck once this event is in JetStream, or failed with InvalidEvent or
+        Conflict if JetStream refused it. Unavailability does not fail it: the row stays and is retried."""
+        future: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(event_id, []).append(future)
+        return future
+
+    def _settle(self, event_id: str, result: PubAck | EpibusError) -> None:
+        for future in self._waiters.pop(event_id, []):
+            if future.done():
+                continue
+            if isinstance(result, PubAck):
+                future.set_result(result)
+            else:
+                future.set_exception(result)
+
+    async def run(self) -> None:
+        backoff_s = 0.0
+        while True:
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
+            else:
+                try:
+                    async with asyncio.timeout(self.idle_poll_s):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass  # poll anyway: another process may have written to a shared outbox
+            self._wake.clear()
+            try:
+                moved_all = await self.drain_once()
+            except Unavailable as e:
+                moved_all = False
+                self._count_error(e)
+            backoff_s = 0.0 if moved_all else min(self.max_backoff_s, max(0.1, backoff_s * 2))
+
+    async def drain_once(self) -> bool:
+        """Send every row currently in the outbox. True when all of them reached JetStream."""
+        js = self._jetstream()
+        if js is None:
+            return False
+        if self._before_send is not None:
+            await self._before_send()
+        while True:
+            rows = await self.outbox.claim(self.batch_size, lease_s=self.timeout_s * 3)
+            if not rows:
+                return True
+            results = await send_batch(js, rows, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
+            acked: list[str] = []
+            retry: dict[str, str] = {}
+            refused: dict[str, str] = {}
+            for row in rows:
+                result = results[row.event_id]
+                if isinstance(result, PubAck):
+                    acked.append(row.event_id)
+                    self.stats.sent += 1
+                    self.stats.duplicates += int(bool(result.duplicate))
+                elif isinstance(result, InvalidEvent | Conflict):
+                    # Refused for what it is, not for an outage: retrying cannot help. Keep it, loudly.
+                    self.stats.rejected += 1
+                    log.error("outbox event %s refused by JetStream, parked in the outbox: %s", row.event_id, result)
+                    refused[row.event_id] = str(result)
+                else:
+                    retry[row.event_id] = str(result)
+                    self._count_error(result)
+            await self.outbox.complete(acked)
+            await self.outbox.release(retry)
+            await self.outbox.park(refused)
+            for row in rows:
+                result = results[row.event_id]
+                if not isinstance(result, Unavailable):
+                    self._settle(row.event_id, result)
+            if retry:
+                return False
+
+    def _count_error(self, error: EpibusError) -> None:
+        self.stats.failed_attempts += 1
+        self.stats.last_error = str(error)
+        name = type(error).__name__
+        self.stats.errors_by_kind[name] = self.stats.errors_by_kind.get(name, 0) + 1
+        log.warning("forwarder: %s (events stay in the outbox and are retried)", error)

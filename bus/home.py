@@ -1,0 +1,105 @@
+"""Where a machine's epibus state lives (EPIBUS_HOME, default ~/.epibus) and how commands find the running
+local node: `epibus up` records itself in `<home>/node.json`; everything else reads it."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bus.errors import ConfigError
+
+NODE_FILE = "node.json"
+
+
+def epibus_home(explicit: Path | str | None = None) -> Path:
+    raw = explicit if explicit is not None else os.environ.get("EPIBUS_HOME", "~/.epibus")
+    return Path(raw).expanduser().resolve()
+
+
+def default_agent() -> str:
+    """$EPIBUS_AGENT, else the login name made into a valid agent id."""
+    configured = os.environ.get("EPIBUS_AGENT")
+    if configured:
+        return configured
+    name = re.sub(r"[^a-z0-9_-]+", "-", getpass.getuser().lower()).strip("-_")
+    return name or "agent"
+
+
+def default_journal_url(home: Path) -> str:
+    return f"sqlite:///{home / 'journal.db'}"
+
+
+def outbox_path(home: Path) -> Path:
+    return home / "outbox.db"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    pid: int
+    nats_url: str
+    monitor_url: str | None
+    journal_url: str
+    outbox_path: str
+    embedded_server: bool
+    started_at: str
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # exists, owned by someone else
+        return True
+
+
+def write_node_info(home: Path, info: NodeInfo) -> Path:
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / NODE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(info), indent=2))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    return path
+
+
+def read_node_info(home: Path) -> NodeInfo | None:
+    """The running node recorded under home, or None when none is recorded or its process is gone."""
+    path = home / NODE_FILE
+    if not path.exists():
+        return None
+    info = NodeInfo(**json.loads(path.read_text()))
+    return info if info.alive() else None
+
+
+def remove_node_info(home: Path, pid: int) -> None:
+    path = home / NODE_FILE
+    if path.exists() and json.loads(path.read_text()).get("pid") == pid:
+        path.unlink()
+
+
+def resolve_nats_url(explicit: str | None, home: Path) -> str:
+    """--nats, else $EPIBUS_NATS_URL, else the running local node. Raises ConfigError naming the fixes."""
+    url = explicit or os.environ.get("EPIBUS_NATS_URL")
+    if url:
+        return url
+    node = read_node_info(home)
+    if node is None:
+        raise ConfigError(
+            "nats",
+            f"no epibus node is running under {home}; start one with `epibus up` or pass --nats URL "
+            "(or set EPIBUS_NATS_URL)",
+        )
+    return node.nats_url
+
+
+def resolve_journal_url(explicit: str | None, home: Path) -> str:
+    """--journal, else $EPIBUS_JOURNAL_URL, else the running node's journal, else the default SQLite file."""
+    url = explicit or os.environ.get("EPIBUS_JOURNAL_URL")
+    if url:
+        return url
+    node = read_node_info(home)
+    return node.journal_url if node else default_journal_url(home)

@@ -1,0 +1,141 @@
+"""Creating and updating the JetStream streams (EPI, EPI_DLQ) and the agent key registry (DESIGN §5, §9).
+
+`ensure_streams` is idempotent and is re-run by clients after every reconnect: a server that lost its
+store (or a new cluster) gets the streams back before anything is published."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+
+from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
+from bus.event import Actor
+from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, DLQ_SUBJECTS, STREAM, STREAM_SUBJECTS
+
+# ≥ 2 min (DESIGN §5); 10 min lets an outbox drain after a short outage still be deduplicated by the server.
+DUPLICATE_WINDOW_S = 600.0
+JS_TIMEOUT_S = 10.0
+
+# NATS client and JetStream errors that mean "the server did not answer": retry later.
+NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoServersError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    TimeoutError,
+    ConnectionError,
+)
+
+
+NATS_OR_API_ERROR: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.js.errors.APIError)
+
+
+def _stream_config(name: str, subjects: tuple[str, ...], description: str, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=name,
+        subjects=list(subjects),
+        description=description,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
+    )
+
+
+def stream_configs(replicas: int = 1) -> list[StreamConfig]:
+    return [
+        _stream_config(STREAM, STREAM_SUBJECTS, "epibus events", replicas),
+        _stream_config(DLQ_STREAM, DLQ_SUBJECTS, "epibus dead letters", replicas),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Create EPI and EPI_DLQ, or update them to the managed config. Raises Unavailable."""
+    try:
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            for config in stream_configs(replicas):
+                assert config.name is not None
+                try:
+                    current = await js.stream_info(config.name)
+                except nats.js.errors.NotFoundError:
+                    await js.add_stream(config)
+                    continue
+                drifted = (
+                    current.config.subjects != config.subjects
+                    or current.config.duplicate_window != config.duplicate_window
+                )
+                if drifted:
+                    await js.update_stream(config)
+    except NATS_UNAVAILABLE as e:
+        raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
+
+
+class AgentRegistry:
+    """agent_id → public key, in a KV bucket. The first key seen for an agent is bound to it (trust on first
+    use); a different key for the same agent afterwards is a Conflict (DESIGN §9: nobody publishes as
+    another agent)."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._kv: KeyValue | None = None
+        self._known: dict[str, str] = {}
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            try:
+                self._kv = await self._js.key_value(AGENT_KEYS_BUCKET)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self._js.create_key_value(bucket=AGENT_KEYS_BUCKET, history=5)
+        return self._kv
+
+    async def bind(self, actor: Actor) -> None:
+        """Bind the actor's key to its agent id, or confirm it is already bound. Raises Conflict, Unavailable."""
+        if self._known.get(actor.agent_id) == actor.public_key:
+            return
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                try:
+                    await kv.create(actor.agent_id, actor.public_key.encode())
+                    bound = actor.public_key
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    entry = await kv.get(actor.agent_id)
+                    bound = (entry.value or b"").decode()
+        except NATS_UNAVAILABLE as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        if bound != actor.public_key:
+            raise Conflict(
+                f"agent {actor.agent_id}",
+                f"it is registered with key {bound[:12]}…, this event is signed by {actor.public_key[:12]}…",
+            )
+        self._known[actor.agent_id] = bound
+
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
+    """The one choke point from nats-py publish errors to epibus errors (Conflict is never retried blindly)."""
+    if isinstance(error, nats.js.errors.APIError) and error.err_code == WRONG_LAST_SEQUENCE:
+        return Conflict(subject, f"JetStream refused it: {error.description} (err_code {error.err_code})")
+    if isinstance(error, NATS_UNAVAILABLE) or (
+        isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)
+    ):
+        return Unavailable("nats", f"publish to {subject}: {type(error).__name__} {error}".strip())
+    if isinstance(error, nats.js.errors.APIError):
+        return InvalidEvent(
+            f"message on {subject}", f"refused by JetStream: {error.description} (err_code {error.err_code})"
+        )
+    return Unavailable("nats", f"publish to {subject}: unexpected {type(error).__name__}: {error}")

@@ -1,0 +1,99 @@
+"""Sending encoded events to JetStream: receipts and the bounded, timed-out bulk sender (DESIGN §6).
+
+nats-py never resolves the future of a publish the server rejected (upstream #985), so every future here
+has a deadline, and compare-and-set publishes go through the awaited path instead."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from bus.errors import EpibusError, Unavailable
+from bus.jetstream import NATS_UNAVAILABLE, translate_publish_error
+from bus.outbox import OutboxRow
+from bus.vocab import ReceiptLevel
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """How far one event is known to have got. `duplicate`: JetStream already had this event id."""
+
+    event_id: uuid.UUID
+    subject: str
+    level: ReceiptLevel
+    stream_seq: int | None = None
+    duplicate: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "event_id": str(self.event_id),
+            "subject": self.subject,
+            "level": self.level.value,
+            "stream_seq": self.stream_seq,
+            "duplicate": self.duplicate,
+        }
+
+
+def message_headers(event_id: str) -> dict[str, str]:
+    """A fresh headers dict per publish: nats-py writes into the dict it is given (DESIGN §6)."""
+    return {MSG_ID_HEADER: event_id}
+
+
+SendResult = PubAck | EpibusError
+
+
+async def send_batch(
+    js: JetStreamContext, rows: Sequence[OutboxRow], *, max_in_flight: int = 512, timeout_s: float = 10.0
+) -> dict[str, SendResult]:
+    """Publish rows with at most `max_in_flight` unacknowledged; every row gets a PubAck or an error.
+
+    No future outlives `timeout_s` after the last send: unanswered ones are cancelled and reported as
+    Unavailable, so a caller can retry them with the same Nats-Msg-Id."""
+    results: dict[str, SendResult] = {}
+    slots = asyncio.Semaphore(max_in_flight)
+    in_flight: dict[asyncio.Future[PubAck], OutboxRow] = {}
+    for index, row in enumerate(rows):
+        try:
+            async with asyncio.timeout(timeout_s):
+                await slots.acquire()
+        except TimeoutError:
+            for unsent in rows[index:]:
+                results[unsent.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
+            break
+        try:
+            future = await js.publish_async(row.subject, row.payload, headers=message_headers(row.event_id))
+        except NATS_UNAVAILABLE as e:
+            slots.release()
+            results[row.event_id] = translate_publish_error(e, row.subject)
+            continue
+        future.add_done_callback(lambda _: slots.release())
+        in_flight[future] = row
+    if in_flight:
+        done, late = await asyncio.wait(in_flight, timeout=timeout_s)
+        for future in late:
+            future.cancel()  # frees nats-py's own pending slot too
+            results[in_flight[future].event_id] = Unavailable("nats", f"no PubAck within {timeout_s}s")
+        for future in done:
+            row = in_flight[future]
+            error = future.exception()
+            results[row.event_id] = future.result() if error is None else translate_publish_error(error, row.subject)
+    return results
+
+
+async def send_one(
+    js: JetStreamContext, row: OutboxRow, *, timeout_s: float, extra_headers: dict[str, str] | None = None
+) -> PubAck:
+    """The awaited publish: the server's error (e.g. 10071 wrong last sequence) is raised, classified."""
+    headers = message_headers(row.event_id) | (extra_headers or {})
+    try:
+        return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
+    except Exception as e:
+        raise translate_publish_error(e, row.subject) from e

@@ -1,0 +1,67 @@
+"""The only module that builds subject, stream and bucket names (DESIGN §5).
+
+Events live on `epi.<project>.<kind>.<artifact_id>` in stream EPI (`epi.>`). Dead letters live on
+`epidlq.<consumer>.<reason>` in stream EPI_DLQ: DESIGN §5 sketches `epi.dlq.…`, but JetStream refuses two
+streams whose subjects overlap (err_code 10065) and EPI must keep `epi.>` so foreign messages on any
+`epi.` subject are captured and quarantined rather than lost."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+STREAM = "EPI"
+STREAM_SUBJECTS = ("epi.>",)
+DLQ_STREAM = "EPI_DLQ"
+DLQ_SUBJECTS = ("epidlq.>",)
+AGENT_KEYS_BUCKET = "epibus_agents"
+# Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
+JOURNAL_LOOKUP = "epibus.journal.has"
+
+PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+ARTIFACT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+CONSUMER_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class EventAddress(NamedTuple):
+    project: str
+    kind: str
+    artifact_id: str
+
+
+def event_subject(project: str, kind: str, artifact_id: str) -> str:
+    return f"epi.{project}.{kind}.{artifact_id}"
+
+
+def parse_event_subject(subject: str) -> EventAddress | None:
+    """The address in an event subject, or None when the subject is not one epibus would publish."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "epi":
+        return None
+    _, project, kind, artifact_id = parts
+    if not (
+        PROJECT_PATTERN.match(project) and KIND_PATTERN.match(kind) and ARTIFACT_PATTERN.match(artifact_id)
+    ):
+        return None
+    return EventAddress(project, kind, artifact_id)
+
+
+def events_filter(project: str | None = None, kind: str | None = None) -> str:
+    """A consumer filter for one project and/or one kind; every event when both are None."""
+    if project is None and kind is None:
+        return "epi.>"
+    return f"epi.{project or '*'}.{kind or '*'}.*"
+
+
+def artifact_filter(project: str, artifact_id: str) -> str:
+    """Every event of one artifact, across kinds: the per-artifact compare-and-set scope (DESIGN §5)."""
+    return f"epi.{project}.*.{artifact_id}"
+
+
+def dlq_subject(consumer: str, reason: str) -> str:
+    return f"epidlq.{consumer}.{reason}"
+
+
+def dlq_filter(consumer: str | None = None) -> str:
+    return f"epidlq.{consumer}.*" if consumer else "epidlq.>"
