@@ -91,6 +91,7 @@ class EpibusClient:
         self._registry: AgentRegistry | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -126,6 +127,7 @@ class EpibusClient:
             self._tasks.append(group.create_task(self.forwarder.run()))
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         try:
@@ -156,6 +158,8 @@ class EpibusClient:
             self.forwarder.wake()
 
     async def _on_disconnected(self) -> None:
+        if self._closing:
+            return
         log.warning("disconnected from NATS; publishing continues into the outbox")
 
     async def _on_error(self, error: Exception) -> None:

@@ -408,12 +408,15 @@ def test_dockerfile_shape() -> None:
     volumes = " ".join(a for w, a in instructions if w == "VOLUME")
     assert "/var/lib/epibus" in volumes
     users = [a for w, a in instructions if w == "USER"]
-    assert users and users[-1] not in ("root", "0"), f"the image should run as a non-root user: {users}"
+    assert users, "the image sets no USER"
+    assert users[-1] not in ("root", "0"), f"the image should run as a non-root user: {users}"
     assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), "USER before a RUN"
     installs = [a for w, a in instructions if w == "RUN" and "pip install" in a]
-    assert installs and "[postgres]" in installs[0]
+    assert len(installs) == 1, installs
+    assert "[postgres]" in installs[0]
     health = [a for w, a in instructions if w == "HEALTHCHECK"]
-    assert len(health) == 1 and '["epibus", "stats", "--json"]' in health[0], health
+    assert len(health) == 1, health
+    assert '["epibus", "stats", "--json"]' in health[0], health
 
 
 def test_dockerfile_copies_existing_sources_that_the_build_context_keeps() -> None:
@@ -587,26 +590,27 @@ def stream_messages_per_node(nodes: Nodes, stream: str) -> dict[str, int]:
     return counts
 
 
-async def wait_for(what: str, nodes: Nodes, attempt: Callable[[], Awaitable[Any]], timeout: float = WAIT_S) -> Any:
-    """Retry an async JetStream call until it succeeds (leader elections take a few seconds)."""
-    deadline = time.monotonic() + timeout
+async def wait_for(what: str, nodes: Nodes, attempt: Callable[[], Awaitable[Any]]) -> Any:
+    """Retry an async JetStream call for up to WAIT_S until it succeeds (elections take a few seconds)."""
+    deadline = time.monotonic() + WAIT_S
     last: BaseException | None = None
     while time.monotonic() < deadline:
         try:
             return await attempt()
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:  # nats.errors.TimeoutError is a TimeoutError
             last = exc
             await asyncio.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f}s: {what}; last error {last!r}\n{nodes.diagnostics()}")
+    pytest.fail(f"timed out after {WAIT_S:.0f}s: {what}; last error {last!r}\n{nodes.diagnostics()}")
 
 
-async def poll(what: str, nodes: Nodes, check: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
+async def poll(what: str, nodes: Nodes, check: Callable[[], bool]) -> None:
+    """Poll a blocking check (monitoring HTTP) in a thread for up to WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         if await asyncio.to_thread(check):
             return
         await asyncio.sleep(0.3)
-    pytest.fail(f"timed out after {timeout:.0f}s: {what}\n{nodes.diagnostics()}")
+    pytest.fail(f"timed out after {WAIT_S:.0f}s: {what}\n{nodes.diagnostics()}")
 
 
 @pytest.mark.slow
@@ -635,7 +639,8 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
 
         info = await js.stream_info("EPI")
         assert info.config.num_replicas == 3
-        assert info.cluster is not None and info.cluster.leader in NATS_SERVICES
+        assert info.cluster is not None
+        assert info.cluster.leader in NATS_SERVICES
         assert len(info.cluster.replicas or []) == 2, info.cluster
 
         got = await js.get_msg("EPI", ack.seq)
@@ -681,9 +686,10 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
         while len(msgs) < 2 and time.monotonic() < deadline:
             try:
                 msgs += await sub.fetch(2 - len(msgs), timeout=2)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue  # nothing yet (nats-py raises either, DESIGN §6)
-        assert [(m.subject, m.data) for m in msgs] == [("epi.demo.finding.a1", b"one"), ("epi.demo.finding.a2", b"two")]
+            except TimeoutError:  # nothing yet; nats-py raises its own or asyncio's (DESIGN §6), both are this
+                continue
+        got_all = [(m.subject, m.data) for m in msgs]
+        assert got_all == [("epi.demo.finding.a1", b"one"), ("epi.demo.finding.a2", b"two")]
         for m in msgs:
             await m.ack()
     finally:

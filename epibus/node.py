@@ -1,0 +1,122 @@
+"""The node: the composition root that wires a nats-server (embedded, or joined by URL), the journal observer,
+its lookup service and the outbox forwarder together. `epibus up` runs one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+
+from bus.forwarder import Forwarder
+from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
+from bus.jetstream import ensure_streams
+from bus.outbox import Outbox
+from bus.runner import ConsumerRunner
+from bus.server import NatsServer
+from bus.client import open_nats
+from observers.journal import Journal, JournalObserver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    home: Path
+    nats_url: str | None = None  # None: run the embedded nats-server under home/nats
+    journal_url: str | None = None  # None: SQLite file under home
+    replicas: int = 1
+    batch_size: int = 256
+    record: bool = True  # write home/node.json so other commands find this node
+
+
+class Node:
+    """`async with Node(config) as node:` runs everything until the block exits (or the task is cancelled)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.server: NatsServer | None = None
+        self.nc: NatsClient | None = None
+        self.journal: Journal | None = None
+        self.observer: JournalObserver | None = None
+        self.runner: ConsumerRunner | None = None
+        self.forwarder: Forwarder | None = None
+        self.info: NodeInfo | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def nats_url(self) -> str:
+        if self.config.nats_url:
+            return self.config.nats_url
+        assert self.server is not None
+        return self.server.url
+
+    async def __aenter__(self) -> Node:
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _start(self) -> None:
+        home = self.config.home
+        home.mkdir(parents=True, exist_ok=True)
+        if self.config.nats_url is None:
+            self.server = NatsServer(home / "nats")
+            await asyncio.to_thread(self.server.start)
+            self._stack.callback(self.server.stop)
+        self.journal = Journal(self.config.journal_url or default_journal_url(home))
+        self._stack.callback(self.journal.close)
+        await asyncio.to_thread(self.journal.migrate)
+        servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+        self.nc = await open_nats(servers, name="epibus-node", timeout_s=10)
+        self._stack.push_async_callback(self.nc.close)
+        await ensure_streams(self.nc.jetstream(), replicas=self.config.replicas)
+
+        self.observer = JournalObserver(self.journal)
+        await self.observer.serve_lookups(self.nc)
+        self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
+        outbox = await Outbox(outbox_path(home)).open()
+        self._stack.push_async_callback(outbox.close)
+        self.forwarder = Forwarder(outbox, self._jetstream_if_connected, before_send=self._ensure_streams)
+
+        group = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._tasks = [group.create_task(self.runner.run()), group.create_task(self.forwarder.run())]
+        if self.config.record:
+            self.info = NodeInfo(
+                pid=os.getpid(),
+                nats_url=self.nats_url,
+                monitor_url=self.server.monitor_url if self.server else None,
+                journal_url=self.journal.url,
+                outbox_path=str(outbox.path),
+                embedded_server=self.server is not None,
+                started_at=datetime.now(UTC).isoformat(),
+            )
+            write_node_info(home, self.info)
+            self._stack.callback(remove_node_info, home, os.getpid())
+
+    def _jetstream_if_connected(self) -> Any:
+        return self.nc.jetstream() if self.nc is not None and self.nc.is_connected else None
+
+    async def _ensure_streams(self) -> None:
+        assert self.nc is not None
+        await ensure_streams(self.nc.jetstream(), replicas=self.config.replicas)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self._stack.aclose()
+
+    async def run_forever(self) -> None:
+        await asyncio.Event().wait()

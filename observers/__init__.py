@@ -1,0 +1,1 @@
+"""The observers layer: projections of the stream into durable, queryable stores. Imports `bus`, never `mesh`."""

@@ -1,0 +1,242 @@
+"""The SQL journal: an append-only `events` table keyed by event_id (SQLite by default, PostgreSQL by URL),
+written with ON CONFLICT DO NOTHING so a redelivered or replayed event lands once (DESIGN §2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from bus.errors import ConfigError, Unavailable
+from bus.event import Envelope, validate_event
+from bus.runner import Delivery
+from bus.subjects import JOURNAL_LOOKUP
+from observers.schema import events, migrate
+
+log = logging.getLogger(__name__)
+DIALECTS = ("sqlite", "postgresql")
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands datetimes back naive; everything the journal stores is UTC.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for a journal URL. Raises ConfigError for an unsupported database."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() not in DIALECTS:
+        raise ConfigError("journal", f"{parsed.get_backend_name()!r} is not supported", allowed=DIALECTS)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            # FULL: the runner acks after this commit, so the commit must survive power loss (DESIGN §6)
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.close()
+
+        return engine
+    if parsed.drivername == "postgresql":
+        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    return create_engine(url, pool_pre_ping=True)
+
+
+@dataclass(frozen=True)
+class JournalRow:
+    event_id: str
+    stream_seq: int
+    subject: str
+    project: str
+    kind: str
+    artifact_id: str
+    actor_id: str
+    recorded_at: datetime
+    received_at: datetime
+    signature_status: str
+    envelope: dict[str, Any]
+
+    def event(self) -> Envelope:
+        return validate_event(self.envelope)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "event_id": self.event_id,
+            "stream_seq": self.stream_seq,
+            "subject": self.subject,
+            "project": self.project,
+            "kind": self.kind,
+            "artifact_id": self.artifact_id,
+            "actor": self.actor_id,
+            "recorded_at": self.recorded_at.isoformat(),
+            "received_at": self.received_at.isoformat(),
+            "signature_status": self.signature_status,
+            "body": self.envelope.get("body"),
+        }
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    project: str | None = None
+    kind: str | None = None
+    actor: str | None = None
+    artifact_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    limit: int = 100
+    newest_first: bool = True
+
+
+class Journal:
+    """Blocking journal access; async callers go through JournalObserver or asyncio.to_thread.
+    Database errors surface as Unavailable("journal", …)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self.dialect = self.engine.dialect.name
+
+    def migrate(self) -> int:
+        try:
+            return migrate(self.engine)
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"cannot migrate {self.safe_url}: {e}") from e
+
+    @property
+    def safe_url(self) -> str:
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def write(self, deliveries: Sequence[Delivery]) -> list[str]:
+        """Insert in one transaction; returns the event ids that were new (the others were already there)."""
+        if not deliveries:
+            return []
+        received_at = datetime.now(UTC)
+        rows = [
+            {
+                "event_id": str(d.event.event_id),
+                "stream_seq": d.stream_seq,
+                "subject": d.subject,
+                "project": d.event.project,
+                "kind": d.event.kind,
+                "artifact_id": d.event.artifact_id,
+                "actor_id": d.event.actor.agent_id,
+                "actor_key": d.event.actor.public_key,
+                "session_id": d.event.session_id,
+                "goal_id": d.event.goal_id,
+                "source": d.event.source.value if d.event.source is not None else None,
+                "recorded_at": d.event.recorded_at,
+                "received_at": received_at,
+                "signature_status": "verified",  # the runner dead-letters everything else
+                "envelope": json.dumps(d.event.model_dump(mode="json"), sort_keys=True),
+            }
+            for d in deliveries
+        ]
+        insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
+        statement = insert.on_conflict_do_nothing(index_elements=["event_id"]).returning(events.c.event_id)
+        try:
+            with self.engine.begin() as conn:
+                inserted = conn.execute(statement, rows).scalars().all()
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
+        return list(inserted)
+
+    def has(self, event_ids: Sequence[str]) -> set[str]:
+        if not event_ids:
+            return set()
+        with self.engine.connect() as conn:
+            found = conn.execute(select(events.c.event_id).where(events.c.event_id.in_(list(event_ids))))
+            return set(found.scalars())
+
+    def query(self, q: EventQuery) -> list[JournalRow]:
+        statement = select(events)
+        for column, value in (
+            (events.c.project, q.project), (events.c.kind, q.kind),
+            (events.c.actor_id, q.actor), (events.c.artifact_id, q.artifact_id),
+        ):
+            if value is not None:
+                statement = statement.where(column == value)
+        if q.since is not None:
+            statement = statement.where(events.c.recorded_at >= q.since)
+        if q.until is not None:
+            statement = statement.where(events.c.recorded_at < q.until)
+        order = events.c.stream_seq.desc() if q.newest_first else events.c.stream_seq.asc()
+        statement = statement.order_by(order).limit(q.limit)
+        try:
+            with self.engine.connect() as conn:
+                return [self._row(r._mapping) for r in conn.execute(statement)]
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"query on {self.safe_url} failed: {e}") from e
+
+    def count(self, project: str | None = None) -> int:
+        statement = select(func.count()).select_from(events)
+        if project is not None:
+            statement = statement.where(events.c.project == project)
+        with self.engine.connect() as conn:
+            return int(conn.execute(statement).scalar_one())
+
+    def event_ids(self, project: str | None = None) -> list[str]:
+        """Every journaled event id (with repeats, if the store ever had any), in stream order."""
+        statement = select(events.c.event_id).order_by(events.c.stream_seq)
+        if project is not None:
+            statement = statement.where(events.c.project == project)
+        with self.engine.connect() as conn:
+            return list(conn.execute(statement).scalars())
+
+    @staticmethod
+    def _row(m: Any) -> JournalRow:
+        return JournalRow(
+            event_id=m["event_id"], stream_seq=m["stream_seq"], subject=m["subject"], project=m["project"],
+            kind=m["kind"], artifact_id=m["artifact_id"], actor_id=m["actor_id"],
+            recorded_at=_utc(m["recorded_at"]), received_at=_utc(m["received_at"]),
+            signature_status=m["signature_status"], envelope=json.loads(m["envelope"]),
+        )
+
+
+class JournalObserver:
+    """The runner's journal sink; also answers "which of these ids are journaled?" on JOURNAL_LOOKUP."""
+
+    def __init__(self, journal: Journal, *, name: str = "journal") -> None:
+        self.journal = journal
+        self.name = name
+        self.inserted = 0
+        self.already_present = 0
+
+    async def handle(self, batch: Sequence[Delivery]) -> None:
+        inserted = await asyncio.to_thread(self.journal.write, batch)
+        self.inserted += len(inserted)
+        self.already_present += len(batch) - len(inserted)
+
+    async def serve_lookups(self, nc: NatsClient) -> Subscription:
+        async def answer(msg: Msg) -> None:
+            try:
+                asked = [str(e) for e in json.loads(msg.data)]
+                found = await asyncio.to_thread(self.journal.has, asked)
+                reply: dict[str, Any] = {"journaled": sorted(found)}
+            except (ValueError, TypeError) as e:
+                reply = {"journaled": [], "error": f"bad lookup request: {e}"}
+            except SQLAlchemyError as e:
+                log.error("journal lookup failed: %s", e)
+                reply = {"journaled": [], "error": f"journal unavailable: {e}"}
+            await msg.respond(json.dumps(reply).encode())
+
+        return await nc.subscribe(JOURNAL_LOOKUP, cb=answer)
