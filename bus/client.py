@@ -1,7 +1,7 @@
 """The epibus client: connect, sign, publish with receipts, through the local outbox by default (DESIGN §6).
 
-    async with connect(agent="alice") as client:
-        receipt = await client.publish(client.event("finding", {...}, project="demo"))
+async with connect(agent="alice") as client:
+    receipt = await client.publish(client.event("finding", {...}, project="demo"))
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class EpibusClient:
         self.outbox: Outbox | None = None
         self.forwarder: Forwarder | None = None
         self.nc: NatsClient | None = None
+        self._js: JetStreamContext | None = None
         self._streams_ready = False
         self._registry: AgentRegistry | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -109,8 +110,11 @@ class EpibusClient:
             self.outbox = await Outbox(self._outbox_path).open()
             self._stack.push_async_callback(self.outbox.close)
             self.forwarder = Forwarder(
-                self.outbox, self._jetstream_if_connected, before_send=self._prepare_server,
-                max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s,
+                self.outbox,
+                self._jetstream_if_connected,
+                before_send=self._prepare_server,
+                max_in_flight=self.max_in_flight,
+                timeout_s=self.publish_timeout_s,
             )
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         try:
@@ -138,8 +142,12 @@ class EpibusClient:
 
     async def _connect(self) -> NatsClient:
         return await open_nats(
-            self.servers, name=f"epibus:{self.key.agent_id}", timeout_s=self.connect_timeout_s,
-            reconnected_cb=self._on_reconnected, disconnected_cb=self._on_disconnected, error_cb=self._on_error,
+            self.servers,
+            name=f"epibus:{self.key.agent_id}",
+            timeout_s=self.connect_timeout_s,
+            reconnected_cb=self._on_reconnected,
+            disconnected_cb=self._on_disconnected,
+            error_cb=self._on_error,
         )
 
     async def _connect_in_background(self) -> None:
@@ -171,9 +179,12 @@ class EpibusClient:
 
     @property
     def js(self) -> JetStreamContext:
+        """One context per connection: each context owns the reply subscription of its async publishes."""
         if self.nc is None:
             raise Unavailable("nats", f"not connected to {', '.join(self.servers)}")
-        return self.nc.jetstream(timeout=self.publish_timeout_s)
+        if self._js is None:
+            self._js = self.nc.jetstream(timeout=self.publish_timeout_s)
+        return self._js
 
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.connected else None
@@ -201,8 +212,14 @@ class EpibusClient:
     ) -> Envelope:
         """A new event by this agent, validated and signed. Raises InvalidEvent naming the field."""
         draft = draft_event(
-            kind, body, project=project, actor=self.key.actor, session_id=self.session_id,
-            artifact_id=artifact_id, goal_id=goal_id or self.goal_id, source=source,
+            kind,
+            body,
+            project=project,
+            actor=self.key.actor,
+            session_id=self.session_id,
+            artifact_id=artifact_id,
+            goal_id=goal_id or self.goal_id,
+            source=source,
         )
         return self.key.sign(draft)
 
@@ -305,8 +322,13 @@ class EpibusClient:
                 f"({first.cause}); publishing the same events again is safe (ids dedupe)",
             )
         return [
-            Receipt(uuid.UUID(r.event_id), r.subject, ReceiptLevel.published, acks[r.event_id].seq,
-                    bool(acks[r.event_id].duplicate))
+            Receipt(
+                uuid.UUID(r.event_id),
+                r.subject,
+                ReceiptLevel.published,
+                acks[r.event_id].seq,
+                bool(acks[r.event_id].duplicate),
+            )
             for r in rows
         ]
 
@@ -318,13 +340,16 @@ class EpibusClient:
         fail now, not after an outage."""
         row = self._row(event)
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS), wait=wait_exponential(multiplier=0.2, max=2.0),
-            retry=retry_if_exception_type(Unavailable), reraise=True,
+            stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception_type(Unavailable),
+            reraise=True,
         ):
             with attempt:
                 await self._prepare_server()
-                ack = await send_one(self.js, row, timeout_s=timeout_s or self.publish_timeout_s,
-                                     extra_headers=dict(expected_headers))
+                ack = await send_one(
+                    self.js, row, timeout_s=timeout_s or self.publish_timeout_s, extra_headers=dict(expected_headers)
+                )
         return Receipt(event.event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
 
     async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> None:
@@ -392,5 +417,3 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
     async def __aexit__(self, *exc_info: object) -> None:
         if self._client is not None:
             await self._client.close()
-
-

@@ -206,8 +206,19 @@ def require_kind(kind: str) -> KindSpec:
     return spec
 
 
-for _body in (FindingBody, UnknownBody, MistakeBody, DecisionBody, AssumptionBody, DeadEndBody,
-              ResolvedBody, VerifiedBody, ContradictedBody, RolledBackBody, ForgottenBody):
+for _body in (
+    FindingBody,
+    UnknownBody,
+    MistakeBody,
+    DecisionBody,
+    AssumptionBody,
+    DeadEndBody,
+    ResolvedBody,
+    VerifiedBody,
+    ContradictedBody,
+    RolledBackBody,
+    ForgottenBody,
+):
     register_kind(_body)
 
 

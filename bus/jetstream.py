@@ -78,7 +78,8 @@ async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
                 )
                 if drifted:
                     await js.update_stream(config)
-    except NATS_UNAVAILABLE as e:
+    except NATS_OR_API_ERROR as e:
+        # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
         raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
 
 
@@ -113,7 +114,7 @@ class AgentRegistry:
                 except nats.js.errors.KeyWrongLastSequenceError:
                     entry = await kv.get(actor.agent_id)
                     bound = (entry.value or b"").decode()
-        except NATS_UNAVAILABLE as e:
+        except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         if bound != actor.public_key:
             raise Conflict(
@@ -130,9 +131,7 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
     """The one choke point from nats-py publish errors to epibus errors (Conflict is never retried blindly)."""
     if isinstance(error, nats.js.errors.APIError) and error.err_code == WRONG_LAST_SEQUENCE:
         return Conflict(subject, f"JetStream refused it: {error.description} (err_code {error.err_code})")
-    if isinstance(error, NATS_UNAVAILABLE) or (
-        isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)
-    ):
+    if isinstance(error, NATS_UNAVAILABLE) or (isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)):
         return Unavailable("nats", f"publish to {subject}: {type(error).__name__} {error}".strip())
     if isinstance(error, nats.js.errors.APIError):
         return InvalidEvent(

@@ -246,5 +246,3 @@ def admit_event(subject: str, data: bytes) -> Envelope:
     except InvalidEvent as e:
         raise Rejected(DeadLetterReason.bad_signature, str(e), event) from e
     return event
-
-

@@ -99,7 +99,7 @@ class NatsServer:
             f'listen: "{self.host}:{self.port}"\n'
             f'http: "{self.host}:{self.monitor_port}"\n'
             f'ports_file_dir: "{self.store_dir}"\n'
-            f"jetstream {{\n  store_dir: \"{self.store_dir / 'jetstream'}\"\n  {sync}\n}}\n"
+            f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
             f"{self.extra_config}\n"
         )
         return config

@@ -40,9 +40,7 @@ def parse_event_subject(subject: str) -> EventAddress | None:
     if len(parts) != 4 or parts[0] != "epi":
         return None
     _, project, kind, artifact_id = parts
-    if not (
-        PROJECT_PATTERN.match(project) and KIND_PATTERN.match(kind) and ARTIFACT_PATTERN.match(artifact_id)
-    ):
+    if not (PROJECT_PATTERN.match(project) and KIND_PATTERN.match(kind) and ARTIFACT_PATTERN.match(artifact_id)):
         return None
     return EventAddress(project, kind, artifact_id)
 

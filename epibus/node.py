@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 
+from bus.client import open_nats
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
 from bus.jetstream import ensure_streams
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
-from bus.client import open_nats
 from observers.journal import Journal, JournalObserver
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Node:
         self.runner: ConsumerRunner | None = None
         self.forwarder: Forwarder | None = None
         self.info: NodeInfo | None = None
+        self.js: JetStreamContext | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -82,7 +84,8 @@ class Node:
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
         self.nc = await open_nats(servers, name="epibus-node", timeout_s=10)
         self._stack.push_async_callback(self.nc.close)
-        await ensure_streams(self.nc.jetstream(), replicas=self.config.replicas)
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, replicas=self.config.replicas)
 
         self.observer = JournalObserver(self.journal)
         await self.observer.serve_lookups(self.nc)
@@ -106,12 +109,12 @@ class Node:
             write_node_info(home, self.info)
             self._stack.callback(remove_node_info, home, os.getpid())
 
-    def _jetstream_if_connected(self) -> Any:
-        return self.nc.jetstream() if self.nc is not None and self.nc.is_connected else None
+    def _jetstream_if_connected(self) -> JetStreamContext | None:
+        return self.js if self.nc is not None and self.nc.is_connected else None
 
     async def _ensure_streams(self) -> None:
-        assert self.nc is not None
-        await ensure_streams(self.nc.jetstream(), replicas=self.config.replicas)
+        assert self.js is not None
+        await ensure_streams(self.js, replicas=self.config.replicas)
 
     async def close(self) -> None:
         for task in self._tasks:

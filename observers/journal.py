@@ -170,8 +170,10 @@ class Journal:
     def query(self, q: EventQuery) -> list[JournalRow]:
         statement = select(events)
         for column, value in (
-            (events.c.project, q.project), (events.c.kind, q.kind),
-            (events.c.actor_id, q.actor), (events.c.artifact_id, q.artifact_id),
+            (events.c.project, q.project),
+            (events.c.kind, q.kind),
+            (events.c.actor_id, q.actor),
+            (events.c.artifact_id, q.artifact_id),
         ):
             if value is not None:
                 statement = statement.where(column == value)
@@ -205,10 +207,17 @@ class Journal:
     @staticmethod
     def _row(m: Any) -> JournalRow:
         return JournalRow(
-            event_id=m["event_id"], stream_seq=m["stream_seq"], subject=m["subject"], project=m["project"],
-            kind=m["kind"], artifact_id=m["artifact_id"], actor_id=m["actor_id"],
-            recorded_at=_utc(m["recorded_at"]), received_at=_utc(m["received_at"]),
-            signature_status=m["signature_status"], envelope=json.loads(m["envelope"]),
+            event_id=m["event_id"],
+            stream_seq=m["stream_seq"],
+            subject=m["subject"],
+            project=m["project"],
+            kind=m["kind"],
+            artifact_id=m["artifact_id"],
+            actor_id=m["actor_id"],
+            recorded_at=_utc(m["recorded_at"]),
+            received_at=_utc(m["received_at"]),
+            signature_status=m["signature_status"],
+            envelope=json.loads(m["envelope"]),
         )
 
 

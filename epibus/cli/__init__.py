@@ -1,0 +1,35 @@
+"""The `epibus` command line (typer + rich). Every command takes --json."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import typer
+
+from epibus.cli import commands
+from epibus.cli.publish import publish_app, register_publish_commands
+
+app = typer.Typer(
+    name="epibus",
+    help="epibus: a distributed event bus with durable, queryable memory for fleets of AI agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+register_publish_commands()
+app.add_typer(publish_app, name="publish")
+app.add_typer(commands.dlq_app, name="dlq")
+app.command()(commands.up)
+app.command()(commands.tail)
+app.command()(commands.events)
+app.command("replay")(commands.replay_command)
+app.command()(commands.stats)
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("EPIBUS_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app()

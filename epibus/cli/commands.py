@@ -1,0 +1,416 @@
+"""The node and stream commands: up, tail, events, replay, dlq list|replay, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from bus.client import open_nats
+from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.event import decode_event
+from bus.home import epibus_home, outbox_path, read_node_info, resolve_journal_url, resolve_nats_url
+from bus.jetstream import NATS_OR_API_ERROR
+from bus.outbox import Outbox
+from bus.reader import dead_letters, replay, stream_figures
+from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT
+from bus.server import MIN_SERVER_VERSION
+from bus.subjects import DLQ_STREAM, dlq_filter, events_filter
+from epibus.cli.common import (
+    HomeOpt,
+    JournalOpt,
+    JsonOpt,
+    NatsOpt,
+    console,
+    emit_json,
+    err_console,
+    handles_errors,
+    parse_time,
+    run,
+    table,
+)
+from epibus.node import Node, NodeConfig
+from observers.journal import EventQuery, Journal, JournalObserver
+
+dlq_app = typer.Typer(
+    help="Dead letters: events a consumer gave up on or refused, with the reason.", no_args_is_help=True
+)
+
+
+async def _connect(nats: str | None, home: Path | None) -> NatsClient:
+    return await open_nats(resolve_nats_url(nats, epibus_home(home)).split(","), name="epibus-cli", timeout_s=5)
+
+
+# -- up ---------------------------------------------------------------------------------------------------
+
+
+@handles_errors
+def up(nats: NatsOpt = None, journal: JournalOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Run a node: an embedded nats-server (unless --nats), the journal observer and the outbox forwarder."""
+    run(_up(nats, journal, epibus_home(home), as_json))
+
+
+async def _up(nats: str | None, journal: str | None, home: Path, as_json: bool) -> None:
+    running = read_node_info(home)
+    if running is not None:
+        raise ConfigError("up", f"a node is already running under {home} (pid {running.pid}, {running.nats_url})")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with Node(NodeConfig(home=home, nats_url=nats, journal_url=journal)) as node:
+        assert node.info is not None
+        version = node.nc.connected_server_version if node.nc else None
+        shown = f"{version.major}.{version.minor}.{version.patch}" if version else None
+        where = {
+            "ok": True,
+            "status": "running",
+            "home": str(home),
+            "pid": node.info.pid,
+            "nats_url": node.info.nats_url,
+            "monitor_url": node.info.monitor_url,
+            "journal": node.journal.safe_url if node.journal else None,
+            "outbox": node.info.outbox_path,
+            "embedded_server": node.info.embedded_server,
+            "server_version": shown,
+        }
+        if as_json:
+            emit_json(where)
+        else:
+            console.print(table("epibus node", ["what", "where"], [[k, v] for k, v in where.items() if k != "ok"]))
+            console.print("Ctrl-C stops the node.")
+        if version is not None and (version.major, version.minor) < MIN_SERVER_VERSION[:2]:
+            err_console.print(
+                f"[yellow]warning:[/] nats-server {version} is older than 2.11; "
+                "per-artifact compare-and-set and other features need 2.11+"
+            )
+        await stop.wait()
+    if as_json:
+        emit_json({"ok": True, "status": "stopped"})
+    else:
+        console.print("epibus node stopped")
+
+
+# -- tail -------------------------------------------------------------------------------------------------
+
+
+@handles_errors
+def tail(
+    project: Annotated[str | None, typer.Option("--project", "-p")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", "-k")] = None,
+    from_start: Annotated[bool, typer.Option("--from-start", help="Begin at the first event, not the next.")] = False,
+    count: Annotated[int | None, typer.Option("--count", "-n", help="Stop after N events.")] = None,
+    nats: NatsOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Follow events live as they reach the stream (invalid messages are shown, marked)."""
+    run(_tail(project, kind, from_start, count, nats, home, as_json))
+
+
+def _tail_line(msg: Msg, as_json: bool) -> None:
+    seq = msg.metadata.sequence.stream
+    try:
+        event = decode_event(msg.data)
+    except InvalidEvent as e:
+        if as_json:
+            emit_json({"stream_seq": seq, "subject": msg.subject, "invalid": str(e)})
+        else:
+            console.print(f"{seq:>7} [red]INVALID[/] {msg.subject}: {e}", highlight=False)
+        return
+    if as_json:
+        emit_json({"stream_seq": seq, "subject": msg.subject, **event.model_dump(mode="json")})
+        return
+    text = event.body.content_text().replace("\n", " ")
+    console.print(
+        f"{seq:>7} {event.recorded_at:%H:%M:%S} [cyan]{event.project}[/] [bold]{event.kind}[/] "
+        f"{event.artifact_id[:13]} [green]{event.actor.agent_id}[/] {text[:100]}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+async def _tail(
+    project: str | None,
+    kind: str | None,
+    from_start: bool,
+    count: int | None,
+    nats: str | None,
+    home: Path | None,
+    as_json: bool,
+) -> None:
+    nc = await _connect(nats, home)
+    try:
+        policy = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
+        subscription = await nc.jetstream().subscribe(
+            events_filter(project, kind), ordered_consumer=True, deliver_policy=policy
+        )
+        if not as_json:
+            err_console.print(f"following {events_filter(project, kind)} (Ctrl-C stops)")
+        seen = 0
+        async for msg in subscription.messages:
+            _tail_line(msg, as_json)
+            seen += 1
+            if count is not None and seen >= count:
+                break
+    finally:
+        await nc.close()
+
+
+# -- events -----------------------------------------------------------------------------------------------
+
+
+@handles_errors
+def events(
+    project: Annotated[str | None, typer.Option("--project", "-p")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", "-k")] = None,
+    actor: Annotated[str | None, typer.Option("--actor", help="Agent id.")] = None,
+    artifact_id: Annotated[str | None, typer.Option("--artifact-id")] = None,
+    since: Annotated[str | None, typer.Option("--since", help="ISO time or age (30m, 2h, 7d).")] = None,
+    until: Annotated[str | None, typer.Option("--until", help="ISO time or age (30m, 2h, 7d).")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=100_000)] = 50,
+    oldest_first: Annotated[bool, typer.Option("--oldest-first")] = False,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Query the journal."""
+    query = EventQuery(
+        project=project,
+        kind=kind,
+        actor=actor,
+        artifact_id=artifact_id,
+        since=parse_time(since, "--since"),
+        until=parse_time(until, "--until"),
+        limit=limit,
+        newest_first=not oldest_first,
+    )
+    store = Journal(resolve_journal_url(journal, epibus_home(home)))
+    try:
+        store.migrate()
+        rows = store.query(query)
+    finally:
+        store.close()
+    if as_json:
+        emit_json([row.as_dict() for row in rows])
+        return
+    console.print(
+        table(
+            f"{len(rows)} event(s)",
+            ["seq", "recorded_at", "project", "kind", "artifact", "actor", "text"],
+            [
+                [
+                    r.stream_seq,
+                    f"{r.recorded_at:%Y-%m-%d %H:%M:%S}",
+                    r.project,
+                    r.kind,
+                    r.artifact_id[:13],
+                    r.actor_id,
+                    r.event().body.content_text()[:80],
+                ]
+                for r in rows
+            ],
+        )
+    )
+
+
+# -- replay -----------------------------------------------------------------------------------------------
+
+
+@handles_errors
+def replay_command(
+    from_seq: Annotated[int, typer.Option("--from-seq", min=1, help="First stream sequence to replay.")] = 1,
+    nats: NatsOpt = None,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rebuild the journal from the stream. Safe to repeat: rows already present are left as they are."""
+    run(_replay(from_seq, nats, journal, home, as_json))
+
+
+async def _replay(from_seq: int, nats: str | None, journal: str | None, home: Path | None, as_json: bool) -> None:
+    store = Journal(resolve_journal_url(journal, epibus_home(home)))
+    nc = await _connect(nats, home)
+    try:
+        await asyncio.to_thread(store.migrate)
+        observer = JournalObserver(store, name="replay")
+        with Progress(
+            TextColumn("replaying EPI"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            disable=as_json,
+        ) as progress:
+            task = progress.add_task("replay", total=None)
+
+            def advance(seq: int, end: int) -> None:
+                progress.update(task, completed=seq, total=end)
+
+            report = await replay(nc.jetstream(), observer, start_seq=from_seq, progress=advance)
+    finally:
+        await nc.close()
+        store.close()
+    summary = {
+        "ok": True,
+        "read": report.read,
+        "inserted": observer.inserted,
+        "already_present": observer.already_present,
+        "rejected": len(report.rejected),
+        "last_seq": report.last_seq,
+        "journal": store.safe_url,
+    }
+    if as_json:
+        emit_json(summary | {"rejected_details": report.rejected})
+        return
+    console.print(table("replay", ["what", "count"], [[k, v] for k, v in summary.items() if k != "ok"]))
+    for seq, reason, error in report.rejected[:20]:
+        console.print(f"  rejected seq {seq}: {reason}: {error}", highlight=False)
+
+
+# -- dlq --------------------------------------------------------------------------------------------------
+
+
+def _dlq_row(msg: Msg) -> dict[str, Any]:
+    headers = msg.headers or {}
+    return {
+        "dlq_seq": msg.metadata.sequence.stream,
+        "reason": headers.get(DLQ_REASON),
+        "consumer": headers.get(DLQ_CONSUMER),
+        "subject": headers.get(DLQ_SUBJECT),
+        "stream_seq": int(headers[DLQ_STREAM_SEQ]) if DLQ_STREAM_SEQ in headers else None,
+        "error": headers.get(DLQ_ERROR),
+        "bytes": len(msg.data),
+    }
+
+
+@dlq_app.command("list")
+@handles_errors
+def dlq_list(
+    consumer: Annotated[str | None, typer.Option("--consumer", help="Only this consumer's dead letters.")] = None,
+    nats: NatsOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List dead letters with their reasons."""
+    rows = run(_dlq_list(consumer, nats, home))
+    if as_json:
+        emit_json(rows)
+        return
+    console.print(
+        table(
+            f"{len(rows)} dead letter(s)",
+            ["dlq_seq", "reason", "consumer", "subject", "stream_seq", "error"],
+            [[r["dlq_seq"], r["reason"], r["consumer"], r["subject"], r["stream_seq"], r["error"]] for r in rows],
+        )
+    )
+
+
+async def _dlq_list(consumer: str | None, nats: str | None, home: Path | None) -> list[dict[str, Any]]:
+    nc = await _connect(nats, home)
+    try:
+        return [_dlq_row(m) for m in await dead_letters(nc.jetstream(), filter_subject=dlq_filter(consumer))]
+    finally:
+        await nc.close()
+
+
+@dlq_app.command("replay")
+@handles_errors
+def dlq_replay(
+    seq: Annotated[list[int] | None, typer.Option("--seq", help="DLQ sequence to replay (repeatable).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="Leave replayed messages in the DLQ.")] = False,
+    nats: NatsOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Publish dead letters again on their original subjects (every consumer sees them again; sinks dedupe by
+    event id), then remove them from the DLQ."""
+    if not seq and not all_:
+        raise ConfigError("dlq replay", "name dead letters with --seq N (repeatable) or pass --all")
+    replayed = run(_dlq_replay(set(seq or []), all_, keep, nats, home))
+    if as_json:
+        emit_json({"ok": True, "replayed": replayed})
+    else:
+        console.print(f"replayed {len(replayed)} dead letter(s): {replayed}")
+
+
+async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, nats: str | None, home: Path | None) -> list[int]:
+    nc = await _connect(nats, home)
+    js = nc.jetstream()
+    replayed: list[int] = []
+    try:
+        letters = [m for m in await dead_letters(js) if all_ or m.metadata.sequence.stream in seqs]
+        missing = seqs - {m.metadata.sequence.stream for m in letters}
+        if missing:
+            raise ConfigError("--seq", f"no dead letter with sequence {sorted(missing)}; see `epibus dlq list`")
+        for msg in letters:
+            row = _dlq_row(msg)
+            if not row["subject"]:
+                raise InvalidEvent(f"dead letter {row['dlq_seq']}", "has no original subject header")
+            headers = {"Nats-Msg-Id": f"dlq-replay:{row['consumer']}:{row['stream_seq']}:{row['dlq_seq']}"}
+            try:
+                await js.publish(row["subject"], msg.data, headers=headers, timeout=10)
+                if not keep:
+                    await js.delete_msg(DLQ_STREAM, row["dlq_seq"])
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"replaying dead letter {row['dlq_seq']}: {type(e).__name__} {e}") from e
+            replayed.append(row["dlq_seq"])
+    finally:
+        await nc.close()
+    return replayed
+
+
+# -- stats ------------------------------------------------------------------------------------------------
+
+
+@handles_errors
+def stats(nats: NatsOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Stream and consumer figures: messages, bytes, pending, redelivered, DLQ depth, outbox depth."""
+    figures = run(_stats(nats, epibus_home(home)))
+    if as_json:
+        emit_json({"ok": True, **figures})
+        return
+    epi, dlq = figures["streams"].get("EPI"), figures["streams"].get("EPI_DLQ")
+    rows: list[list[Any]] = [
+        ["server", figures["server_version"]],
+        ["EPI messages", epi and epi["messages"]],
+        ["EPI bytes", epi and epi["bytes"]],
+        ["DLQ depth", dlq and dlq["messages"]],
+        ["outbox depth", figures["outbox_depth"]],
+        ["outbox parked", figures["outbox_parked"]],
+    ]
+    for name, c in (epi or {}).get("consumers", {}).items():
+        rows.append(
+            [
+                f"consumer {name}",
+                f"pending {c['pending']}, ack pending {c['ack_pending']}, redelivered {c['redelivered']}",
+            ]
+        )
+    console.print(table("epibus stats", ["figure", "value"], rows))
+
+
+async def _stats(nats: str | None, home: Path) -> dict[str, Any]:
+    nc = await _connect(nats, home)
+    try:
+        streams = await stream_figures(nc.jetstream())
+        v = nc.connected_server_version
+        version = f"{v.major}.{v.minor}.{v.patch}"
+    finally:
+        await nc.close()
+    depth, parked = 0, 0
+    if outbox_path(home).exists():
+        outbox = await Outbox(outbox_path(home)).open()
+        try:
+            depth, parked = await outbox.depth(), len(await outbox.parked())
+        finally:
+            await outbox.close()
+    return {"server_version": version, "streams": streams, "outbox_depth": depth, "outbox_parked": parked}

@@ -1,0 +1,101 @@
+"""What every CLI command shares: options, one-line errors, JSON or rich output, time parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import re
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bus.errors import ConfigError, EpibusError
+
+T = TypeVar("T")
+
+console = Console()
+err_console = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+HomeOpt = Annotated[
+    Path | None, typer.Option("--home", envvar="EPIBUS_HOME", help="epibus state directory [default: ~/.epibus]")
+]
+NatsOpt = Annotated[
+    str | None,
+    typer.Option("--nats", envvar="EPIBUS_NATS_URL", help="NATS URL(s), comma-separated [default: the local node]"),
+]
+JournalOpt = Annotated[
+    str | None,
+    typer.Option("--journal", envvar="EPIBUS_JOURNAL_URL", help="SQLAlchemy URL of the journal [default: the node's]"),
+]
+AgentOpt = Annotated[
+    str | None, typer.Option("--agent", envvar="EPIBUS_AGENT", help="Agent name; its key is made on first use.")
+]
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """The sync facade: one asyncio.run per command."""
+    return asyncio.run(coro)
+
+
+def fail(message: str, *, as_json: bool, code: int = 1) -> typer.Exit:
+    if as_json:
+        print(json.dumps({"ok": False, "error": message}))
+    else:
+        err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def handles_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """EpibusError → one line on stderr (or {"error": …} with --json) and exit code 1; nothing else caught."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except EpibusError as e:
+            raise fail(f"{type(e).__name__}: {e}", as_json=bool(kwargs.get("as_json"))) from None
+
+    return wrapper
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(data, default=str, sort_keys=True))
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title, show_lines=False)
+    for column in columns:
+        t.add_column(column, overflow="fold")
+    for row in rows:
+        t.add_row(*("" if v is None else str(v) for v in row))
+    return t
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_time(value: str | None, option: str) -> datetime | None:
+    """ISO 8601 (UTC if no offset) or an age like 30m, 2h, 7d."""
+    if value is None:
+        return None
+    match = _RELATIVE.match(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(option, f"{value!r} is neither ISO 8601 nor an age like 30m, 2h, 7d") from None
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
+
+
+def stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()

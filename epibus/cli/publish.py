@@ -1,0 +1,173 @@
+"""`epibus publish <kind>`: one command per registered kind, its options made from the kind's body model."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from pydantic.fields import FieldInfo
+
+from bus.client import connect
+from bus.errors import InvalidEvent
+from bus.event import Body, Evidence, kind_names, require_kind
+from bus.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JsonOpt,
+    NatsOpt,
+    console,
+    emit_json,
+    handles_errors,
+    run,
+    table,
+)
+
+publish_app = typer.Typer(
+    help="Publish an event. One subcommand per kind: `epibus publish finding --help`.", no_args_is_help=True
+)
+
+
+def _option_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _parse_evidence(values: list[str]) -> list[Evidence]:
+    evidence = []
+    for value in values:
+        kind, sep, ref = value.partition(":")
+        if not sep or kind not in EvidenceKind.__members__:
+            raise InvalidEvent(
+                f"--evidence={value!r}", "must be KIND:REF with KIND one of", allowed=list(EvidenceKind.__members__)
+            )
+        evidence.append(Evidence(kind=EvidenceKind(kind), ref=ref))
+    return evidence
+
+
+def _field_parameter(name: str, field: FieldInfo) -> tuple[inspect.Parameter, Any]:
+    """A typer option for one body field: its CLI type and the typer annotation."""
+    annotation = field.annotation
+    optional = False
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional, annotation = True, args[0]
+    origin = typing.get_origin(annotation)
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+        origin = typing.get_origin(annotation)
+    help_text = field.description or ""
+    if origin in (tuple, list):
+        (item,) = typing.get_args(annotation)[:1]
+        if item is Evidence:
+            cli_type: Any = list[str] | None
+            help_text = "evidence pointer KIND:REF, repeatable (" + describe(EvidenceKind) + ")"
+        else:
+            cli_type = list[str] | None
+            help_text = help_text or "repeatable"
+        default: Any = None
+    else:
+        if isinstance(annotation, type) and issubclass(annotation, StrEnum) and annotation in HELP:
+            help_text = describe(annotation)
+        cli_type = annotation if not optional else annotation | None
+        default = None if optional or not field.is_required() else ...
+    option = typer.Option(_option_name(name), help=help_text, show_default=False)
+    parameter = inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=default if default is not ... else inspect.Parameter.empty,
+        annotation=Annotated[cli_type, option],
+    )
+    return parameter, cli_type
+
+
+def _common_parameters() -> list[inspect.Parameter]:
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    p = inspect.Parameter
+    return [
+        p("project", keyword, annotation=Annotated[str, typer.Option("--project", "-p", help="Project slug.")]),
+        p(
+            "artifact_id",
+            keyword,
+            default=None,
+            annotation=Annotated[
+                str | None, typer.Option("--artifact-id", help="Artifact acted on (required for transitions).")
+            ],
+        ),
+        p(
+            "source",
+            keyword,
+            default=None,
+            annotation=Annotated[EpistemicSource | None, typer.Option("--source", help=describe(EpistemicSource))],
+        ),
+        p("goal_id", keyword, default=None, annotation=Annotated[str | None, typer.Option("--goal-id")]),
+        p(
+            "wait_for",
+            keyword,
+            default=ReceiptLevel.published,
+            annotation=Annotated[
+                ReceiptLevel, typer.Option("--wait", help="Level to wait for: published or journaled.")
+            ],
+        ),
+        p("timeout_s", keyword, default=10.0, annotation=Annotated[float, typer.Option("--timeout")]),
+        p("agent", keyword, default=None, annotation=AgentOpt),
+        p("nats", keyword, default=None, annotation=NatsOpt),
+        p("home", keyword, default=None, annotation=HomeOpt),
+        p("as_json", keyword, default=False, annotation=JsonOpt),
+    ]
+
+
+def _make_command(kind: str) -> Any:
+    spec = require_kind(kind)
+    body_model: type[Body] = spec.body
+    field_params = [_field_parameter(name, field)[0] for name, field in body_model.model_fields.items()]
+    common = _common_parameters()
+    field_names = [p.name for p in field_params]
+
+    def command(**options: Any) -> None:
+        body: dict[str, Any] = {}
+        for name in field_names:
+            value = options[name]
+            if value is None:
+                continue
+            body[name] = _parse_evidence(value) if name == "evidence" else value
+        run(_publish(kind, body, options))
+
+    command.__signature__ = inspect.Signature([*common, *field_params])  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in [*common, *field_params]}
+    command.__doc__ = f"Publish a `{kind}` event" + (" (acts on --artifact-id)." if spec.transition else ".")
+    return handles_errors(command)
+
+
+async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
+    if o["wait_for"] not in (ReceiptLevel.published, ReceiptLevel.journaled):
+        raise InvalidEvent("--wait", repr(o["wait_for"].value), allowed=["published", "journaled"])
+    async with connect(
+        o["nats"],
+        agent=o["agent"],
+        home=o["home"],
+        publish_timeout_s=o["timeout_s"],
+        connect_timeout_s=min(5.0, o["timeout_s"]),
+    ) as client:
+        event = client.event(
+            kind, body, project=o["project"], artifact_id=o["artifact_id"], source=o["source"], goal_id=o["goal_id"]
+        )
+        receipt = await client.publish(event, wait_for=o["wait_for"], timeout_s=o["timeout_s"])
+    if o["as_json"]:
+        emit_json({"ok": True, **receipt.as_dict(), "artifact_id": event.artifact_id})
+        return
+    console.print(
+        table(
+            f"published {kind}",
+            ["event_id", "artifact_id", "level", "stream_seq", "duplicate"],
+            [[receipt.event_id, event.artifact_id, receipt.level.value, receipt.stream_seq, receipt.duplicate]],
+        )
+    )
+
+
+def register_publish_commands() -> None:
+    for kind in kind_names():
+        publish_app.command(name=kind.replace("_", "-"))(_make_command(kind))

@@ -1,0 +1,49 @@
+"""Helpers the tests share: waiting without sleeping blindly, and reading stores back by another path."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import text
+
+from observers.journal import make_engine
+
+T = TypeVar("T")
+
+
+async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> T:
+    """Poll `check` until it returns something truthy; fail with its last value after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s; last value: {result!r}")
+        await asyncio.sleep(interval_s)
+
+
+def journal_event_ids(url: str, project: str) -> list[str]:
+    """Event ids in the journal for a project, by plain SQL (not through the Journal class), with repeats."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT event_id FROM events WHERE project = :p"), {"p": project})
+            return [row[0] for row in rows]
+    finally:
+        engine.dispose()
+
+
+def missing_and_extra(expected: set[str], found: list[str]) -> dict[str, Any]:
+    """What a store lacks, what it has that nobody published, and what it has twice."""
+    seen: set[str] = set()
+    doubled = {x for x in found if x in seen or seen.add(x)}  # type: ignore[func-returns-value]
+    return {"missing": sorted(expected - set(found)), "extra": sorted(set(found) - expected), "doubled": sorted(doubled)}
+
+
