@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -16,10 +17,12 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    inspect,
     select,
+    text,
 )
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 metadata = MetaData()
 
@@ -69,31 +72,47 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
+MIGRATION_LOCK_ID = 7_031_815  # pg advisory lock: one migrator at a time per database
+
+
 def current_version(engine: Engine) -> int:
     with engine.connect() as conn:
-        metadata.create_all(conn, tables=[schema_versions])
-        conn.commit()
+        if not inspect(conn).has_table(schema_versions.name):
+            return 0
         found = conn.execute(select(schema_versions.c.version)).scalars().all()
     return max(found, default=0)
 
 
-def migrate(engine: Engine) -> int:
-    """Bring the database to LATEST_VERSION; returns the version it is at."""
-    version = current_version(engine)
-    for step_version, description, step in MIGRATIONS:
-        if step_version <= version:
-            continue
+def _migrate_once(engine: Engine) -> int:
+    with engine.begin() as conn:  # one transaction: a failed step leaves no half-applied version
+        if conn.dialect.name == "postgresql":
+            conn.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})"))
+        metadata.create_all(conn, tables=[schema_versions])
+        done = set(conn.execute(select(schema_versions.c.version)).scalars())
+        for version, description, step in MIGRATIONS:
+            if version in done:
+                continue
+            step(conn)
+            conn.execute(
+                schema_versions.insert().values(version=version, description=description, applied_at=datetime.now(UTC))
+            )
+    return LATEST_VERSION
+
+
+def migrate(engine: Engine, attempts: int = 5) -> int:
+    """Bring the database to LATEST_VERSION; returns it. Safe to run from several processes at once:
+    PostgreSQL serialises migrators with an advisory lock; on SQLite a migrator that loses the race to
+    create a table retries and finds the work done."""
+    for attempt in range(1, attempts + 1):
         try:
-            with engine.begin() as conn:
-                step(conn)
-                conn.execute(
-                    schema_versions.insert().values(
-                        version=step_version, description=description, applied_at=datetime.now(UTC)
-                    )
-                )
-        except IntegrityError:
-            # Another process applied this step between our read and our write; it is there either way.
-            if current_version(engine) < step_version:
+            return _migrate_once(engine)
+        except (OperationalError, IntegrityError) as e:
+            if attempt == attempts or not _lost_a_race(e):
                 raise
-        version = step_version
-    return version
+            time.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")
+
+
+def _lost_a_race(error: Exception) -> bool:
+    message = str(error).lower()
+    return any(sign in message for sign in ("already exists", "unique constraint", "database is locked", "duplicate"))

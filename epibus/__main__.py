@@ -1,0 +1,3 @@
+from epibus.cli import main
+
+main()

@@ -1,0 +1,175 @@
+"""The consumer runner: ack after the durable write, dead letters with reasons, no double writes
+(DESIGN §5, §6, §10.7, §10.10)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import nats
+import pytest
+
+from bus.client import connect
+from bus.event import encode_event
+from bus.reader import dead_letters, stream_figures
+from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner, Delivery
+from bus.signing import AgentKey
+from bus.subjects import event_subject
+from bus.vocab import ReceiptLevel
+from observers.journal import Journal, JournalObserver
+from tests.conftest import finding
+from tests.support import eventually, journal_event_ids, missing_and_extra
+
+
+@asynccontextmanager
+async def running(url: str, *observers: object, **options: object) -> AsyncIterator[list[ConsumerRunner]]:
+    """Each observer on its own connection and runner, as separate processes would be."""
+    connections = [await nats.connect(url) for _ in observers]
+    runners = [ConsumerRunner(nc, ob, **options) for nc, ob in zip(connections, observers, strict=True)]  # type: ignore[arg-type]
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(r.run()) for r in runners]
+        try:
+            yield runners
+        finally:
+            for task in tasks:
+                task.cancel()
+    for nc in connections:
+        await nc.close()
+
+
+@pytest.fixture
+def journal(sqlite_journal_url: str):
+    store = Journal(sqlite_journal_url)
+    store.migrate()
+    yield store
+    store.close()
+
+
+async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_stays_intact(
+    nats_server, home, project, journal, tmp_path: Path
+):
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, JournalObserver(journal)
+    ) as (runner,):
+        good = client.event("finding", finding(1), project=project)
+        await client.publish(good)
+        raw = await nats.connect(nats_server.url)
+        js = raw.jetstream()
+        await js.publish(f"epi.{project}.finding.junk", b"\x00\xffnot json at all")
+        await js.publish(f"epi.{project}.finding.junk", b'{"kind": "finding"}')
+        wrong_subject = client.event("finding", finding(2), project=project)
+        await js.publish(f"epi.{project}.finding.elsewhere", encode_event(wrong_subject))
+        tampered = json.loads(encode_event(client.event("finding", finding(3), project=project)))
+        tampered["body"]["impact"] = 1.0
+        await js.publish(event_subject(project, "finding", tampered["artifact_id"]), json.dumps(tampered).encode())
+        impostor = AgentKey.load_or_create(tmp_path / "other", "alice")  # same name, another key
+        forged = impostor.sign(client.event("finding", finding(4), project=project).model_copy(
+            update={"actor": impostor.actor, "signature": None}))
+        await js.publish(event_subject(project, "finding", forged.artifact_id), encode_event(forged))
+        last = client.event("finding", finding(5), project=project)
+        await client.publish(last)
+        await raw.close()
+
+        await eventually(lambda: runner.stats.handled == 2 and sum(runner.stats.dead_lettered.values()) == 5)
+        letters = await dead_letters(client.js)
+    reasons = sorted(m.headers[DLQ_REASON] for m in letters)
+    assert reasons == ["bad_signature", "invalid_event", "invalid_event", "subject_mismatch", "unknown_actor_key"]
+    for letter in letters:
+        assert letter.headers[DLQ_ERROR]
+        assert letter.headers[DLQ_SUBJECT].startswith(f"epi.{project}.")
+        assert int(letter.headers[DLQ_STREAM_SEQ]) > 0
+    garbage = [m for m in letters if m.headers[DLQ_REASON] == "invalid_event"]
+    assert {m.data for m in garbage} == {b"\x00\xffnot json at all", b'{"kind": "finding"}'}  # kept as received
+    report = missing_and_extra({str(good.event_id), str(last.event_id)}, journal_event_ids(journal.url, project))
+    assert report == {"missing": [], "extra": [], "doubled": []}
+
+
+class FailingObserver:
+    """Stands in for a broken sink; the runner, not the sink, is under test."""
+
+    def __init__(self, name: str, failures: int) -> None:
+        self.name = name
+        self.failures_left = failures
+        self.calls = 0
+        self.written: list[str] = []
+
+    async def handle(self, batch: Sequence[Delivery]) -> None:
+        self.calls += 1
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            raise ConnectionError("disk on fire")
+        self.written.extend(str(d.event.event_id) for d in batch)
+
+
+async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats_server, home, project):
+    observer = FailingObserver("always-fails", failures=10**6)
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, observer, max_deliver=3, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2
+    ) as (runner,):
+        event = client.event("finding", finding(), project=project)
+        await client.publish(event)
+        await eventually(lambda: runner.stats.dead_lettered.get("max_deliver") == 1)
+        (letter,) = await dead_letters(client.js)
+        figures = await stream_figures(client.js)
+    assert observer.calls == 3
+    assert letter.headers[DLQ_REASON] == "max_deliver"
+    assert "disk on fire" in letter.headers[DLQ_ERROR]
+    assert json.loads(letter.data)["event_id"] == str(event.event_id)
+    consumer = figures["EPI"]["consumers"]["always-fails"]
+    assert consumer["pending"] == 0 and consumer["ack_pending"] == 0
+
+
+async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats_server, home, project):
+    observer = FailingObserver("flaky", failures=2)
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, observer, max_deliver=5, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2
+    ) as (runner,):
+        events = [client.event("finding", finding(i), project=project) for i in range(10)]
+        await client.publish_many(events)
+        await eventually(lambda: len(set(observer.written)) == 10)
+    assert sorted(observer.written) == sorted(str(e.event_id) for e in events)
+    assert runner.stats.handler_failures == 2
+    assert runner.stats.dead_lettered == {}
+
+
+async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(nats_server, home, project, journal):
+    first, second = JournalObserver(journal), JournalObserver(Journal(journal.url))
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, first, second, batch_size=50
+    ) as runners:
+        events = [client.event("finding", finding(i), project=project) for i in range(1000)]
+        await client.publish_many(events, timeout_s=60)
+        await eventually(lambda: sum(r.stats.handled for r in runners) >= 1000, timeout_s=30)
+    report = missing_and_extra({str(e.event_id) for e in events}, journal_event_ids(journal.url, project))
+    assert report == {"missing": [], "extra": [], "doubled": []}
+    assert first.inserted + second.inserted == 1000
+
+
+async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal):
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, JournalObserver(journal), fetch_timeout_s=0.1
+    ) as (runner,):
+        await client.publish(client.event("finding", finding(), project=project))
+        await eventually(lambda: runner.stats.handled == 1)
+        seen = (runner.stats.handled, runner.stats.last_stream_seq)
+        fetched_nothing = await runner.step()
+        assert fetched_nothing == 0
+        assert (runner.stats.handled, runner.stats.last_stream_seq) == seen
+
+
+async def test_journaled_receipt_is_confirmed_by_the_lookup_service(nats_server, home, project, journal):
+    observer = JournalObserver(journal)
+    nc = await nats.connect(nats_server.url)
+    await observer.serve_lookups(nc)
+    try:
+        async with connect(nats_server.url, agent="alice", home=home) as client, running(nats_server.url, observer):
+            receipt = await client.publish(
+                client.event("finding", finding(), project=project), wait_for=ReceiptLevel.journaled
+            )
+    finally:
+        await nc.close()
+    assert receipt.level is ReceiptLevel.journaled
+    assert journal_event_ids(journal.url, project) == [str(receipt.event_id)]
