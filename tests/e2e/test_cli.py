@@ -1,0 +1,169 @@
+"""`epibus up` as a real subprocess on the embedded defaults, driven by the CLI as a user would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def epibus(home: Path, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    result = subprocess.run(
+        [sys.executable, "-m", "epibus", *args], env=env, capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    if check:
+        assert result.returncode == 0, f"epibus {' '.join(args)} failed: {result.stdout}{result.stderr}"
+    return result
+
+
+def as_json(result: subprocess.CompletedProcess[str]) -> object:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subprocess.Popen[str]]]:
+    home = tmp_path / "epibus-home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epibus", "up", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, f"`epibus up` exited with {process.poll()}: {process.stderr.read() if process.stderr else ''}"
+    status = json.loads(line)
+    try:
+        yield home, status, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def test_up_publish_query_tail_stats_and_clean_stop(running_node):
+    home, status, process = running_node
+    assert status["embedded_server"] is True
+    assert status["server_version"].startswith("2.")
+    assert (home / "node.json").exists()
+
+    published = as_json(epibus(home, "publish", "finding", "--project", "demo", "--text", "cold cache on boot",
+                               "--impact", "0.6", "--confidence", "0.8", "--subject", "cache",
+                               "--evidence", "file:src/cache.py", "--wait", "journaled", "--json"))
+    assert published["level"] == "journaled"
+    decision = as_json(epibus(home, "publish", "decision", "-p", "demo", "--choice", "warm it at boot",
+                              "--rationale", "a cold cache doubles p99", "--confidence", "0.7",
+                              "--reversibility", "exploratory", "--alternatives", "do nothing",
+                              "--alternatives", "bigger cache", "--wait", "journaled", "--json"))
+
+    rows = as_json(epibus(home, "events", "--project", "demo", "--json"))
+    assert [r["event_id"] for r in rows] == [decision["event_id"], published["event_id"]]
+    assert rows[1]["body"]["evidence"] == [{"kind": "file", "ref": "src/cache.py", "excerpt": None, "sha256": None}]
+    assert rows[0]["body"]["alternatives"] == ["do nothing", "bigger cache"]
+    assert as_json(epibus(home, "events", "--project", "demo", "--kind", "decision", "--json"))[0]["kind"] == "decision"
+
+    tailed = epibus(home, "tail", "--from-start", "--count", "2", "--json").stdout.strip().splitlines()
+    assert [json.loads(line)["event_id"] for line in tailed] == [published["event_id"], decision["event_id"]]
+
+    stats = as_json(epibus(home, "stats", "--json"))
+    assert stats["streams"]["EPI"]["messages"] == 2
+    assert stats["streams"]["EPI"]["consumers"]["journal"]["pending"] == 0
+    assert stats["streams"]["EPI_DLQ"]["messages"] == 0
+    assert stats["outbox_depth"] == 0
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert json.loads(process.stdout.read().strip().splitlines()[-1])["status"] == "stopped"
+    assert not (home / "node.json").exists()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{status['monitor_url']}/healthz", timeout=2)  # the embedded server is gone too
+    stopped = epibus(home, "stats", "--json", check=False)
+    assert stopped.returncode == 1
+    assert "no epibus node is running" in as_json(stopped)["error"]
+
+
+def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_node):
+    home, _, _ = running_node
+    bad = epibus(home, "publish", "finding", "-p", "demo", "--text", "t", "--impact", "1.5", "--confidence", "0.5",
+                 "--subject", "s", check=False)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().count("\n") == 0
+    assert "body.impact=1.5" in bad.stderr
+    slug = epibus(home, "publish", "unknown", "-p", "Not A Slug", "--question", "q", "--impact", "0.1", check=False)
+    assert slug.returncode == 1 and "project" in slug.stderr
+    enum = epibus(home, "publish", "decision", "-p", "demo", "--choice", "c", "--rationale", "r", "--confidence", "0.5",
+                  "--reversibility", "maybe", check=False)
+    assert enum.returncode != 0 and "exploratory" in enum.stderr
+    resolved = epibus(home, "publish", "resolved", "-p", "demo", "--artifact-id", "a1", "--resolution", "superseded",
+                      "--json", check=False)
+    assert resolved.returncode == 1 and "superseded_by" in as_json(resolved)["error"]
+    stats = as_json(epibus(home, "stats", "--json"))
+    assert stats["streams"]["EPI"]["messages"] == 0
+    assert stats["outbox_depth"] == 0
+
+
+def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
+    home, status, _ = running_node
+
+    async def publish_garbage() -> None:
+        nc = await nats.connect(str(status["nats_url"]))
+        await nc.jetstream().publish("epi.demo.finding.bogus", b"{not json")
+        await nc.close()
+
+    asyncio.run(publish_garbage())
+    epibus(home, "publish", "unknown", "-p", "demo", "--question", "is the DLQ wired?", "--impact", "0.2",
+           "--wait", "journaled")
+    letters = as_json(epibus(home, "dlq", "list", "--json"))
+    assert [(d["reason"], d["consumer"], d["subject"]) for d in letters] == [
+        ("invalid_event", "journal", "epi.demo.finding.bogus")
+    ]
+    assert "not JSON" in letters[0]["error"]
+    assert len(as_json(epibus(home, "events", "-p", "demo", "--json"))) == 1
+
+    replayed = as_json(epibus(home, "dlq", "replay", "--seq", str(letters[0]["dlq_seq"]), "--json"))
+    assert replayed["replayed"] == [letters[0]["dlq_seq"]]
+    # Replayed garbage is still garbage: it comes back to the DLQ under a new sequence, never into the journal.
+    import time
+
+    deadline = time.monotonic() + 20
+    while True:
+        again = as_json(epibus(home, "dlq", "list", "--json"))
+        if len(again) == 1 and again[0]["dlq_seq"] != letters[0]["dlq_seq"] or time.monotonic() > deadline:
+            break
+    assert len(again) == 1 and again[0]["dlq_seq"] != letters[0]["dlq_seq"]
+    assert len(as_json(epibus(home, "events", "-p", "demo", "--json"))) == 1
+    missing = epibus(home, "dlq", "replay", "--seq", "999", "--json", check=False)
+    assert missing.returncode == 1 and "999" in as_json(missing)["error"]
+
+
+def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: Path):
+    home, _, _ = running_node
+    ids = [as_json(epibus(home, "publish", "unknown", "-p", "demo", "--question", f"q{i}", "--impact", "0.1",
+                          "--wait", "journaled", "--json"))["event_id"] for i in range(3)]
+    fresh = f"sqlite:///{tmp_path / 'rebuilt.db'}"
+    report = as_json(epibus(home, "replay", "--journal", fresh, "--json"))
+    assert (report["read"], report["inserted"], report["already_present"]) == (3, 3, 0)
+    again = as_json(epibus(home, "replay", "--journal", fresh, "--json"))
+    assert (again["inserted"], again["already_present"]) == (0, 3)
+    rebuilt = as_json(epibus(home, "events", "--journal", fresh, "-p", "demo", "--oldest-first", "--json"))
+    assert [r["event_id"] for r in rebuilt] == ids
+
+
+def test_a_second_node_on_the_same_home_is_refused(running_node):
+    home, status, _ = running_node
+    second = epibus(home, "up", "--json", check=False, timeout=30)
+    assert second.returncode == 1
+    assert str(status["pid"]) in as_json(second)["error"]
