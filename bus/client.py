@@ -73,7 +73,7 @@ class EpibusClient:
         connect_timeout_s: float = 5.0,
         publish_timeout_s: float = 10.0,
         max_in_flight: int = 512,
-        replicas: int = 1,
+        replicas: int | None = None,
     ) -> None:
         self.servers = list(servers)
         self.key = key

@@ -61,20 +61,26 @@ def stream_configs(replicas: int = 1) -> list[StreamConfig]:
     ]
 
 
-async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
-    """Create EPI and EPI_DLQ, or update them to the managed config. Raises Unavailable."""
+async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -> None:
+    """Create EPI and EPI_DLQ, or update them to the managed config. Raises Unavailable.
+
+    `replicas=None` (clients): create with one replica if missing, never change an existing stream's
+    replicas; a node passes the replicas it is configured with and they are applied."""
     try:
         async with asyncio.timeout(JS_TIMEOUT_S):
-            for config in stream_configs(replicas):
+            for config in stream_configs(replicas or 1):
                 assert config.name is not None
                 try:
                     current = await js.stream_info(config.name)
                 except nats.js.errors.NotFoundError:
                     await js.add_stream(config)
                     continue
+                if replicas is None:
+                    config.num_replicas = current.config.num_replicas
                 drifted = (
                     current.config.subjects != config.subjects
                     or current.config.duplicate_window != config.duplicate_window
+                    or current.config.num_replicas != config.num_replicas
                 )
                 if drifted:
                     await js.update_stream(config)

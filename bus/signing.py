@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class AgentKey:
         return event.model_copy(update={"signature": _b64(signature)})
 
 
+@functools.lru_cache(maxsize=4096)  # a fleet has few keys and every event needs one
 def verify_key(public_key: str) -> nacl.signing.VerifyKey:
     """Decode an nkey user public key; raises InvalidEvent when it is malformed or fails its checksum."""
     try:

@@ -47,7 +47,9 @@ def postgres_url() -> Iterator[str]:
     """A database of this test run's own on the machine's PostgreSQL, dropped at the end."""
     admin = make_url(POSTGRES_ADMIN_URL)
     name = f"epibus_test_{uuid.uuid4().hex[:10]}"
-    conninfo = f"host={admin.host} port={admin.port or 5432} user={admin.username or 'postgres'} dbname={admin.database}"
+    conninfo = (
+        f"host={admin.host} port={admin.port or 5432} user={admin.username or 'postgres'} dbname={admin.database}"
+    )
     try:
         with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')

@@ -44,6 +44,8 @@ def missing_and_extra(expected: set[str], found: list[str]) -> dict[str, Any]:
     """What a store lacks, what it has that nobody published, and what it has twice."""
     seen: set[str] = set()
     doubled = {x for x in found if x in seen or seen.add(x)}  # type: ignore[func-returns-value]
-    return {"missing": sorted(expected - set(found)), "extra": sorted(set(found) - expected), "doubled": sorted(doubled)}
-
-
+    return {
+        "missing": sorted(expected - set(found)),
+        "extra": sorted(set(found) - expected),
+        "doubled": sorted(doubled),
+    }

@@ -52,12 +52,21 @@ async def _connect(nats: str | None, home: Path | None) -> NatsClient:
 
 
 @handles_errors
-def up(nats: NatsOpt = None, journal: JournalOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+def up(
+    nats: NatsOpt = None,
+    journal: JournalOpt = None,
+    replicas: Annotated[
+        int,
+        typer.Option("--replicas", envvar="EPIBUS_REPLICAS", min=1, max=5, help="Stream replicas (3 in a cluster)."),
+    ] = 1,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer and the outbox forwarder."""
-    run(_up(nats, journal, epibus_home(home), as_json))
+    run(_up(nats, journal, replicas, epibus_home(home), as_json))
 
 
-async def _up(nats: str | None, journal: str | None, home: Path, as_json: bool) -> None:
+async def _up(nats: str | None, journal: str | None, replicas: int, home: Path, as_json: bool) -> None:
     running = read_node_info(home)
     if running is not None:
         raise ConfigError("up", f"a node is already running under {home} (pid {running.pid}, {running.nats_url})")
@@ -65,7 +74,7 @@ async def _up(nats: str | None, journal: str | None, home: Path, as_json: bool) 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with Node(NodeConfig(home=home, nats_url=nats, journal_url=journal)) as node:
+    async with Node(NodeConfig(home=home, nats_url=nats, journal_url=journal, replicas=replicas)) as node:
         assert node.info is not None
         version = node.nc.connected_server_version if node.nc else None
         shown = f"{version.major}.{version.minor}.{version.patch}" if version else None

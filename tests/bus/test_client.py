@@ -170,5 +170,3 @@ async def test_stream_is_recreated_after_the_server_loses_its_store(tmp_path, ho
         assert await stream_messages(server.url, f"epi.{project}.>") == 1
     finally:
         server.stop()
-
-

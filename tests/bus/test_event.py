@@ -44,11 +44,19 @@ slug_st = st.from_regex(r"^[a-z0-9][a-z0-9-]{0,20}$", fullmatch=True)
 
 
 @settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=text_st, impact=unit_st, confidence=unit_st, project=slug_st,
-       source=st.sampled_from([None, *EpistemicSource]))
+@given(
+    text=text_st, impact=unit_st, confidence=unit_st, project=slug_st, source=st.sampled_from([None, *EpistemicSource])
+)
 def test_any_valid_finding_survives_encode_sign_decode_verify(key, text, impact, confidence, project, source):
-    event = key.sign(_draft(key, "finding", {"text": text, "impact": impact, "confidence": confidence,
-                                             "subject": "s"}, project=project, source=source))
+    event = key.sign(
+        _draft(
+            key,
+            "finding",
+            {"text": text, "impact": impact, "confidence": confidence, "subject": "s"},
+            project=project,
+            source=source,
+        )
+    )
     decoded = decode_event(encode_event(event))
     assert decoded == event
     assert encode_event(decoded) == encode_event(event)  # canonical: same bytes every time
@@ -73,7 +81,11 @@ def test_any_extra_body_key_is_rejected(key, extra):
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(project=st.text(min_size=0, max_size=70).filter(lambda p: not __import__("re").fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", p)))
+@given(
+    project=st.text(min_size=0, max_size=70).filter(
+        lambda p: not __import__("re").fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", p)
+    )
+)
 def test_bad_project_slug_is_rejected(key, project):
     with pytest.raises(InvalidEvent, match="project"):
         _draft(key, "unknown", {"question": "q", "impact": 0.1}, project=project)
@@ -115,8 +127,19 @@ def test_envelope_extra_key_is_rejected(key):
 
 
 def test_oversize_event_is_rejected_before_anything_is_written(key):
-    event = key.sign(_draft(key, "finding", {"text": "x" * 16_000, "impact": 0.5, "confidence": 0.5, "subject": "s",
-                                             "evidence": [{"kind": "file", "ref": "a" * 2000, "excerpt": "e" * 4000}] * 12}))
+    event = key.sign(
+        _draft(
+            key,
+            "finding",
+            {
+                "text": "x" * 16_000,
+                "impact": 0.5,
+                "confidence": 0.5,
+                "subject": "s",
+                "evidence": [{"kind": "file", "ref": "a" * 2000, "excerpt": "e" * 4000}] * 12,
+            },
+        )
+    )
     with pytest.raises(InvalidEvent, match=str(MAX_EVENT_BYTES)):
         encode_event(event)
     with pytest.raises(InvalidEvent, match="limit"):

@@ -51,9 +51,10 @@ def journal(sqlite_journal_url: str):
 async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_stays_intact(
     nats_server, home, project, journal, tmp_path: Path
 ):
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, JournalObserver(journal)
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, JournalObserver(journal)) as (runner,),
+    ):
         good = client.event("finding", finding(1), project=project)
         await client.publish(good)
         raw = await nats.connect(nats_server.url)
@@ -66,8 +67,11 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
         tampered["body"]["impact"] = 1.0
         await js.publish(event_subject(project, "finding", tampered["artifact_id"]), json.dumps(tampered).encode())
         impostor = AgentKey.load_or_create(tmp_path / "other", "alice")  # same name, another key
-        forged = impostor.sign(client.event("finding", finding(4), project=project).model_copy(
-            update={"actor": impostor.actor, "signature": None}))
+        forged = impostor.sign(
+            client.event("finding", finding(4), project=project).model_copy(
+                update={"actor": impostor.actor, "signature": None}
+            )
+        )
         await js.publish(event_subject(project, "finding", forged.artifact_id), encode_event(forged))
         last = client.event("finding", finding(5), project=project)
         await client.publish(last)
@@ -106,9 +110,12 @@ class FailingObserver:
 
 async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats_server, home, project):
     observer = FailingObserver("always-fails", failures=10**6)
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, observer, max_deliver=3, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, observer, max_deliver=3, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2) as (
+            runner,
+        ),
+    ):
         event = client.event("finding", finding(), project=project)
         await client.publish(event)
         await eventually(lambda: runner.stats.dead_lettered.get("max_deliver") == 1)
@@ -124,9 +131,12 @@ async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats
 
 async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats_server, home, project):
     observer = FailingObserver("flaky", failures=2)
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, observer, max_deliver=5, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, observer, max_deliver=5, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2) as (
+            runner,
+        ),
+    ):
         events = [client.event("finding", finding(i), project=project) for i in range(10)]
         await client.publish_many(events)
         await eventually(lambda: len(set(observer.written)) == 10)
@@ -137,9 +147,10 @@ async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats
 
 async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(nats_server, home, project, journal):
     first, second = JournalObserver(journal), JournalObserver(Journal(journal.url))
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, first, second, batch_size=50
-    ) as runners:
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, first, second, batch_size=50) as runners,
+    ):
         events = [client.event("finding", finding(i), project=project) for i in range(1000)]
         await client.publish_many(events, timeout_s=60)
         await eventually(lambda: sum(r.stats.handled for r in runners) >= 1000, timeout_s=30)
@@ -149,9 +160,10 @@ async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(na
 
 
 async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal):
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, JournalObserver(journal), fetch_timeout_s=0.1
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, JournalObserver(journal), fetch_timeout_s=0.1) as (runner,),
+    ):
         await client.publish(client.event("finding", finding(), project=project))
         await eventually(lambda: runner.stats.handled == 1)
         seen = (runner.stats.handled, runner.stats.last_stream_seq)

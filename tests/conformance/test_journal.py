@@ -121,7 +121,12 @@ def test_query_indexes_exist(journal):
 
     names = {ix["name"] for ix in inspect(engine).get_indexes("events")}
     engine.dispose()
-    assert {"ix_events_project_kind_time", "ix_events_actor_time", "ix_events_artifact", "ix_events_stream_seq"} <= names
+    assert {
+        "ix_events_project_kind_time",
+        "ix_events_actor_time",
+        "ix_events_artifact",
+        "ix_events_stream_seq",
+    } <= names
 
 
 def test_an_unreachable_database_raises_unavailable_not_empty(keys, project, tmp_path: Path):
@@ -147,5 +152,3 @@ async def test_a_node_journals_published_events_on_this_backend(nats_server, hom
             await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)
     report = missing_and_extra({str(e.event_id) for e in events}, journal_event_ids(journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
-
-

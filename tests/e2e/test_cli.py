@@ -22,7 +22,11 @@ pytestmark = pytest.mark.slow
 def epibus(home: Path, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
     result = subprocess.run(
-        [sys.executable, "-m", "epibus", *args], env=env, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "epibus", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
     if check:
@@ -39,8 +43,12 @@ def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subp
     home = tmp_path / "epibus-home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "epibus", "up", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "epibus", "up", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -60,14 +68,53 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
     assert status["server_version"].startswith("2.")
     assert (home / "node.json").exists()
 
-    published = as_json(epibus(home, "publish", "finding", "--project", "demo", "--text", "cold cache on boot",
-                               "--impact", "0.6", "--confidence", "0.8", "--subject", "cache",
-                               "--evidence", "file:src/cache.py", "--wait", "journaled", "--json"))
+    published = as_json(
+        epibus(
+            home,
+            "publish",
+            "finding",
+            "--project",
+            "demo",
+            "--text",
+            "cold cache on boot",
+            "--impact",
+            "0.6",
+            "--confidence",
+            "0.8",
+            "--subject",
+            "cache",
+            "--evidence",
+            "file:src/cache.py",
+            "--wait",
+            "journaled",
+            "--json",
+        )
+    )
     assert published["level"] == "journaled"
-    decision = as_json(epibus(home, "publish", "decision", "-p", "demo", "--choice", "warm it at boot",
-                              "--rationale", "a cold cache doubles p99", "--confidence", "0.7",
-                              "--reversibility", "exploratory", "--alternatives", "do nothing",
-                              "--alternatives", "bigger cache", "--wait", "journaled", "--json"))
+    decision = as_json(
+        epibus(
+            home,
+            "publish",
+            "decision",
+            "-p",
+            "demo",
+            "--choice",
+            "warm it at boot",
+            "--rationale",
+            "a cold cache doubles p99",
+            "--confidence",
+            "0.7",
+            "--reversibility",
+            "exploratory",
+            "--alternatives",
+            "do nothing",
+            "--alternatives",
+            "bigger cache",
+            "--wait",
+            "journaled",
+            "--json",
+        )
+    )
 
     rows = as_json(epibus(home, "events", "--project", "demo", "--json"))
     assert [r["event_id"] for r in rows] == [decision["event_id"], published["event_id"]]
@@ -97,18 +144,57 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
 
 def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_node):
     home, _, _ = running_node
-    bad = epibus(home, "publish", "finding", "-p", "demo", "--text", "t", "--impact", "1.5", "--confidence", "0.5",
-                 "--subject", "s", check=False)
+    bad = epibus(
+        home,
+        "publish",
+        "finding",
+        "-p",
+        "demo",
+        "--text",
+        "t",
+        "--impact",
+        "1.5",
+        "--confidence",
+        "0.5",
+        "--subject",
+        "s",
+        check=False,
+    )
     assert bad.returncode == 1
     assert bad.stderr.strip().count("\n") == 0
     assert "body.impact=1.5" in bad.stderr
     slug = epibus(home, "publish", "unknown", "-p", "Not A Slug", "--question", "q", "--impact", "0.1", check=False)
     assert slug.returncode == 1 and "project" in slug.stderr
-    enum = epibus(home, "publish", "decision", "-p", "demo", "--choice", "c", "--rationale", "r", "--confidence", "0.5",
-                  "--reversibility", "maybe", check=False)
+    enum = epibus(
+        home,
+        "publish",
+        "decision",
+        "-p",
+        "demo",
+        "--choice",
+        "c",
+        "--rationale",
+        "r",
+        "--confidence",
+        "0.5",
+        "--reversibility",
+        "maybe",
+        check=False,
+    )
     assert enum.returncode != 0 and "exploratory" in enum.stderr
-    resolved = epibus(home, "publish", "resolved", "-p", "demo", "--artifact-id", "a1", "--resolution", "superseded",
-                      "--json", check=False)
+    resolved = epibus(
+        home,
+        "publish",
+        "resolved",
+        "-p",
+        "demo",
+        "--artifact-id",
+        "a1",
+        "--resolution",
+        "superseded",
+        "--json",
+        check=False,
+    )
     assert resolved.returncode == 1 and "superseded_by" in as_json(resolved)["error"]
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 0
@@ -124,8 +210,19 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
         await nc.close()
 
     asyncio.run(publish_garbage())
-    epibus(home, "publish", "unknown", "-p", "demo", "--question", "is the DLQ wired?", "--impact", "0.2",
-           "--wait", "journaled")
+    epibus(
+        home,
+        "publish",
+        "unknown",
+        "-p",
+        "demo",
+        "--question",
+        "is the DLQ wired?",
+        "--impact",
+        "0.2",
+        "--wait",
+        "journaled",
+    )
     letters = as_json(epibus(home, "dlq", "list", "--json"))
     assert [(d["reason"], d["consumer"], d["subject"]) for d in letters] == [
         ("invalid_event", "journal", "epi.demo.finding.bogus")
@@ -151,8 +248,25 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
 
 def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: Path):
     home, _, _ = running_node
-    ids = [as_json(epibus(home, "publish", "unknown", "-p", "demo", "--question", f"q{i}", "--impact", "0.1",
-                          "--wait", "journaled", "--json"))["event_id"] for i in range(3)]
+    ids = [
+        as_json(
+            epibus(
+                home,
+                "publish",
+                "unknown",
+                "-p",
+                "demo",
+                "--question",
+                f"q{i}",
+                "--impact",
+                "0.1",
+                "--wait",
+                "journaled",
+                "--json",
+            )
+        )["event_id"]
+        for i in range(3)
+    ]
     fresh = f"sqlite:///{tmp_path / 'rebuilt.db'}"
     report = as_json(epibus(home, "replay", "--journal", fresh, "--json"))
     assert (report["read"], report["inserted"], report["already_present"]) == (3, 3, 0)

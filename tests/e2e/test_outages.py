@@ -68,7 +68,10 @@ def start_node_process(home: Path, nats_url: str, journal_url: str, log: Path) -
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "epibus", "up", "--nats", nats_url, "--journal", journal_url, "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=out, stdin=subprocess.DEVNULL,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
         )
 
 

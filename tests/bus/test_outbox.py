@@ -1,0 +1,77 @@
+"""The outbox: durable before the receipt, group commit, leases across forwarders, refusals kept."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from bus.outbox import Outbox, OutboxRow
+
+
+def rows(n: int, prefix: str = "e") -> list[OutboxRow]:
+    return [OutboxRow(f"{prefix}{i}", f"epi.p.finding.{prefix}{i}", f"payload {i}".encode()) for i in range(n)]
+
+
+def stored(path: Path) -> list[tuple[str, bytes]]:
+    with sqlite3.connect(path) as db:  # another connection, another path than the outbox's own
+        return [(r[0], bytes(r[1])) for r in db.execute("SELECT event_id, payload FROM outbox ORDER BY seq")]
+
+
+@pytest.fixture
+async def outbox(tmp_path: Path):
+    box = await Outbox(tmp_path / "outbox.db").open()
+    yield box
+    await box.close()
+
+
+async def test_added_rows_are_on_disk_when_add_returns(outbox: Outbox):
+    await outbox.add(rows(3))
+    assert stored(outbox.path) == [("e0", b"payload 0"), ("e1", b"payload 1"), ("e2", b"payload 2")]
+
+
+async def test_the_outbox_runs_with_synchronous_full(outbox: Outbox):
+    level = await outbox._run(lambda: outbox.conn.execute("PRAGMA synchronous").fetchone()[0])
+    assert level == 2  # FULL
+
+
+async def test_concurrent_adds_share_commits_and_lose_nothing(outbox: Outbox):
+    batches = [rows(5, prefix=f"b{i}-") for i in range(40)]
+    await asyncio.gather(*(outbox.add(b) for b in batches))
+    assert sorted(e for e, _ in stored(outbox.path)) == sorted(r.event_id for b in batches for r in b)
+
+
+async def test_adding_an_event_id_twice_keeps_one_row(outbox: Outbox):
+    await outbox.add(rows(2))
+    await outbox.add(rows(2))
+    assert [e for e, _ in stored(outbox.path)] == ["e0", "e1"]
+
+
+async def test_a_leased_row_is_not_claimed_by_another_forwarder_until_the_lease_ends(tmp_path: Path):
+    first = await Outbox(tmp_path / "o.db").open()
+    second = await Outbox(tmp_path / "o.db").open()
+    try:
+        await first.add(rows(4))
+        claimed = await first.claim(10, lease_s=60)
+        assert [r.event_id for r in claimed] == ["e0", "e1", "e2", "e3"]
+        assert await second.claim(10, lease_s=60) == []
+        await first.release({"e1": "no PubAck"})
+        assert [r.event_id for r in await second.claim(10, lease_s=60)] == ["e1"]
+        await first.complete(["e0", "e2", "e3"])
+        assert [e for e, _ in stored(tmp_path / "o.db")] == ["e1"]
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_refused_row_is_parked_with_its_reason_not_deleted(outbox: Outbox):
+    await outbox.add(rows(2))
+    await outbox.claim(10, lease_s=60)
+    await outbox.park({"e0": "refused: maximum payload exceeded"})
+    await outbox.release({"e1": "timeout"})
+    assert await outbox.parked() == {"e0": "refused: maximum payload exceeded"}
+    assert await outbox.depth() == 1
+    assert [r.event_id for r in await outbox.claim(10, lease_s=60)] == ["e1"]
+    assert {e for e, _ in stored(outbox.path)} == {"e0", "e1"}

@@ -1,0 +1,47 @@
+"""The code itself: imports go one way between layers, and ruff and mypy --strict are clean (DEVELOPERS.md)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("bus", "observers", "mesh", "epibus")
+# What each layer may import from the others: observers → bus, mesh → bus, epibus → all, bus → none.
+ALLOWED = {"bus": set(), "observers": {"bus"}, "mesh": {"bus"}, "epibus": {"bus", "observers", "mesh"}}
+
+
+def imported_layers(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(LAYERS)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_imports_go_one_way(layer: str):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_layers(path) - ALLOWED[layer] - {layer})
+        for path in (ROOT / layer).rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_ruff_is_clean():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", *LAYERS], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_is_clean_on_the_layers():
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "bus", "observers", "mesh"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
