@@ -289,38 +289,36 @@ class EpibusClient:
         return Receipt(event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
 
     async def _publish_direct(self, rows: list[OutboxRow]) -> list[Receipt]:
+        """Send straight to JetStream; rows without a PubAck are retried (tenacity, same Nats-Msg-Id)."""
         acks: dict[str, PubAck] = {}
-        pending = rows
-        failures: dict[str, Unavailable] = {}
-        for attempt in range(1, MAX_PUBLISH_ATTEMPTS + 1):
-            if attempt > 1:
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-            if self.connected:
-                await self._prepare_server()
-                results = await send_batch(
-                    self.js, pending, max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s
-                )
-            else:
-                results = {r.event_id: Unavailable("nats", "not connected") for r in pending}
-            failures = {}
-            for row in pending:
-                result = results[row.event_id]
-                if isinstance(result, PubAck):
-                    acks[row.event_id] = result
-                elif isinstance(result, Unavailable):
-                    failures[row.event_id] = result
-                else:
-                    raise result
-            pending = [row for row in pending if row.event_id in failures]
-            if not pending:
-                break
-        if pending:
-            first = next(iter(failures.values()))
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
+                retry=retry_if_exception_type(Unavailable),
+                reraise=True,
+            ):
+                with attempt:
+                    if not self.connected:
+                        raise Unavailable("nats", "not connected")
+                    await self._prepare_server()
+                    todo = [r for r in rows if r.event_id not in acks]
+                    results = await send_batch(
+                        self.js, todo, max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s
+                    )
+                    for event_id, result in results.items():
+                        if isinstance(result, PubAck):
+                            acks[event_id] = result
+                        elif not isinstance(result, Unavailable):
+                            raise result  # Conflict or a refusal: retrying the same bytes cannot help
+                    if len(acks) < len(rows):
+                        raise Unavailable("nats", f"{len(rows) - len(acks)} event(s) got no PubAck")
+        except Unavailable as e:
             raise Unavailable(
                 "nats",
-                f"{len(pending)} of {len(rows)} events not acknowledged after {MAX_PUBLISH_ATTEMPTS} attempts "
-                f"({first.cause}); publishing the same events again is safe (ids dedupe)",
-            )
+                f"{len(rows) - len(acks)} of {len(rows)} events not acknowledged after {MAX_PUBLISH_ATTEMPTS} "
+                f"attempts ({e.cause}); publishing the same events again is safe (ids dedupe)",
+            ) from e
         return [
             Receipt(
                 uuid.UUID(r.event_id),

@@ -112,6 +112,7 @@ class ConsumerRunner:
         self.registry = registry or AgentRegistry(self.js)
         self.stats = RunnerStats()
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
+        self._stepping = asyncio.Lock()  # two fetches on one pull subscription would steal each other's replies
 
     def consumer_config(self) -> ConsumerConfig:
         return ConsumerConfig(
@@ -150,15 +151,16 @@ class ConsumerRunner:
 
     async def step(self) -> int:
         """Fetch one batch and process it. Returns how many messages were fetched (0 = nothing yet)."""
-        subscription = await self._subscribe()
-        try:
-            messages = await subscription.fetch(self.batch_size, timeout=self.fetch_timeout_s)
-        except TimeoutError:
-            # nats.errors.TimeoutError and a plain asyncio.TimeoutError (nats-py 2.16 _fetch_n) both mean
-            # "no messages yet" (DESIGN §6); it resets nothing.
-            return 0
-        await self.process(messages)
-        return len(messages)
+        async with self._stepping:
+            subscription = await self._subscribe()
+            try:
+                messages = await subscription.fetch(self.batch_size, timeout=self.fetch_timeout_s)
+            except TimeoutError:
+                # nats.errors.TimeoutError and a plain asyncio.TimeoutError (nats-py 2.16 _fetch_n) both mean
+                # "no messages yet" (DESIGN §6); it resets nothing.
+                return 0
+            await self.process(messages)
+            return len(messages)
 
     async def process(self, messages: Sequence[Msg]) -> None:
         self.stats.fetched += len(messages)

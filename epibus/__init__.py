@@ -14,6 +14,7 @@ from bus.errors import (
 from bus.event import Body, Envelope, Evidence, register_kind
 from bus.publish import Receipt
 from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
+from epibus import sync
 from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalRow
 
@@ -43,4 +44,5 @@ __all__ = [
     "Unavailable",
     "connect",
     "register_kind",
+    "sync",
 ]

@@ -50,6 +50,7 @@ class Node:
         self.forwarder: Forwarder | None = None
         self.info: NodeInfo | None = None
         self.js: JetStreamContext | None = None
+        self._streams_ready = False
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -82,10 +83,10 @@ class Node:
         self._stack.callback(self.journal.close)
         await asyncio.to_thread(self.journal.migrate)
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
-        self.nc = await open_nats(servers, name="epibus-node", timeout_s=10)
+        self.nc = await open_nats(servers, name="epibus-node", timeout_s=10, reconnected_cb=self._on_reconnected)
         self._stack.push_async_callback(self.nc.close)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, replicas=self.config.replicas)
+        await self._ensure_streams()
 
         self.observer = JournalObserver(self.journal)
         await self.observer.serve_lookups(self.nc)
@@ -112,9 +113,17 @@ class Node:
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.nc is not None and self.nc.is_connected else None
 
+    async def _on_reconnected(self) -> None:
+        self._streams_ready = False  # the server may be new or have lost its store
+
     async def _ensure_streams(self) -> None:
+        """Runs before every forwarder drain (at least once a second), so the streams come back within a
+        second of a reconnect to a server that lost them, and the runner's consumer with them."""
+        if self._streams_ready:
+            return
         assert self.js is not None
         await ensure_streams(self.js, replicas=self.config.replicas)
+        self._streams_ready = True
 
     async def close(self) -> None:
         for task in self._tasks:

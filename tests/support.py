@@ -49,3 +49,15 @@ def missing_and_extra(expected: set[str], found: list[str]) -> dict[str, Any]:
         "extra": sorted(set(found) - expected),
         "doubled": sorted(doubled),
     }
+
+
+def eventually_sync(check: Callable[[], T], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> T:
+    """`eventually` for tests that drive subprocesses without an event loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s; last value: {result!r}")
+        time.sleep(interval_s)

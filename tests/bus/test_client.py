@@ -16,7 +16,7 @@ from bus.jetstream import ensure_streams
 from bus.server import NatsServer
 from bus.subjects import STREAM, artifact_filter
 from bus.vocab import ReceiptLevel
-from epibus.node import Node
+from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids
 
@@ -170,3 +170,59 @@ async def test_stream_is_recreated_after_the_server_loses_its_store(tmp_path, ho
         assert await stream_messages(server.url, f"epi.{project}.>") == 1
     finally:
         server.stop()
+
+
+async def test_direct_publish_rides_out_a_short_restart_with_the_same_ids(tmp_path, home, project):
+    import threading
+
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        async with connect(server.url, agent="alice", home=home, outbox=False, publish_timeout_s=1) as client:
+            await client.publish(client.event("finding", finding(0), project=project))
+            server.stop()
+            restart = threading.Timer(1.0, server.start)
+            restart.start()
+            events = [client.event("finding", finding(i), project=project) for i in range(1, 200)]
+            receipts = await client.publish_many(events)
+            restart.join()
+        assert {r.level for r in receipts} == {ReceiptLevel.published}
+        assert await stream_messages(server.url, f"epi.{project}.>") == 200
+    finally:
+        server.stop()
+
+
+def test_the_sync_facade_publishes_and_waits_for_the_journal(nats_server, home, project, sqlite_journal_url):
+    import threading
+
+    from epibus import sync
+
+    ready, stop = threading.Event(), threading.Event()
+
+    def run_node() -> None:
+        async def main() -> None:
+            async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url)):
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run_node)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        receipt = sync.publish(
+            "unknown",
+            {"question": "sync ok?", "impact": 0.3},
+            project=project,
+            agent="alice",
+            nats_url=nats_server.url,
+            home=home,
+            wait_for=ReceiptLevel.journaled,
+        )
+    finally:
+        stop.set()
+        thread.join(30)
+    assert receipt.level is ReceiptLevel.journaled
+    assert journal_event_ids(sqlite_journal_url, project) == [str(receipt.event_id)]

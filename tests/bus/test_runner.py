@@ -160,16 +160,22 @@ async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(na
 
 
 async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal):
-    async with (
-        connect(nats_server.url, agent="alice", home=home) as client,
-        running(nats_server.url, JournalObserver(journal), fetch_timeout_s=0.1) as (runner,),
-    ):
-        await client.publish(client.event("finding", finding(), project=project))
-        await eventually(lambda: runner.stats.handled == 1)
-        seen = (runner.stats.handled, runner.stats.last_stream_seq)
-        fetched_nothing = await runner.step()
-        assert fetched_nothing == 0
-        assert (runner.stats.handled, runner.stats.last_stream_seq) == seen
+    nc = await nats.connect(nats_server.url)
+    runner = ConsumerRunner(nc, JournalObserver(journal), fetch_timeout_s=0.1)  # stepped by hand, no loop
+    try:
+        async with connect(nats_server.url, agent="alice", home=home) as client:
+            await client.publish(client.event("finding", finding(), project=project))
+
+        async def handled_one() -> bool:
+            await runner.step()
+            return runner.stats.handled == 1
+
+        await eventually(handled_one)
+        seen = (runner.stats.handled, runner.stats.last_stream_seq, runner.stats.fetch_errors)
+        assert [await runner.step() for _ in range(3)] == [0, 0, 0]
+        assert (runner.stats.handled, runner.stats.last_stream_seq, runner.stats.fetch_errors) == seen
+    finally:
+        await nc.close()
 
 
 async def test_journaled_receipt_is_confirmed_by_the_lookup_service(nats_server, home, project, journal):
