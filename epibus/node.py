@@ -33,6 +33,7 @@ class NodeConfig:
     nats_url: str | None = None  # None: run the embedded nats-server under home/nats
     journal_url: str | None = None  # None: SQLite file under home
     replicas: int = 1
+    agent: str = "node"  # names the node's NATS connection
     batch_size: int = 256
     record: bool = True  # write home/node.json so other commands find this node
 
@@ -83,7 +84,9 @@ class Node:
         self._stack.callback(self.journal.close)
         await asyncio.to_thread(self.journal.migrate)
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
-        self.nc = await open_nats(servers, name="epibus-node", timeout_s=10, reconnected_cb=self._on_reconnected)
+        self.nc = await open_nats(
+            servers, name=f"epibus-node:{self.config.agent}", timeout_s=10, reconnected_cb=self._on_reconnected
+        )
         self._stack.push_async_callback(self.nc.close)
         self.js = self.nc.jetstream()
         await self._ensure_streams()

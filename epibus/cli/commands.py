@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bus.client import open_nats
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import decode_event
-from bus.home import epibus_home, outbox_path, read_node_info, resolve_journal_url, resolve_nats_url
+from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url, resolve_nats_url
 from bus.jetstream import NATS_OR_API_ERROR
 from bus.outbox import Outbox
 from bus.reader import dead_letters, replay, stream_figures
@@ -24,6 +25,7 @@ from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_
 from bus.server import MIN_SERVER_VERSION
 from bus.subjects import DLQ_STREAM, dlq_filter, events_filter
 from epibus.cli.common import (
+    AgentOpt,
     HomeOpt,
     JournalOpt,
     JsonOpt,
@@ -44,8 +46,17 @@ dlq_app = typer.Typer(
 )
 
 
-async def _connect(nats: str | None, home: Path | None) -> NatsClient:
-    return await open_nats(resolve_nats_url(nats, epibus_home(home)).split(","), name="epibus-cli", timeout_s=5)
+@dataclass(frozen=True)
+class Target:
+    """Where a command connects and as whom (the agent names the NATS connection)."""
+
+    nats: str | None
+    home: Path | None
+    agent: str | None
+
+    async def connect(self) -> NatsClient:
+        servers = resolve_nats_url(self.nats, epibus_home(self.home)).split(",")
+        return await open_nats(servers, name=f"epibus-cli:{self.agent or default_agent()}", timeout_s=5)
 
 
 # -- up ---------------------------------------------------------------------------------------------------
@@ -59,14 +70,19 @@ def up(
         int,
         typer.Option("--replicas", envvar="EPIBUS_REPLICAS", min=1, max=5, help="Stream replicas (3 in a cluster)."),
     ] = 1,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer and the outbox forwarder."""
-    run(_up(nats, journal, replicas, epibus_home(home), as_json))
+    config = NodeConfig(
+        home=epibus_home(home), nats_url=nats, journal_url=journal, replicas=replicas, agent=agent or default_agent()
+    )
+    run(_up(config, as_json))
 
 
-async def _up(nats: str | None, journal: str | None, replicas: int, home: Path, as_json: bool) -> None:
+async def _up(config: NodeConfig, as_json: bool) -> None:
+    home = config.home
     running = read_node_info(home)
     if running is not None:
         raise ConfigError("up", f"a node is already running under {home} (pid {running.pid}, {running.nats_url})")
@@ -74,7 +90,7 @@ async def _up(nats: str | None, journal: str | None, replicas: int, home: Path, 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    async with Node(NodeConfig(home=home, nats_url=nats, journal_url=journal, replicas=replicas)) as node:
+    async with Node(config) as node:
         assert node.info is not None
         version = node.nc.connected_server_version if node.nc else None
         shown = f"{version.major}.{version.minor}.{version.patch}" if version else None
@@ -117,11 +133,12 @@ def tail(
     from_start: Annotated[bool, typer.Option("--from-start", help="Begin at the first event, not the next.")] = False,
     count: Annotated[int | None, typer.Option("--count", "-n", help="Stop after N events.")] = None,
     nats: NatsOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Follow events live as they reach the stream (invalid messages are shown, marked)."""
-    run(_tail(project, kind, from_start, count, nats, home, as_json))
+    run(_tail(project, kind, from_start, count, Target(nats, home, agent), as_json))
 
 
 def _tail_line(msg: Msg, as_json: bool) -> None:
@@ -151,11 +168,10 @@ async def _tail(
     kind: str | None,
     from_start: bool,
     count: int | None,
-    nats: str | None,
-    home: Path | None,
+    target: Target,
     as_json: bool,
 ) -> None:
-    nc = await _connect(nats, home)
+    nc = await target.connect()
     try:
         policy = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
         subscription = await nc.jetstream().subscribe(
@@ -238,16 +254,17 @@ def replay_command(
     from_seq: Annotated[int, typer.Option("--from-seq", min=1, help="First stream sequence to replay.")] = 1,
     nats: NatsOpt = None,
     journal: JournalOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Rebuild the journal from the stream. Safe to repeat: rows already present are left as they are."""
-    run(_replay(from_seq, nats, journal, home, as_json))
+    run(_replay(from_seq, journal, Target(nats, home, agent), as_json))
 
 
-async def _replay(from_seq: int, nats: str | None, journal: str | None, home: Path | None, as_json: bool) -> None:
-    store = Journal(resolve_journal_url(journal, epibus_home(home)))
-    nc = await _connect(nats, home)
+async def _replay(from_seq: int, journal: str | None, target: Target, as_json: bool) -> None:
+    store = Journal(resolve_journal_url(journal, epibus_home(target.home)))
+    nc = await target.connect()
     try:
         await asyncio.to_thread(store.migrate)
         observer = JournalObserver(store, name="replay")
@@ -306,11 +323,12 @@ def _dlq_row(msg: Msg) -> dict[str, Any]:
 def dlq_list(
     consumer: Annotated[str | None, typer.Option("--consumer", help="Only this consumer's dead letters.")] = None,
     nats: NatsOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List dead letters with their reasons."""
-    rows = run(_dlq_list(consumer, nats, home))
+    rows = run(_dlq_list(consumer, Target(nats, home, agent)))
     if as_json:
         emit_json(rows)
         return
@@ -323,8 +341,8 @@ def dlq_list(
     )
 
 
-async def _dlq_list(consumer: str | None, nats: str | None, home: Path | None) -> list[dict[str, Any]]:
-    nc = await _connect(nats, home)
+async def _dlq_list(consumer: str | None, target: Target) -> list[dict[str, Any]]:
+    nc = await target.connect()
     try:
         return [_dlq_row(m) for m in await dead_letters(nc.jetstream(), filter_subject=dlq_filter(consumer))]
     finally:
@@ -338,6 +356,7 @@ def dlq_replay(
     all_: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Leave replayed messages in the DLQ.")] = False,
     nats: NatsOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -345,15 +364,15 @@ def dlq_replay(
     event id), then remove them from the DLQ."""
     if not seq and not all_:
         raise ConfigError("dlq replay", "name dead letters with --seq N (repeatable) or pass --all")
-    replayed = run(_dlq_replay(set(seq or []), all_, keep, nats, home))
+    replayed = run(_dlq_replay(set(seq or []), all_, keep, Target(nats, home, agent)))
     if as_json:
         emit_json({"ok": True, "replayed": replayed})
     else:
         console.print(f"replayed {len(replayed)} dead letter(s): {replayed}")
 
 
-async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, nats: str | None, home: Path | None) -> list[int]:
-    nc = await _connect(nats, home)
+async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, target: Target) -> list[int]:
+    nc = await target.connect()
     js = nc.jetstream()
     replayed: list[int] = []
     try:
@@ -382,9 +401,9 @@ async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, nats: str | None, 
 
 
 @handles_errors
-def stats(nats: NatsOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Stream and consumer figures: messages, bytes, pending, redelivered, DLQ depth, outbox depth."""
-    figures = run(_stats(nats, epibus_home(home)))
+    figures = run(_stats(Target(nats, home, agent)))
     if as_json:
         emit_json({"ok": True, **figures})
         return
@@ -407,8 +426,9 @@ def stats(nats: NatsOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) 
     console.print(table("epibus stats", ["figure", "value"], rows))
 
 
-async def _stats(nats: str | None, home: Path) -> dict[str, Any]:
-    nc = await _connect(nats, home)
+async def _stats(target: Target) -> dict[str, Any]:
+    home = epibus_home(target.home)
+    nc = await target.connect()
     try:
         streams = await stream_figures(nc.jetstream())
         v = nc.connected_server_version

@@ -50,7 +50,7 @@ def _parse_evidence(values: list[str]) -> list[Evidence]:
 
 def _field_parameter(name: str, field: FieldInfo) -> tuple[inspect.Parameter, Any]:
     """A typer option for one body field: its CLI type and the typer annotation."""
-    annotation = field.annotation
+    annotation: Any = field.annotation
     optional = False
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
