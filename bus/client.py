@@ -59,6 +59,16 @@ async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **ca
     return nc
 
 
+def retrying_unavailable() -> AsyncRetrying:
+    """Bounded retries of Unavailable only (never Conflict), backing off up to 2 s (STYLE: Async)."""
+    return AsyncRetrying(
+        stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.2, max=2.0),
+        retry=retry_if_exception_type(Unavailable),
+        reraise=True,
+    )
+
+
 class EpibusClient:
     """One agent's connection to the bus. Use as `async with`; see `connect()`."""
 
@@ -292,12 +302,7 @@ class EpibusClient:
         """Send straight to JetStream; rows without a PubAck are retried (tenacity, same Nats-Msg-Id)."""
         acks: dict[str, PubAck] = {}
         try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
-                wait=wait_exponential(multiplier=0.2, max=2.0),
-                retry=retry_if_exception_type(Unavailable),
-                reraise=True,
-            ):
+            async for attempt in retrying_unavailable():
                 with attempt:
                     if not self.connected:
                         raise Unavailable("nats", "not connected")
@@ -337,12 +342,7 @@ class EpibusClient:
         retries only Unavailable with the same Nats-Msg-Id. Bypasses the outbox: a stale expectation must
         fail now, not after an outage."""
         row = self._row(event)
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
-            wait=wait_exponential(multiplier=0.2, max=2.0),
-            retry=retry_if_exception_type(Unavailable),
-            reraise=True,
-        ):
+        async for attempt in retrying_unavailable():
             with attempt:
                 await self._prepare_server()
                 ack = await send_one(
