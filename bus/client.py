@@ -276,27 +276,51 @@ class EpibusClient:
         assert self.outbox is not None
         assert self.forwarder is not None
         # Register before the rows exist, or a forwarder mid-drain could send them unobserved.
-        futures = [self.forwarder.sent(row.event_id) for row in rows]
+        futures = {row.event_id: self.forwarder.sent(row.event_id) for row in rows}
+        acks: dict[str, tuple[int, bool]] = {}
         try:
             await self.outbox.add(rows)
             self.forwarder.wake()
             if self.connected:
-                await asyncio.wait(futures, timeout=timeout_s)
-            return [self._receipt(row, future) for row, future in zip(rows, futures, strict=True)]
+                acks = await self._await_acks(futures, timeout_s)
         finally:
-            for future in futures:
+            for future in futures.values():
                 future.cancel()  # no-op when done; an unsent row keeps its place in the outbox
+        receipts = []
+        for row in rows:
+            event_id = uuid.UUID(row.event_id)
+            if row.event_id in acks:
+                seq, duplicate = acks[row.event_id]
+                receipts.append(Receipt(event_id, row.subject, ReceiptLevel.published, seq, duplicate))
+            else:
+                receipts.append(Receipt(event_id, row.subject, ReceiptLevel.outboxed))
+        return receipts
 
-    @staticmethod
-    def _receipt(row: OutboxRow, future: asyncio.Future[PubAck]) -> Receipt:
-        event_id = uuid.UUID(row.event_id)
-        if not future.done():
-            return Receipt(event_id, row.subject, ReceiptLevel.outboxed)
-        error = future.exception()
-        if error is not None:
-            raise error
-        ack = future.result()
-        return Receipt(event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
+    async def _await_acks(
+        self, futures: dict[str, asyncio.Future[PubAck]], timeout_s: float
+    ) -> dict[str, tuple[int, bool]]:
+        """PubAcks from this client's forwarder, or recorded in the shared outbox by another process's
+        forwarder (a node draining the same outbox), until timeout_s. Refusals are raised."""
+        assert self.outbox is not None
+        acks: dict[str, tuple[int, bool]] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        poll_s = 0.02
+        while len(acks) < len(futures) and loop.time() < deadline:
+            waiting = [f for event_id, f in futures.items() if event_id not in acks]
+            await asyncio.wait(waiting, timeout=min(poll_s, max(0.0, deadline - loop.time())))
+            for event_id, future in futures.items():
+                if event_id in acks or not future.done():
+                    continue
+                error = future.exception()
+                if error is not None:
+                    raise error
+                acks[event_id] = (future.result().seq, bool(future.result().duplicate))
+            missing = [event_id for event_id in futures if event_id not in acks]
+            if missing:
+                acks |= await self.outbox.sent(missing)
+            poll_s = min(0.25, poll_s * 2)
+        return acks
 
     async def _publish_direct(self, rows: list[OutboxRow]) -> list[Receipt]:
         """Send straight to JetStream; rows without a PubAck are retried (tenacity, same Nats-Msg-Id)."""

@@ -105,13 +105,13 @@ class Forwarder:
             if not rows:
                 return True
             results = await send_batch(js, rows, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
-            acked: list[str] = []
+            acked: dict[str, tuple[int, bool]] = {}
             retry: dict[str, str] = {}
             refused: dict[str, str] = {}
             for row in rows:
                 result = results[row.event_id]
                 if isinstance(result, PubAck):
-                    acked.append(row.event_id)
+                    acked[row.event_id] = (result.seq, bool(result.duplicate))
                     self.stats.sent += 1
                     self.stats.duplicates += int(bool(result.duplicate))
                 elif isinstance(result, InvalidEvent | Conflict):

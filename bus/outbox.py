@@ -1,4 +1,5 @@
 """The local outbox: encoded events made durable in SQLite before they go to NATS (DESIGN §6).
+It is also where a receipt is read when another process's forwarder sent the event.
 
 `synchronous=FULL` so an `outboxed` receipt survives power loss; concurrent `add` calls share one commit
 (group commit). Several processes may share one outbox file: rows are leased, so two forwarders do not send
@@ -29,9 +30,13 @@ CREATE TABLE IF NOT EXISTS outbox (
     lease_owner TEXT,
     lease_until REAL NOT NULL DEFAULT 0,
     attempts INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT
+    last_error TEXT,
+    sent_at REAL,
+    stream_seq INTEGER,
+    duplicate INTEGER
 )
 """
+KEEP_SENT_S = 600.0  # sent rows stay this long so any process sharing the outbox can read their receipt
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,11 @@ class Outbox:
         now = time.time()
         with self.conn:  # one transaction, one fsync
             self.conn.execute("BEGIN IMMEDIATE")
+            # A pending or parked event stays as it is; one already sent is sent again (JetStream says duplicate).
             self.conn.executemany(
-                "INSERT OR IGNORE INTO outbox (event_id, subject, payload, created_at) VALUES (?, ?, ?, ?)",
+                "INSERT INTO outbox (event_id, subject, payload, created_at) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT(event_id) DO UPDATE SET sent_at = NULL, stream_seq = NULL, duplicate = NULL,"
+                " lease_owner = NULL, lease_until = 0 WHERE sent_at IS NOT NULL",
                 [(r.event_id, r.subject, r.payload, now) for r in rows],
             )
 
@@ -119,7 +127,8 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             found = self.conn.execute(
-                "SELECT seq, event_id, subject, payload FROM outbox WHERE lease_until < ? ORDER BY seq LIMIT ?",
+                "SELECT seq, event_id, subject, payload FROM outbox WHERE sent_at IS NULL AND lease_until < ?"
+                " ORDER BY seq LIMIT ?",
                 (now, limit),
             ).fetchall()
             if found:
@@ -129,15 +138,39 @@ class Outbox:
                 )
         return [OutboxRow(event_id, subject, bytes(payload)) for _, event_id, subject, payload in found]
 
-    async def complete(self, event_ids: Sequence[str]) -> None:
-        """Remove rows that JetStream acknowledged."""
-        if event_ids:
-            await self._run(self._complete, list(event_ids))
+    async def complete(self, acks: dict[str, tuple[int, bool]]) -> None:
+        """Record JetStream's acknowledgements (event id → stream seq, duplicate); prune old sent rows."""
+        if acks:
+            await self._run(self._complete, dict(acks))
 
-    def _complete(self, event_ids: list[str]) -> None:
+    def _complete(self, acks: dict[str, tuple[int, bool]]) -> None:
+        now = time.time()
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
-            self.conn.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
+            self.conn.executemany(
+                "UPDATE outbox SET sent_at = ?, stream_seq = ?, duplicate = ?, lease_owner = NULL, lease_until = 0"
+                " WHERE event_id = ?",
+                [(now, seq, int(duplicate), event_id) for event_id, (seq, duplicate) in acks.items()],
+            )
+            self.conn.execute("DELETE FROM outbox WHERE sent_at < ?", (now - KEEP_SENT_S,))
+
+    async def sent(self, event_ids: Sequence[str]) -> dict[str, tuple[int, bool]]:
+        """The acknowledgements recorded for these events, by whichever forwarder sent them."""
+        if not event_ids:
+            return {}
+        ids = list(event_ids)
+        found: dict[str, tuple[int, bool]] = {}
+        for start in range(0, len(ids), 500):  # stay far below SQLite's bound-parameter limit
+            rows = await self._run(self._sent, ids[start : start + 500])
+            found |= {event_id: (seq, bool(duplicate)) for event_id, seq, duplicate in rows}
+        return found
+
+    def _sent(self, event_ids: list[str]) -> list[tuple[str, int, int]]:
+        marks = ",".join("?" * len(event_ids))
+        query = (
+            f"SELECT event_id, stream_seq, duplicate FROM outbox WHERE sent_at IS NOT NULL AND event_id IN ({marks})"
+        )
+        return self.conn.execute(query, event_ids).fetchall()
 
     async def release(self, failures: dict[str, str]) -> None:
         """Give leased rows back after a failed send, recording the error and the attempt."""
@@ -169,7 +202,9 @@ class Outbox:
     async def depth(self) -> int:
         """Rows waiting to be sent (parked rows excluded)."""
         count: int = await self._run(
-            lambda: self.conn.execute("SELECT count(*) FROM outbox WHERE lease_until < ?", (PARKED,)).fetchone()[0]
+            lambda: self.conn.execute(
+                "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND lease_until < ?", (PARKED,)
+            ).fetchone()[0]
         )
         return count
 
@@ -180,7 +215,3 @@ class Outbox:
             ).fetchall()
         )
         return {event_id: error for event_id, error in rows}
-
-    async def event_ids(self) -> set[str]:
-        rows = await self._run(lambda: self.conn.execute("SELECT event_id FROM outbox").fetchall())
-        return {row[0] for row in rows}

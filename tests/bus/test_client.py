@@ -226,3 +226,17 @@ def test_the_sync_facade_publishes_and_waits_for_the_journal(nats_server, home, 
         thread.join(30)
     assert receipt.level is ReceiptLevel.journaled
     assert journal_event_ids(sqlite_journal_url, project) == [str(receipt.event_id)]
+
+
+async def test_a_receipt_is_read_from_the_shared_outbox_when_another_forwarder_sent_the_event(
+    node: Node, nats_server, home, project
+):
+    async with connect(nats_server.url, agent="alice", home=home) as client:
+        for task in client._tasks:  # this client's forwarder stops: only the node's drains the shared outbox
+            task.cancel()
+        event = client.event("finding", finding(), project=project)
+        receipt = await client.publish(event, timeout_s=15)
+    assert receipt.level is ReceiptLevel.published
+    assert receipt.stream_seq is not None
+    assert node.forwarder is not None and node.forwarder.stats.sent >= 1
+    await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)])

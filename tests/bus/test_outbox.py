@@ -15,9 +15,10 @@ def rows(n: int, prefix: str = "e") -> list[OutboxRow]:
     return [OutboxRow(f"{prefix}{i}", f"epi.p.finding.{prefix}{i}", f"payload {i}".encode()) for i in range(n)]
 
 
-def stored(path: Path) -> list[tuple[str, bytes]]:
+def stored(path: Path, *, unsent_only: bool = False) -> list[tuple[str, bytes]]:
+    where = "WHERE sent_at IS NULL" if unsent_only else ""
     with sqlite3.connect(path) as db:  # another connection, another path than the outbox's own
-        return [(r[0], bytes(r[1])) for r in db.execute("SELECT event_id, payload FROM outbox ORDER BY seq")]
+        return [(r[0], bytes(r[1])) for r in db.execute(f"SELECT event_id, payload FROM outbox {where} ORDER BY seq")]
 
 
 @pytest.fixture
@@ -59,8 +60,11 @@ async def test_a_leased_row_is_not_claimed_by_another_forwarder_until_the_lease_
         assert await second.claim(10, lease_s=60) == []
         await first.release({"e1": "no PubAck"})
         assert [r.event_id for r in await second.claim(10, lease_s=60)] == ["e1"]
-        await first.complete(["e0", "e2", "e3"])
-        assert [e for e, _ in stored(tmp_path / "o.db")] == ["e1"]
+        await first.complete({"e0": (1, False), "e2": (2, False), "e3": (3, True)})
+        assert [e for e, _ in stored(tmp_path / "o.db", unsent_only=True)] == ["e1"]
+        # Another process's forwarder sent them: their receipts are readable from the shared outbox.
+        assert await second.sent(["e0", "e1", "e3"]) == {"e0": (1, False), "e3": (3, True)}
+        assert await second.depth() == 1
     finally:
         await first.close()
         await second.close()
@@ -75,3 +79,22 @@ async def test_a_refused_row_is_parked_with_its_reason_not_deleted(outbox: Outbo
     assert await outbox.depth() == 1
     assert [r.event_id for r in await outbox.claim(10, lease_s=60)] == ["e1"]
     assert {e for e, _ in stored(outbox.path)} == {"e0", "e1"}
+
+
+async def test_publishing_a_sent_event_again_sends_it_again(outbox: Outbox):
+    await outbox.add(rows(1))
+    await outbox.claim(10, lease_s=60)
+    await outbox.complete({"e0": (7, False)})
+    assert await outbox.depth() == 0
+    await outbox.add(rows(1))
+    assert await outbox.sent(["e0"]) == {}
+    assert [r.event_id for r in await outbox.claim(10, lease_s=60)] == ["e0"]
+
+
+async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stays_parked(outbox: Outbox):
+    await outbox.add(rows(2))
+    await outbox.claim(10, lease_s=60)
+    await outbox.park({"e1": "refused"})
+    await outbox.add(rows(2))
+    assert await outbox.parked() == {"e1": "refused"}
+    assert await outbox.claim(10, lease_s=60) == []  # e0 is still leased by the first claim
