@@ -29,9 +29,12 @@ from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
 from bus.ids import new_event_id
 from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams
+from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import Receipt, send_batch, send_one
+from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
+from bus.state import FLAG_PREVIOUSLY_RETRACTED, FLAG_UNEARNED, UNEARNED_CONFIDENCE, content_hash, decide
 from bus.subjects import JOURNAL_LOOKUP, event_subject
 from bus.vocab import EpistemicSource, ReceiptLevel
 
@@ -98,6 +101,8 @@ class EpibusClient:
         self.forwarder: Forwarder | None = None
         self.nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
+        self._tombstones: TombstoneRegistry | None = None
+        self._tombstones_js: JetStreamContext | None = None
         self._streams_ready = False
         self._registry: AgentRegistry | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -242,12 +247,17 @@ class EpibusClient:
         return OutboxRow(str(event.event_id), subject, encode_event(event))
 
     async def publish(
-        self, event: Envelope, *, wait_for: ReceiptLevel = ReceiptLevel.published, timeout_s: float | None = None
+        self,
+        event: Envelope,
+        *,
+        wait_for: ReceiptLevel = ReceiptLevel.published,
+        timeout_s: float | None = None,
+        strict: bool = False,
     ) -> Receipt:
         """Publish one event. Returns the level reached: `outboxed` when NATS did not answer in time (the
         forwarder sends it later), `published` on a PubAck, `journaled` when asked and confirmed.
         Raises InvalidEvent (nothing written), Conflict, or Unavailable (only without an outbox)."""
-        (receipt,) = await self.publish_many([event], wait_for=wait_for, timeout_s=timeout_s)
+        (receipt,) = await self.publish_many([event], wait_for=wait_for, timeout_s=timeout_s, strict=strict)
         return receipt
 
     async def publish_many(
@@ -256,21 +266,114 @@ class EpibusClient:
         *,
         wait_for: ReceiptLevel = ReceiptLevel.published,
         timeout_s: float | None = None,
+        strict: bool = False,
     ) -> list[Receipt]:
         """Publish events in bulk with bounded in-flight async publishes; receipts in the input order.
-        Every event is validated before anything is written: one bad event writes none."""
+        Every event is validated before anything is written: one bad event writes none. A claim whose
+        content was retracted or rolled back before is flagged `previously_retracted` (refused if strict)."""
         rows = [self._row(event) for event in events]
         if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
             raise InvalidEvent("event_id", "appears twice in one publish_many call")
+        flags = await self._flags(events, strict=strict)
         deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(rows) / 2000)
         if self.outbox is not None:
             receipts = await self._publish_through_outbox(rows, deadline_s)
         else:
             receipts = await self._publish_direct(rows)
+        receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
         if wait_for is ReceiptLevel.journaled:
             await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
             receipts = [replace(r, level=ReceiptLevel.journaled) for r in receipts]
         return receipts
+
+    async def _flags(self, events: Sequence[Envelope], *, strict: bool) -> dict[str, tuple[str, ...]]:
+        """Flags known before publishing: unearned confidence, and tombstoned content (needs NATS)."""
+        flags: dict[str, tuple[str, ...]] = {}
+        claims = [e for e in events if not e.body.transition]
+        tombstoned: dict[str, set[str]] = {}
+        if claims and self.connected:
+            for project in {e.project for e in claims}:
+                tombstoned[project] = await self.tombstones.hashes(project)
+        elif claims and strict:
+            raise Unavailable("nats", "not connected, so tombstones cannot be checked; retry or drop --strict")
+        for event in claims:
+            found = []
+            confidence = getattr(event.body, "confidence", None)
+            if (
+                confidence is not None
+                and confidence >= UNEARNED_CONFIDENCE
+                and event.source is EpistemicSource.intuition
+            ):
+                found.append(FLAG_UNEARNED)
+            if content_hash(event.body.content_text()) in tombstoned.get(event.project, set()):
+                if strict:
+                    raise InvalidEvent(
+                        f"event {event.event_id}",
+                        "repeats a claim that was retracted or rolled back in this project; "
+                        "publish without strict to record it anyway (flagged previously_retracted)",
+                    )
+                found.append(FLAG_PREVIOUSLY_RETRACTED)
+            if found:
+                flags[str(event.event_id)] = tuple(found)
+        return flags
+
+    @property
+    def tombstones(self) -> TombstoneRegistry:
+        if self._tombstones is None or self._tombstones_js is not self.js:
+            self._tombstones, self._tombstones_js = TombstoneRegistry(self.js), self.js
+        return self._tombstones
+
+    # -- state changes ---------------------------------------------------------------------------------
+
+    async def project_view(self, project: str) -> ProjectView:
+        """The project folded from the stream now (the client's view for validating state changes)."""
+        return await load_project(self.js, project)
+
+    async def transition(
+        self,
+        kind: str,
+        body: Body | dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str,
+        view: ProjectView | None = None,
+        timeout_s: float | None = None,
+    ) -> Receipt:
+        """Validate a state change against the artifact's current state, then publish it so that JetStream
+        refuses it if any other event landed on the artifact since (Conflict). Raises IllegalTransition
+        (nothing written), Conflict (re-read and retry deliberately) or Unavailable."""
+        view = view or await self.project_view(project)
+        event = self.event(kind, body, project=project, artifact_id=artifact_id)
+        change = decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, view.fold.tombstones.__contains__)
+        expected = view.subject_seq.get(artifact_id, 0)
+        receipt = await self.publish_expecting(
+            event, expected_headers=cas_headers(project, artifact_id, expected), timeout_s=timeout_s
+        )
+        if change.tombstone is not None:
+            await self.tombstones.record(project, change.tombstone)
+        view.fold.absorb(change)
+        if receipt.stream_seq is not None:
+            view.subject_seq[artifact_id] = receipt.stream_seq
+        return receipt
+
+    async def plan_rollback(self, project: str, artifact_id: str, *, cascade: bool = False) -> RollbackPlan:
+        """What a rollback of artifact_id would do; writes nothing. Raises IllegalTransition."""
+        view = await self.project_view(project)
+        return plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
+
+    async def rollback(
+        self, project: str, artifact_id: str, *, reason: str, cascade: bool = False
+    ) -> tuple[RollbackPlan, list[Receipt]]:
+        """Plan, then roll back every artifact in the plan, each with its own compare-and-set. A Conflict
+        stops the run; the receipts say what was rolled back before it."""
+        view = await self.project_view(project)
+        plan = plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
+        receipts = []
+        for target in plan.to_roll_back:
+            receipts.append(
+                await self.transition("rolled_back", {"reason": reason}, project=project, artifact_id=target, view=view)
+            )
+        return plan, receipts
 
     async def _publish_through_outbox(self, rows: list[OutboxRow], timeout_s: float) -> list[Receipt]:
         assert self.outbox is not None

@@ -31,6 +31,7 @@ class Receipt:
     level: ReceiptLevel
     stream_seq: int | None = None
     duplicate: bool = False
+    flags: tuple[str, ...] = ()  # e.g. previously_retracted, unearned_confidence
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -39,6 +40,7 @@ class Receipt:
             "level": self.level.value,
             "stream_seq": self.stream_seq,
             "duplicate": self.duplicate,
+            "flags": list(self.flags),
         }
 
 

@@ -15,6 +15,7 @@ STREAM_SUBJECTS = ("epi.>",)
 DLQ_STREAM = "EPI_DLQ"
 DLQ_SUBJECTS = ("epidlq.>",)
 AGENT_KEYS_BUCKET = "epibus_agents"
+TOMBSTONES_BUCKET = "epibus_tombstones"
 # Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
 JOURNAL_LOOKUP = "epibus.journal.has"
 

@@ -1,0 +1,101 @@
+"""What a client knows before it changes state: a project's events folded from the stream, the last stream
+sequence on each artifact's subjects (for compare-and-set), and tombstones (DESIGN §4, §5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from bus.errors import Unavailable
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.reader import read_stream
+from bus.runner import Rejected, admit_event
+from bus.state import Fold, Tombstone
+from bus.subjects import STREAM, TOMBSTONES_BUCKET, artifact_filter, events_filter, parse_event_subject
+
+log = logging.getLogger(__name__)
+
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+
+@dataclass
+class ProjectView:
+    """A project as the stream has it now. `subject_seq[artifact_id]` is the last stream sequence on any of
+    the artifact's subjects: the value compare-and-set expects."""
+
+    project: str
+    fold: Fold = field(default_factory=Fold)
+    subject_seq: dict[str, int] = field(default_factory=dict)
+    invalid: int = 0
+
+
+async def load_project(js: JetStreamContext, project: str) -> ProjectView:
+    """Fold every event of the project in stream order. Raises Unavailable."""
+    view = ProjectView(project)
+    async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
+        for msg in messages:
+            seq = msg.metadata.sequence.stream
+            address = parse_event_subject(msg.subject)
+            if address is not None:
+                view.subject_seq[address.artifact_id] = seq
+            try:
+                event = admit_event(msg.subject, msg.data)
+            except Rejected:
+                view.invalid += 1  # the live consumer dead-letters it; it changes no state here either
+                continue
+            view.fold.apply(event, seq)
+    return view
+
+
+def cas_headers(project: str, artifact_id: str, expected_seq: int) -> dict[str, str]:
+    """Refused by JetStream (10071) if any event landed on the artifact's subjects after expected_seq."""
+    return {
+        EXPECTED_LAST_SUBJECT_SEQ: str(expected_seq),
+        EXPECTED_LAST_SUBJECT_SEQ_SUBJECT: artifact_filter(project, artifact_id),
+    }
+
+
+class TombstoneRegistry:
+    """Content hashes of retracted and rolled-back claims per project, in a KV bucket `<project>.<hash>`."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._kv: KeyValue | None = None
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            try:
+                self._kv = await self._js.key_value(TOMBSTONES_BUCKET)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self._js.create_key_value(bucket=TOMBSTONES_BUCKET, history=1)
+        return self._kv
+
+    async def hashes(self, project: str) -> set[str]:
+        """Every tombstoned content hash of a project, in one request (the keys of the KV stream)."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                await self._bucket()
+                info = await self._js.stream_info(
+                    f"KV_{TOMBSTONES_BUCKET}", subjects_filter=f"$KV.{TOMBSTONES_BUCKET}.{project}.>"
+                )
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"tombstones of {project}: {type(e).__name__} {e}") from e
+        return {subject.rsplit(".", 1)[1] for subject in (info.state.subjects or {})}
+
+    async def record(self, project: str, tombstone: Tombstone) -> None:
+        value = json.dumps(
+            {"artifact_id": tombstone.artifact_id, "event_id": tombstone.event_id, "reason": tombstone.reason}
+        ).encode()
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                await kv.put(f"{project}.{tombstone.content_hash}", value)
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"recording a tombstone: {type(e).__name__} {e}") from e

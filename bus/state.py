@@ -1,0 +1,346 @@
+"""The epistemic state of artifacts and the one function that decides what an event does to it (DESIGN §4).
+
+`decide` is pure: given an event and a way to look up current artifact states, it returns the Change the event
+makes or raises IllegalTransition. The client runs it before publishing (validation), the journal's projection
+runs it at apply time in stream order, and `Fold` runs it in memory for as-of reads: one set of rules."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from bus.errors import IllegalTransition
+from bus.event import (
+    ContradictedBody,
+    Envelope,
+    FindingBody,
+    ForgottenBody,
+    ResolvedBody,
+    RolledBackBody,
+    VerifiedBody,
+)
+from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+
+# The legal trust moves (DESIGN §4). verified → verified appends a verification record.
+TRUST_TRANSITIONS: dict[Trust, frozenset[Trust]] = {
+    Trust.unverified: frozenset({Trust.verified, Trust.contradicted, Trust.rolled_back}),
+    Trust.verified: frozenset({Trust.verified, Trust.contradicted, Trust.rolled_back}),
+    Trust.contradicted: frozenset({Trust.rolled_back}),
+    Trust.rolled_back: frozenset(),
+}
+TRANSITION_TRUST: dict[str, Trust] = {
+    "verified": Trust.verified,
+    "contradicted": Trust.contradicted,
+    "rolled_back": Trust.rolled_back,
+}
+# Never shown by the safe door, whatever the lifecycle.
+UNSAFE_TRUST = frozenset({Trust.contradicted, Trust.rolled_back})
+UNSAFE_RESOLUTIONS = frozenset({ResolutionKind.retracted, ResolutionKind.mistyped})
+UNEARNED_CONFIDENCE = 0.8
+
+FLAG_UNEARNED = "unearned_confidence"
+FLAG_PREVIOUSLY_RETRACTED = "previously_retracted"
+
+
+def content_hash(text: str) -> str:
+    """The tombstone key of a claim: sha256 of its words, lowercased, punctuation and spacing ignored."""
+    words = re.findall(r"\w+", text.lower())
+    return hashlib.sha256(" ".join(words).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Verification:
+    event_id: str
+    artifact_id: str
+    verifier: str
+    recorded_at: datetime
+    stream_seq: int
+    note: str | None
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    content_hash: str
+    artifact_id: str
+    event_id: str
+    reason: str  # "retracted" or "rolled_back"
+
+
+@dataclass(frozen=True)
+class ArtifactState:
+    project: str
+    artifact_id: str
+    kind: str
+    author: str
+    created_event_id: str
+    created_at: datetime
+    content: str
+    content_hash: str
+    impact: float | None
+    confidence: float | None
+    source: EpistemicSource | None
+    revises: str | None = None
+    supersedes: str | None = None
+    superseded_by: str | None = None
+    contradicted_by: str | None = None
+    trust: Trust = Trust.unverified
+    lifecycle: Lifecycle = Lifecycle.active
+    resolution: ResolutionKind | None = None
+    forgotten: bool = False
+    flags: frozenset[str] = frozenset()
+    last_seq: int = 0
+    updated_at: datetime | None = None
+
+    @property
+    def state_label(self) -> str:
+        life = f"resolved({self.resolution})" if self.lifecycle is Lifecycle.resolved else "active"
+        return f"{self.trust.value}/{life}"
+
+    def safe(self, *, include_resolved: bool = False) -> bool:
+        """What the safe door may show: never contradicted, rolled back, retracted, mistyped or forgotten;
+        other resolved artifacts only when asked."""
+        if self.forgotten or self.trust in UNSAFE_TRUST:
+            return False
+        if self.lifecycle is Lifecycle.resolved:
+            return include_resolved and self.resolution not in UNSAFE_RESOLUTIONS
+        return True
+
+    @property
+    def longevity(self) -> float:
+        """Impact for findings and others that carry it; confidence for assumptions (DESIGN §7)."""
+        if self.kind == "assumption":
+            return self.confidence or 0.0
+        if self.impact is not None:
+            return self.impact
+        return self.confidence or 0.0
+
+
+def time_weight(age_days: float | None, longevity: float) -> float:
+    """exp(-age/tau) with tau = 30 days * (1 + 2 * longevity); an unknown age is neutral (0.5)."""
+    if age_days is None or math.isnan(age_days):
+        return 0.5
+    tau = 30.0 * (1.0 + 2.0 * longevity)
+    return math.exp(-max(0.0, age_days) / tau)
+
+
+def relevance(state: ArtifactState, now: datetime) -> float:
+    """Time weight combined with impact: a neutral impact (0.5) when the kind has none."""
+    age_days = (now - state.created_at).total_seconds() / 86_400 if state.created_at.tzinfo else None
+    impact = state.impact if state.impact is not None else 0.5
+    return time_weight(age_days, state.longevity) * (0.5 + 0.5 * impact)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one event does: artifact states to write, at most one verification record and one tombstone."""
+
+    event_id: str
+    artifacts: tuple[ArtifactState, ...] = ()
+    verification: Verification | None = None
+    tombstone: Tombstone | None = None
+    flags: frozenset[str] = frozenset()
+
+
+Lookup = Callable[[str], ArtifactState | None]
+
+
+def decide(event: Envelope, stream_seq: int, lookup: Lookup, is_tombstoned: Callable[[str], bool]) -> Change:
+    """The change `event` makes given current states. Raises IllegalTransition naming the artifact, its
+    current state and what would be legal. Pure: reads through `lookup`, writes nothing."""
+    if event.body.transition:
+        return _decide_transition(event, stream_seq, lookup)
+    return _decide_new_artifact(event, stream_seq, lookup, is_tombstoned)
+
+
+def _require(lookup: Lookup, artifact_id: str, role: str, requested: str) -> ArtifactState:
+    state = lookup(artifact_id)
+    if state is None:
+        raise IllegalTransition(artifact_id, "absent", requested, f"{role} {artifact_id!r} does not exist")
+    return state
+
+
+def _decide_new_artifact(event: Envelope, seq: int, lookup: Lookup, is_tombstoned: Callable[[str], bool]) -> Change:
+    aid = event.artifact_id
+    if lookup(aid) is not None:
+        raise IllegalTransition(aid, "exists", event.kind, "an artifact with this id already exists")
+    body = event.body
+    content = body.content_text()
+    digest = content_hash(content)
+    impact = getattr(body, "impact", None)
+    confidence = getattr(body, "confidence", None)
+    flags = set()
+    if confidence is not None and confidence >= UNEARNED_CONFIDENCE and event.source is EpistemicSource.intuition:
+        flags.add(FLAG_UNEARNED)
+    if is_tombstoned(digest):
+        flags.add(FLAG_PREVIOUSLY_RETRACTED)
+    revises = supersedes = None
+    if isinstance(body, FindingBody):
+        revises, supersedes = body.revises, body.supersedes
+    if revises is not None:
+        if revises == aid:
+            raise IllegalTransition(aid, "absent", event.kind, "an artifact cannot revise itself")
+        _require(lookup, revises, "revised artifact", event.kind)
+    state = ArtifactState(
+        project=event.project,
+        artifact_id=aid,
+        kind=event.kind,
+        author=event.actor.agent_id,
+        created_event_id=str(event.event_id),
+        created_at=event.recorded_at,
+        content=content,
+        content_hash=digest,
+        impact=impact,
+        confidence=confidence,
+        source=event.source,
+        revises=revises,
+        supersedes=supersedes,
+        flags=frozenset(flags),
+        last_seq=seq,
+        updated_at=event.recorded_at,
+    )
+    changed = [state]
+    if supersedes is not None:
+        changed.append(_supersede(_require(lookup, supersedes, "superseded artifact", event.kind), aid, event, seq))
+    return Change(str(event.event_id), tuple(changed), flags=frozenset(flags))
+
+
+def _supersede(old: ArtifactState, successor: str, event: Envelope, seq: int) -> ArtifactState:
+    """Both sides or nothing: the caller writes the returned state with the successor's, or raises."""
+    if old.artifact_id == successor:
+        raise IllegalTransition(old.artifact_id, old.state_label, "superseded", "an artifact cannot supersede itself")
+    if old.lifecycle is Lifecycle.resolved:
+        raise IllegalTransition(
+            old.artifact_id, old.state_label, "resolved(superseded)", "it is already resolved; nothing is legal"
+        )
+    if old.trust is Trust.rolled_back:
+        raise IllegalTransition(old.artifact_id, old.state_label, "resolved(superseded)", "it is rolled back")
+    return replace(
+        old,
+        lifecycle=Lifecycle.resolved,
+        resolution=ResolutionKind.superseded,
+        superseded_by=successor,
+        last_seq=seq,
+        updated_at=event.recorded_at,
+    )
+
+
+def _decide_transition(event: Envelope, seq: int, lookup: Lookup) -> Change:
+    aid = event.artifact_id
+    current = _require(lookup, aid, "artifact", event.kind)
+    if current.project != event.project:
+        raise IllegalTransition(aid, current.state_label, event.kind, f"it belongs to project {current.project}")
+    body = event.body
+    at = event.recorded_at
+    if isinstance(body, ResolvedBody):
+        return _decide_resolution(event, body, current, seq, lookup)
+    if isinstance(body, ForgottenBody):
+        return Change(str(event.event_id), (replace(current, forgotten=True, last_seq=seq, updated_at=at),))
+    target = TRANSITION_TRUST[event.kind]
+    legal = TRUST_TRANSITIONS[current.trust]
+    if target not in legal:
+        allowed = ", ".join(sorted(t.value for t in legal)) or "nothing (terminal)"
+        raise IllegalTransition(aid, current.state_label, target.value, f"from {current.trust} only {allowed}")
+    if isinstance(body, VerifiedBody):
+        if event.actor.agent_id == current.author:
+            raise IllegalTransition(
+                aid, current.state_label, "verified", f"{current.author} is the author; another agent must verify"
+            )
+        record = Verification(str(event.event_id), aid, event.actor.agent_id, at, seq, body.note)
+        updated = replace(current, trust=Trust.verified, last_seq=seq, updated_at=at)
+        return Change(str(event.event_id), (updated,), verification=record)
+    if isinstance(body, ContradictedBody):
+        if body.contradicted_by == aid:
+            raise IllegalTransition(aid, current.state_label, "contradicted", "an artifact cannot contradict itself")
+        _require(lookup, body.contradicted_by, "contradicting artifact", "contradicted")
+        updated = replace(
+            current, trust=Trust.contradicted, contradicted_by=body.contradicted_by, last_seq=seq, updated_at=at
+        )
+        return Change(str(event.event_id), (updated,))
+    assert isinstance(body, RolledBackBody)
+    updated = replace(current, trust=Trust.rolled_back, last_seq=seq, updated_at=at)
+    tomb = Tombstone(current.content_hash, aid, str(event.event_id), "rolled_back")
+    return Change(str(event.event_id), (updated,), tombstone=tomb)
+
+
+def _decide_resolution(event: Envelope, body: ResolvedBody, current: ArtifactState, seq: int, lookup: Lookup) -> Change:
+    aid = event.artifact_id
+    requested = f"resolved({body.resolution})"
+    if current.lifecycle is Lifecycle.resolved:
+        raise IllegalTransition(aid, current.state_label, requested, "it is already resolved; nothing is legal")
+    if current.trust is Trust.rolled_back:
+        raise IllegalTransition(aid, current.state_label, requested, "it is rolled back (terminal)")
+    at = event.recorded_at
+    if body.resolution is ResolutionKind.superseded:
+        assert body.superseded_by is not None  # the body model requires it
+        successor = _require(lookup, body.superseded_by, "successor", requested)
+        if successor.supersedes not in (None, aid):
+            raise IllegalTransition(
+                successor.artifact_id,
+                successor.state_label,
+                "supersedes",
+                f"it already supersedes {successor.supersedes}",
+            )
+        old = _supersede(current, successor.artifact_id, event, seq)
+        new = replace(successor, supersedes=aid, last_seq=seq, updated_at=at)
+        return Change(str(event.event_id), (old, new))
+    updated = replace(current, lifecycle=Lifecycle.resolved, resolution=body.resolution, last_seq=seq, updated_at=at)
+    tomb = None
+    if body.resolution is ResolutionKind.retracted:
+        tomb = Tombstone(current.content_hash, aid, str(event.event_id), "retracted")
+    return Change(str(event.event_id), (updated,), tombstone=tomb)
+
+
+@dataclass
+class Fold:
+    """Project knowledge folded in memory from events in stream order (as-of reads, client validation).
+    Illegal events are recorded in `rejected` with their reason and change nothing."""
+
+    artifacts: dict[str, ArtifactState] = field(default_factory=dict)
+    verifications: list[Verification] = field(default_factory=list)
+    tombstones: dict[str, Tombstone] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    flags: dict[str, frozenset[str]] = field(default_factory=dict)
+    last_seq: int = 0
+
+    def apply(self, event: Envelope, stream_seq: int) -> Change | None:
+        try:
+            change = decide(event, stream_seq, self.artifacts.get, self.tombstones.__contains__)
+        except IllegalTransition as e:
+            self.rejected[str(event.event_id)] = str(e)
+            return None
+        self.absorb(change)
+        self.last_seq = max(self.last_seq, stream_seq)
+        return change
+
+    def absorb(self, change: Change) -> None:
+        for state in change.artifacts:
+            self.artifacts[state.artifact_id] = state
+        if change.verification is not None:
+            self.verifications.append(change.verification)
+        if change.tombstone is not None:
+            self.tombstones.setdefault(change.tombstone.content_hash, change.tombstone)
+        if change.flags:
+            self.flags[change.event_id] = change.flags
+
+    @classmethod
+    def of(cls, events: Iterable[tuple[Envelope, int]]) -> Fold:
+        fold = cls()
+        for event, seq in events:
+            fold.apply(event, seq)
+        return fold
+
+
+def as_of_filter(at: datetime | None) -> Callable[[Envelope], bool]:
+    """Events that had been recorded by `at` (all events when None)."""
+    if at is None:
+        return lambda _event: True
+    cutoff = at.astimezone(UTC)
+    return lambda event: event.recorded_at <= cutoff
+
+
+def by_id(states: Iterable[ArtifactState]) -> Mapping[str, ArtifactState]:
+    return {s.artifact_id: s for s in states}
