@@ -40,6 +40,7 @@ from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
 MAX_PUBLISH_ATTEMPTS = 5
+TOMBSTONE_CHECK_TIMEOUT_S = 2.0
 
 
 async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
@@ -102,6 +103,7 @@ class EpibusClient:
         self.nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
         self._tombstones: TombstoneRegistry | None = None
+        self.unchecked_tombstones = 0  # publishes whose tombstone pre-check could not run (counted, logged)
         self._tombstones_js: JetStreamContext | None = None
         self._streams_ready = False
         self._registry: AgentRegistry | None = None
@@ -291,11 +293,17 @@ class EpibusClient:
         flags: dict[str, tuple[str, ...]] = {}
         claims = [e for e in events if not e.body.transition]
         tombstoned: dict[str, set[str]] = {}
-        if claims and self.connected:
-            for project in {e.project for e in claims}:
-                tombstoned[project] = await self.tombstones.hashes(project)
-        elif claims and strict:
-            raise Unavailable("nats", "not connected, so tombstones cannot be checked; retry or drop --strict")
+        for project in {e.project for e in claims}:
+            try:
+                if not self.connected:
+                    raise Unavailable("nats", "not connected")
+                tombstoned[project] = await self.tombstones.hashes(project, timeout_s=TOMBSTONE_CHECK_TIMEOUT_S)
+            except Unavailable as e:
+                if strict:
+                    raise Unavailable("nats", f"tombstones cannot be checked ({e.cause}); retry, or drop strict") from e
+                # Publishing must not wait on the check: the journal's projection flags the claim anyway.
+                self.unchecked_tombstones += 1
+                log.warning("tombstones of %s not checked before publishing: %s", project, e)
         for event in claims:
             found = []
             confidence = getattr(event.body, "confidence", None)

@@ -77,10 +77,10 @@ class TombstoneRegistry:
                 self._kv = await self._js.create_key_value(bucket=TOMBSTONES_BUCKET, history=1)
         return self._kv
 
-    async def hashes(self, project: str) -> set[str]:
+    async def hashes(self, project: str, *, timeout_s: float = JS_TIMEOUT_S) -> set[str]:
         """Every tombstoned content hash of a project, in one request (the keys of the KV stream)."""
         try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 await self._bucket()
                 info = await self._js.stream_info(
                     f"KV_{TOMBSTONES_BUCKET}", subjects_filter=f"$KV.{TOMBSTONES_BUCKET}.{project}.>"

@@ -83,6 +83,7 @@ class ArtifactState:
     impact: float | None
     confidence: float | None
     source: EpistemicSource | None
+    goal_id: str | None = None
     revises: str | None = None
     supersedes: str | None = None
     superseded_by: str | None = None
@@ -196,6 +197,7 @@ def _decide_new_artifact(event: Envelope, seq: int, lookup: Lookup, is_tombstone
         impact=impact,
         confidence=confidence,
         source=event.source,
+        goal_id=event.goal_id,
         revises=revises,
         supersedes=supersedes,
         flags=frozenset(flags),

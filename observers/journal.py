@@ -24,6 +24,7 @@ from bus.errors import ConfigError, Unavailable
 from bus.event import Envelope, validate_event
 from bus.runner import Delivery
 from bus.subjects import JOURNAL_LOOKUP
+from observers.projection import project_deliveries, rebuild
 from observers.schema import events, migrate
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,20 @@ class Journal:
         insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
         statement = insert.on_conflict_do_nothing(index_elements=["event_id"]).returning(events.c.event_id)
         try:
-            with self.engine.begin() as conn:
-                inserted = conn.execute(statement, rows).scalars().all()
+            with self.engine.begin() as conn:  # the events and what they did to the state commit together
+                inserted = set(conn.execute(statement, rows).scalars().all())
+                project_deliveries(conn, [d for d in deliveries if str(d.event.event_id) in inserted])
         except SQLAlchemyError as e:
             raise Unavailable("journal", f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
-        return list(inserted)
+        return [str(d.event.event_id) for d in deliveries if str(d.event.event_id) in inserted]
+
+    def rebuild_projection(self) -> int:
+        """Recompute the state projection from the journal's events in stream order."""
+        try:
+            with self.engine.begin() as conn:
+                return rebuild(conn)
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"rebuild on {self.safe_url} failed: {e}") from e
 
     def has(self, event_ids: Sequence[str]) -> set[str]:
         if not event_ids:

@@ -9,8 +9,10 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -52,6 +54,10 @@ events = Table(
     Column("received_at", DateTime(timezone=True), nullable=False),
     Column("signature_status", String(16), nullable=False),
     Column("envelope", Text, nullable=False),
+    # v2: what the state projection made of the event (applied | rejected), why, and its flags.
+    Column("status", String(16), nullable=False, server_default="applied"),
+    Column("reason", Text, nullable=True),
+    Column("flags", String(200), nullable=True),
     # The indexes the journal's reads use: by project (and kind) over time, by actor, by artifact, by seq.
     Index("ix_events_project_kind_time", "project", "kind", "recorded_at"),
     Index("ix_events_project_time", "project", "recorded_at"),
@@ -61,13 +67,88 @@ events = Table(
 )
 
 
+artifacts = Table(
+    "artifacts",
+    metadata,
+    Column("project", String(63), primary_key=True),
+    Column("artifact_id", String(128), primary_key=True),
+    Column("kind", String(32), nullable=False),
+    Column("author", String(64), nullable=False),
+    Column("created_event_id", String(36), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("content", Text, nullable=False),
+    Column("content_hash", String(64), nullable=False),
+    Column("impact", Float, nullable=True),
+    Column("confidence", Float, nullable=True),
+    Column("source", String(16), nullable=True),
+    Column("goal_id", String(128), nullable=True),
+    Column("revises", String(128), nullable=True),
+    Column("supersedes", String(128), nullable=True),
+    Column("superseded_by", String(128), nullable=True),
+    Column("contradicted_by", String(128), nullable=True),
+    Column("trust", String(16), nullable=False),
+    Column("lifecycle", String(16), nullable=False),
+    Column("resolution", String(16), nullable=True),
+    Column("forgotten", Boolean, nullable=False),
+    Column("flags", String(200), nullable=True),
+    Column("last_seq", BigInteger, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=True),
+    Index("ix_artifacts_state", "project", "trust", "lifecycle"),
+    Index("ix_artifacts_kind", "project", "kind"),
+    Index("ix_artifacts_revises", "project", "revises"),
+)
+
+verifications = Table(
+    "verifications",  # append-only: every verification, including re-verifications
+    metadata,
+    Column("event_id", String(36), primary_key=True),
+    Column("project", String(63), nullable=False),
+    Column("artifact_id", String(128), nullable=False),
+    Column("verifier", String(64), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False),
+    Column("stream_seq", BigInteger, nullable=False),
+    Column("note", Text, nullable=True),
+    Index("ix_verifications_artifact", "project", "artifact_id"),
+)
+
+tombstones = Table(
+    "tombstones",
+    metadata,
+    Column("project", String(63), primary_key=True),
+    Column("content_hash", String(64), primary_key=True),
+    Column("artifact_id", String(128), nullable=False),
+    Column("event_id", String(36), nullable=False),
+    Column("reason", String(16), nullable=False),
+)
+
+projection_cursor = Table(
+    "projection_cursor",  # the highest stream sequence the projection has applied
+    metadata,
+    Column("name", String(32), primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),
+)
+
+
 def _v1_events(conn: Connection) -> None:
     metadata.create_all(conn, tables=[events])
+
+
+def _v2_state_projection(conn: Connection) -> None:
+    present = {c["name"] for c in inspect(conn).get_columns("events")}
+    for name, ddl in (
+        ("status", "VARCHAR(16) NOT NULL DEFAULT 'applied'"),
+        ("reason", "TEXT"),
+        ("flags", "VARCHAR(200)"),
+    ):
+        if name not in present:  # a v1 database; a new one got these columns from the table definition
+            conn.execute(text(f"ALTER TABLE events ADD COLUMN {name} {ddl}"))
+    metadata.create_all(conn, tables=[artifacts, verifications, tombstones, projection_cursor])
 
 
 # (version, description, step). Append only: a shipped step is never edited.
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "events table with its query indexes", _v1_events),
+    (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 

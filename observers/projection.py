@@ -1,0 +1,261 @@
+"""The state projection: artifacts' current trust, lifecycle, resolution and links, the verification log and
+tombstones, derived from journaled events in stream order by `bus.state.decide` (DESIGN §4).
+
+It runs inside the journal's write transaction, so an event and what it did commit together. An event that
+is illegal at apply time is marked `rejected` with its reason and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import and_, bindparam, delete, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from bus.errors import IllegalTransition
+from bus.event import ContradictedBody, Envelope, FindingBody, ResolvedBody, validate_event
+from bus.runner import Delivery
+from bus.state import ArtifactState, Change, decide
+from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from observers.schema import artifacts, events, projection_cursor, tombstones, verifications
+
+log = logging.getLogger(__name__)
+CURSOR = "state"
+REBUILD_CHUNK = 2_000
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def state_to_row(s: ArtifactState) -> dict[str, Any]:
+    return {
+        "project": s.project,
+        "artifact_id": s.artifact_id,
+        "kind": s.kind,
+        "author": s.author,
+        "created_event_id": s.created_event_id,
+        "created_at": s.created_at,
+        "content": s.content,
+        "content_hash": s.content_hash,
+        "impact": s.impact,
+        "confidence": s.confidence,
+        "source": s.source.value if s.source else None,
+        "goal_id": s.goal_id,
+        "revises": s.revises,
+        "supersedes": s.supersedes,
+        "superseded_by": s.superseded_by,
+        "contradicted_by": s.contradicted_by,
+        "trust": s.trust.value,
+        "lifecycle": s.lifecycle.value,
+        "resolution": s.resolution.value if s.resolution else None,
+        "forgotten": s.forgotten,
+        "flags": ",".join(sorted(s.flags)) or None,
+        "last_seq": s.last_seq,
+        "updated_at": s.updated_at,
+    }
+
+
+def row_to_state(m: Any) -> ArtifactState:
+    created_at = _utc(m["created_at"])
+    assert created_at is not None
+    return ArtifactState(
+        project=m["project"],
+        artifact_id=m["artifact_id"],
+        kind=m["kind"],
+        author=m["author"],
+        created_event_id=m["created_event_id"],
+        created_at=created_at,
+        content=m["content"],
+        content_hash=m["content_hash"],
+        impact=m["impact"],
+        confidence=m["confidence"],
+        source=EpistemicSource(m["source"]) if m["source"] else None,
+        goal_id=m["goal_id"],
+        revises=m["revises"],
+        supersedes=m["supersedes"],
+        superseded_by=m["superseded_by"],
+        contradicted_by=m["contradicted_by"],
+        trust=Trust(m["trust"]),
+        lifecycle=Lifecycle(m["lifecycle"]),
+        resolution=ResolutionKind(m["resolution"]) if m["resolution"] else None,
+        forgotten=bool(m["forgotten"]),
+        flags=frozenset(m["flags"].split(",")) if m["flags"] else frozenset(),
+        last_seq=m["last_seq"],
+        updated_at=_utc(m["updated_at"]),
+    )
+
+
+def _references(event: Envelope) -> set[str]:
+    body = event.body
+    refs = {event.artifact_id}
+    if isinstance(body, FindingBody):
+        refs |= {r for r in (body.revises, body.supersedes) if r}
+    elif isinstance(body, ResolvedBody) and body.superseded_by:
+        refs.add(body.superseded_by)
+    elif isinstance(body, ContradictedBody):
+        refs.add(body.contradicted_by)
+    return refs
+
+
+class BatchState:
+    """Artifact states and tombstones a batch touches, loaded once and written back once."""
+
+    def __init__(self, conn: Connection, batch: Sequence[Envelope]) -> None:
+        self.conn = conn
+        self.states: dict[tuple[str, str], ArtifactState | None] = {}
+        self.dirty: set[tuple[str, str]] = set()
+        self.tombstoned: dict[str, set[str]] = {}
+        keys = {(e.project, ref) for e in batch for ref in _references(e)}
+        self._load(keys)
+        for project in {e.project for e in batch}:
+            self.tombstoned[project] = set(
+                conn.execute(select(tombstones.c.content_hash).where(tombstones.c.project == project)).scalars()
+            )
+
+    def _load(self, keys: set[tuple[str, str]]) -> None:
+        wanted = [k for k in keys if k not in self.states]
+        for start in range(0, len(wanted), 500):
+            chunk = wanted[start : start + 500]
+            found = self.conn.execute(
+                select(artifacts).where(tuple_(artifacts.c.project, artifacts.c.artifact_id).in_(chunk))
+            )
+            for row in found:
+                self.states[(row.project, row.artifact_id)] = row_to_state(row._mapping)
+            for key in chunk:
+                self.states.setdefault(key, None)
+
+    def lookup(self, project: str) -> Any:
+        def get(artifact_id: str) -> ArtifactState | None:
+            key = (project, artifact_id)
+            if key not in self.states:
+                self._load({key})
+            return self.states[key]
+
+        return get
+
+    def absorb(self, project: str, change: Change) -> None:
+        for state in change.artifacts:
+            key = (state.project, state.artifact_id)
+            self.states[key] = state
+            self.dirty.add(key)
+        if change.verification is not None:
+            v = change.verification
+            self.conn.execute(
+                verifications.insert().values(
+                    event_id=v.event_id,
+                    project=project,
+                    artifact_id=v.artifact_id,
+                    verifier=v.verifier,
+                    recorded_at=v.recorded_at,
+                    stream_seq=v.stream_seq,
+                    note=v.note,
+                )
+            )
+        if change.tombstone is not None and change.tombstone.content_hash not in self.tombstoned[project]:
+            t = change.tombstone
+            self.tombstoned[project].add(t.content_hash)
+            self.conn.execute(
+                tombstones.insert().values(
+                    project=project,
+                    content_hash=t.content_hash,
+                    artifact_id=t.artifact_id,
+                    event_id=t.event_id,
+                    reason=t.reason,
+                )
+            )
+
+    def flush(self) -> None:
+        rows = [state_to_row(s) for k in sorted(self.dirty) if (s := self.states[k]) is not None]
+        if not rows:
+            return
+        insert = (postgresql.insert if self.conn.dialect.name == "postgresql" else sqlite.insert)(artifacts)
+        columns = {c: insert.excluded[c] for c in rows[0] if c not in ("project", "artifact_id")}
+        self.conn.execute(insert.on_conflict_do_update(index_elements=["project", "artifact_id"], set_=columns), rows)
+        self.dirty.clear()
+
+
+def cursor(conn: Connection) -> int:
+    found = conn.execute(select(projection_cursor.c.last_seq).where(projection_cursor.c.name == CURSOR)).scalar()
+    return int(found or 0)
+
+
+def _set_cursor(conn: Connection, seq: int) -> None:
+    if conn.execute(update(projection_cursor).where(projection_cursor.c.name == CURSOR).values(last_seq=seq)).rowcount:
+        return
+    conn.execute(projection_cursor.insert().values(name=CURSOR, last_seq=seq))
+
+
+def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dict[str, str]:
+    """Apply events in stream order; returns {event_id: reason} for those rejected."""
+    ordered = sorted(batch, key=lambda pair: pair[1])
+    if not ordered:
+        return {}
+    state = BatchState(conn, [e for e, _ in ordered])
+    rejected: dict[str, str] = {}
+    outcomes = []
+    for event, seq in ordered:
+        try:
+            change = decide(event, seq, state.lookup(event.project), state.tombstoned[event.project].__contains__)
+        except IllegalTransition as e:
+            rejected[str(event.event_id)] = str(e)
+            outcomes.append({"b_id": str(event.event_id), "b_status": "rejected", "b_reason": str(e), "b_flags": None})
+            continue
+        state.absorb(event.project, change)
+        if change.flags:
+            flags = ",".join(sorted(change.flags))
+            outcomes.append({"b_id": str(event.event_id), "b_status": "applied", "b_reason": None, "b_flags": flags})
+    state.flush()
+    if outcomes:
+        conn.execute(
+            update(events)
+            .where(events.c.event_id == bindparam("b_id"))
+            .values(status=bindparam("b_status"), reason=bindparam("b_reason"), flags=bindparam("b_flags")),
+            outcomes,
+        )
+    _set_cursor(conn, max(cursor(conn), ordered[-1][1]))
+    return rejected
+
+
+def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict[str, str]:
+    """Apply newly journaled deliveries. If any arrives behind the cursor (a redelivery overtaken by later
+    events), the whole projection is rebuilt from the journal so the state is the stream-order fold."""
+    if not deliveries:
+        return {}
+    behind = min(d.stream_seq for d in deliveries) < cursor(conn)
+    if behind:
+        log.warning("an event arrived behind the projection cursor; rebuilding the projection in stream order")
+        rebuild(conn)
+        found = conn.execute(
+            select(events.c.event_id, events.c.reason).where(
+                and_(events.c.event_id.in_([str(d.event.event_id) for d in deliveries]), events.c.status == "rejected")
+            )
+        )
+        return {row.event_id: row.reason for row in found}
+    return apply_events(conn, [(d.event, d.stream_seq) for d in deliveries])
+
+
+def rebuild(conn: Connection) -> int:
+    """Recompute the whole projection from the journal's events in stream order. Returns events applied."""
+    for table in (artifacts, verifications, tombstones, projection_cursor):
+        conn.execute(delete(table))
+    conn.execute(update(events).values(status="applied", reason=None, flags=None))
+    applied, after = 0, 0
+    while True:
+        rows = conn.execute(
+            select(events.c.stream_seq, events.c.envelope)
+            .where(events.c.stream_seq > after)
+            .order_by(events.c.stream_seq)
+            .limit(REBUILD_CHUNK)
+        ).all()
+        if not rows:
+            return applied
+        apply_events(conn, [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows])
+        applied += len(rows)
+        after = rows[-1].stream_seq

@@ -1,0 +1,259 @@
+"""Reads of the epistemic state from the journal (DESIGN §7): the safe door `artifacts`, the separate audit
+door `audit_artifacts`, `briefing` and `vocab_report`. Every read takes `as_of`: with it, the state is folded
+from the append-only events recorded by then; without it, the live projection is read."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from bus.event import validate_event
+from bus.state import (
+    FLAG_PREVIOUSLY_RETRACTED,
+    FLAG_UNEARNED,
+    ArtifactState,
+    Fold,
+    Verification,
+    relevance,
+)
+from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from observers.journal import Journal
+from observers.projection import row_to_state
+from observers.schema import artifacts as artifacts_table
+from observers.schema import events, verifications
+
+RECENT = timedelta(days=14)
+
+
+@dataclass(frozen=True)
+class ArtifactView:
+    state: ArtifactState
+    relevance: float
+    verifications: tuple[Verification, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "artifact_id": s.artifact_id,
+            "kind": s.kind,
+            "author": s.author,
+            "content": s.content,
+            "trust": s.trust.value,
+            "lifecycle": s.lifecycle.value,
+            "resolution": s.resolution.value if s.resolution else None,
+            "impact": s.impact,
+            "confidence": s.confidence,
+            "source": s.source.value if s.source else None,
+            "goal_id": s.goal_id,
+            "revises": s.revises,
+            "supersedes": s.supersedes,
+            "superseded_by": s.superseded_by,
+            "contradicted_by": s.contradicted_by,
+            "forgotten": s.forgotten,
+            "flags": sorted(s.flags),
+            "created_at": s.created_at.isoformat(),
+            "created_event_id": s.created_event_id,
+            "relevance": round(self.relevance, 6),
+            "verifications": [
+                {"verifier": v.verifier, "event_id": v.event_id, "at": v.recorded_at.isoformat(), "note": v.note}
+                for v in self.verifications
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A project's artifacts and verification log, now or as of a time."""
+
+    project: str
+    at: datetime
+    states: dict[str, ArtifactState]
+    verifications: tuple[Verification, ...]
+
+    def view(self, state: ArtifactState, *, with_log: bool = False) -> ArtifactView:
+        log = tuple(v for v in self.verifications if v.artifact_id == state.artifact_id) if with_log else ()
+        return ArtifactView(state, relevance(state, self.at), log)
+
+
+def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -> Snapshot:
+    with journal.engine.connect() as conn:
+        if as_of is None:
+            rows = conn.execute(select(artifacts_table).where(artifacts_table.c.project == project))
+            states = {r.artifact_id: row_to_state(r._mapping) for r in rows}
+            found = conn.execute(
+                select(verifications).where(verifications.c.project == project).order_by(verifications.c.stream_seq)
+            )
+            log = tuple(
+                Verification(r.event_id, r.artifact_id, r.verifier, _utc(r.recorded_at), r.stream_seq, r.note)
+                for r in found
+            )
+            return Snapshot(project, datetime.now(UTC), states, log)
+        cutoff = as_of.astimezone(UTC)
+        rows = conn.execute(
+            select(events.c.envelope, events.c.stream_seq)
+            .where(events.c.project == project, events.c.recorded_at <= cutoff)
+            .order_by(events.c.stream_seq)
+        )
+        fold = Fold.of((validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows)
+    return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
+def _ranked(views: list[ArtifactView], limit: int) -> list[ArtifactView]:
+    return sorted(views, key=lambda v: (-v.relevance, v.state.artifact_id))[:limit]
+
+
+def artifacts(
+    journal: Journal,
+    project: str,
+    *,
+    kinds: set[str] | None = None,
+    include_resolved: bool = False,
+    as_of: datetime | None = None,
+    limit: int = 50,
+) -> list[ArtifactView]:
+    """The safe door: never contradicted, rolled back, retracted, mistyped or forgotten artifacts; other
+    resolved ones only with include_resolved. Ranked by relevance."""
+    snap = snapshot(journal, project, as_of=as_of)
+    chosen = [
+        snap.view(s)
+        for s in snap.states.values()
+        if s.safe(include_resolved=include_resolved) and (kinds is None or s.kind in kinds)
+    ]
+    return _ranked(chosen, limit)
+
+
+def audit_artifacts(
+    journal: Journal, project: str, *, kinds: set[str] | None = None, as_of: datetime | None = None, limit: int = 500
+) -> list[ArtifactView]:
+    """The audit door: everything, whatever its state, with its verification log."""
+    snap = snapshot(journal, project, as_of=as_of)
+    chosen = [snap.view(s, with_log=True) for s in snap.states.values() if kinds is None or s.kind in kinds]
+    return _ranked(chosen, limit)
+
+
+@dataclass(frozen=True)
+class Briefing:
+    project: str
+    goal: str | None
+    at: datetime
+    top: list[ArtifactView]
+    for_goal: list[ArtifactView]
+    open_unknowns: list[ArtifactView]
+    recent_mistakes_and_dead_ends: list[ArtifactView]
+    recently_superseded: list[ArtifactView]
+    unearned_confidence: list[ArtifactView]
+    previously_retracted: list[ArtifactView]
+
+    def as_dict(self) -> dict[str, Any]:
+        sections = (
+            "top",
+            "for_goal",
+            "open_unknowns",
+            "recent_mistakes_and_dead_ends",
+            "recently_superseded",
+            "unearned_confidence",
+            "previously_retracted",
+        )
+        return {"project": self.project, "goal": self.goal, "at": self.at.isoformat()} | {
+            name: [v.as_dict() for v in getattr(self, name)] for name in sections
+        }
+
+
+def briefing(
+    journal: Journal, project: str, goal: str | None = None, *, as_of: datetime | None = None, limit: int = 10
+) -> Briefing:
+    """What a starting agent needs without a query (DESIGN §7)."""
+    snap = snapshot(journal, project, as_of=as_of)
+    safe = [snap.view(s) for s in snap.states.values() if s.safe()]
+    recent_since = snap.at - RECENT
+    superseded = [
+        snap.view(s)
+        for s in snap.states.values()
+        if s.resolution is ResolutionKind.superseded
+        and not s.forgotten
+        and (s.updated_at or s.created_at) >= recent_since
+    ]
+    return Briefing(
+        project=project,
+        goal=goal,
+        at=snap.at,
+        top=_ranked([v for v in safe if v.state.kind != "unknown"], limit),
+        for_goal=_ranked([v for v in safe if goal is not None and v.state.goal_id == goal], limit),
+        open_unknowns=_ranked([v for v in safe if v.state.kind == "unknown"], limit),
+        recent_mistakes_and_dead_ends=sorted(
+            (v for v in safe if v.state.kind in ("mistake", "dead_end") and v.state.created_at >= recent_since),
+            key=lambda v: v.state.created_at,
+            reverse=True,
+        )[:limit],
+        recently_superseded=sorted(superseded, key=lambda v: v.state.updated_at or v.state.created_at, reverse=True)[
+            :limit
+        ],
+        unearned_confidence=_ranked([v for v in safe if FLAG_UNEARNED in v.state.flags], limit),
+        previously_retracted=_ranked([v for v in safe if FLAG_PREVIOUSLY_RETRACTED in v.state.flags], limit),
+    )
+
+
+@dataclass(frozen=True)
+class VocabReport:
+    project: str
+    at: datetime
+    artifacts: int
+    resolutions: dict[str, int]
+    trust: dict[str, int]
+    sources: dict[str, int]
+    unearned_confidence: int
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "project": self.project,
+            "at": self.at.isoformat(),
+            "artifacts": self.artifacts,
+            "resolutions": self.resolutions,
+            "trust": self.trust,
+            "sources": self.sources,
+            "unearned_confidence": self.unearned_confidence,
+            "warnings": self.warnings,
+        }
+
+
+def vocab_report(journal: Journal, project: str, *, as_of: datetime | None = None) -> VocabReport:
+    """Whether errors are being recorded at all: counts of resolutions per kind, trust states and sources."""
+    snap = snapshot(journal, project, as_of=as_of)
+    states = list(snap.states.values())
+    resolutions = Counter(s.resolution.value for s in states if s.lifecycle is Lifecycle.resolved and s.resolution)
+    trust = Counter(s.trust.value for s in states)
+    sources = Counter(s.source.value if s.source else "untagged" for s in states)
+    unearned = sum(FLAG_UNEARNED in s.flags for s in states)
+    warnings = []
+    resolved_total = sum(resolutions.values())
+    if resolved_total and resolutions.get("stale", 0) == resolved_total:
+        warnings.append(
+            f"every resolution ({resolved_total}) is 'stale': nothing was ever retracted, superseded or mistyped; "
+            "are errors being recorded as 'retracted'?"
+        )
+    if states and trust.get("verified", 0) == 0:
+        warnings.append(f"none of {len(states)} artifacts is verified: claims are not being checked by a second agent")
+    if states and sources.get("untagged", 0) == len(states):
+        warnings.append("no artifact says how it was arrived at (source): unearned confidence cannot be detected")
+    if unearned:
+        warnings.append(f"{unearned} claim(s) with confidence >= 0.8 rest on intuition alone (unearned confidence)")
+    return VocabReport(
+        project=project,
+        at=snap.at,
+        artifacts=len(states),
+        resolutions={k.value: resolutions.get(k.value, 0) for k in ResolutionKind},
+        trust={k.value: trust.get(k.value, 0) for k in Trust},
+        sources={k.value: sources.get(k.value, 0) for k in EpistemicSource} | {"untagged": sources.get("untagged", 0)},
+        unearned_confidence=unearned,
+        warnings=warnings,
+    )
