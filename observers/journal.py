@@ -25,7 +25,7 @@ from bus.event import Envelope, validate_event
 from bus.runner import Delivery
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
-from observers.schema import events, migrate
+from observers.schema import events, journal_identity, migrate
 
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
@@ -113,6 +113,12 @@ class Journal:
         self.url = url
         self.engine = make_engine(url)
         self.dialect = self.engine.dialect.name
+
+    def identity(self) -> str:
+        """This journal's id (made by the migration). Journals sharing one database share it, and so share
+        one durable consumer; separate journals get separate consumers and each sees every event."""
+        with self.engine.connect() as conn:
+            return str(conn.execute(select(journal_identity.c.id)).scalar_one())
 
     def migrate(self) -> int:
         try:
@@ -234,9 +240,9 @@ class Journal:
 class JournalObserver:
     """The runner's journal sink; also answers "which of these ids are journaled?" on JOURNAL_LOOKUP."""
 
-    def __init__(self, journal: Journal, *, name: str = "journal") -> None:
+    def __init__(self, journal: Journal, *, name: str | None = None) -> None:
         self.journal = journal
-        self.name = name
+        self.name = name or f"journal-{journal.identity()[:8]}"
         self.inserted = 0
         self.already_present = 0
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -121,6 +122,12 @@ tombstones = Table(
     Column("reason", String(16), nullable=False),
 )
 
+journal_identity = Table(
+    "journal_identity",  # one row: this journal's id, which names its durable consumer
+    metadata,
+    Column("id", String(36), primary_key=True),
+)
+
 projection_cursor = Table(
     "projection_cursor",  # the highest stream sequence the projection has applied
     metadata,
@@ -142,7 +149,9 @@ def _v2_state_projection(conn: Connection) -> None:
     ):
         if name not in present:  # a v1 database; a new one got these columns from the table definition
             conn.execute(text(f"ALTER TABLE events ADD COLUMN {name} {ddl}"))
-    metadata.create_all(conn, tables=[artifacts, verifications, tombstones, projection_cursor])
+    metadata.create_all(conn, tables=[artifacts, verifications, tombstones, projection_cursor, journal_identity])
+    if conn.execute(select(journal_identity.c.id)).first() is None:
+        conn.execute(journal_identity.insert().values(id=str(uuid.uuid4())))
 
 
 # (version, description, step). Append only: a shipped step is never edited.

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands
+from epibus.cli import commands, state
 from epibus.cli.publish import publish_app, register_publish_commands
 
 app = typer.Typer(
@@ -25,6 +25,13 @@ app.command()(commands.tail)
 app.command()(commands.events)
 app.command("replay")(commands.replay_command)
 app.command()(commands.stats)
+app.command()(state.resolve)
+for command in (state.verify, state.contradict, state.rollback):
+    app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)
+app.command("artifacts")(state.artifacts_command)
+app.command()(state.audit)
+app.command("briefing")(state.briefing_command)
+app.command("vocab-report")(state.vocab_report_command)
 
 
 def main() -> None:

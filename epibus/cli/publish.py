@@ -113,6 +113,14 @@ def _common_parameters() -> list[inspect.Parameter]:
             ],
         ),
         p("timeout_s", keyword, default=10.0, annotation=Annotated[float, typer.Option("--timeout")]),
+        p(
+            "strict",
+            keyword,
+            default=False,
+            annotation=Annotated[
+                bool, typer.Option("--strict", help="Refuse a claim that repeats a retracted or rolled-back one.")
+            ],
+        ),
         p("agent", keyword, default=None, annotation=AgentOpt),
         p("nats", keyword, default=None, annotation=NatsOpt),
         p("home", keyword, default=None, annotation=HomeOpt),
@@ -155,19 +163,31 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
         event = client.event(
             kind, body, project=o["project"], artifact_id=o["artifact_id"], source=o["source"], goal_id=o["goal_id"]
         )
-        receipt = await client.publish(event, wait_for=o["wait_for"], timeout_s=o["timeout_s"])
+        receipt = await client.publish(event, wait_for=o["wait_for"], timeout_s=o["timeout_s"], strict=o["strict"])
     if o["as_json"]:
         emit_json({"ok": True, **receipt.as_dict(), "artifact_id": event.artifact_id})
         return
     console.print(
         table(
             f"published {kind}",
-            ["event_id", "artifact_id", "level", "stream_seq", "duplicate"],
-            [[receipt.event_id, event.artifact_id, receipt.level.value, receipt.stream_seq, receipt.duplicate]],
+            ["event_id", "artifact_id", "level", "stream_seq", "duplicate", "flags"],
+            [
+                [
+                    receipt.event_id,
+                    event.artifact_id,
+                    receipt.level.value,
+                    receipt.stream_seq,
+                    receipt.duplicate,
+                    ",".join(receipt.flags),
+                ]
+            ],
         )
     )
 
 
 def register_publish_commands() -> None:
+    """Artifact kinds only: state changes go through resolve/verify/contradict/rollback, which validate them
+    against the artifact's current state and publish with compare-and-set."""
     for kind in kind_names():
-        publish_app.command(name=kind.replace("_", "-"))(_make_command(kind))
+        if not require_kind(kind).transition:
+            publish_app.command(name=kind.replace("_", "-"))(_make_command(kind))

@@ -45,11 +45,23 @@ def claim(key: AgentKey, aid: str, text: str = "the cache is cold", **extra: obj
     return ev(key, "finding", body, artifact_id=aid)
 
 
-def state(aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: object) -> ArtifactState:
+def state(
+    aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: object
+) -> ArtifactState:
     base = ArtifactState(
-        project=P, artifact_id=aid, kind="finding", author="alice", created_event_id="e", created_at=datetime.now(UTC),
-        content=f"claim {aid}", content_hash=content_hash(f"claim {aid}"), impact=0.5, confidence=0.5, source=None,
-        trust=trust, lifecycle=lifecycle,
+        project=P,
+        artifact_id=aid,
+        kind="finding",
+        author="alice",
+        created_event_id="e",
+        created_at=datetime.now(UTC),
+        content=f"claim {aid}",
+        content_hash=content_hash(f"claim {aid}"),
+        impact=0.5,
+        confidence=0.5,
+        source=None,
+        trust=trust,
+        lifecycle=lifecycle,
     )
     return replace(base, **kw)
 
@@ -86,10 +98,18 @@ def test_rolled_back_is_terminal():
     ("trust", "lifecycle", "resolution"),
     list(itertools.product(Trust, [Lifecycle.active, Lifecycle.resolved], ResolutionKind)),
 )
-def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled_back(agents, trust, lifecycle, resolution):
-    states = {"a1": state("a1", trust, lifecycle, resolution=ResolutionKind.stale if lifecycle is Lifecycle.resolved else None),
-              "a2": state("a2")}
-    body = {"resolution": resolution.value} | ({"superseded_by": "a2"} if resolution is ResolutionKind.superseded else {})
+def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled_back(
+    agents, trust, lifecycle, resolution
+):
+    states = {
+        "a1": state(
+            "a1", trust, lifecycle, resolution=ResolutionKind.stale if lifecycle is Lifecycle.resolved else None
+        ),
+        "a2": state("a2"),
+    }
+    body = {"resolution": resolution.value} | (
+        {"superseded_by": "a2"} if resolution is ResolutionKind.superseded else {}
+    )
     event = ev(agents["bob"], "resolved", body, artifact_id="a1")
     if lifecycle is Lifecycle.active and trust is not Trust.rolled_back:
         change = decide(event, 10, states.get, lambda _h: False)
@@ -119,11 +139,19 @@ def test_verifying_a_verified_claim_appends_a_second_record(agents):
 def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
     states = {"a1": state("a1")}
     with pytest.raises(IllegalTransition, match="cannot contradict itself"):
-        decide(ev(agents["bob"], "contradicted", {"contradicted_by": "a1", "reason": "r"}, artifact_id="a1"),
-               2, states.get, lambda _h: False)
+        decide(
+            ev(agents["bob"], "contradicted", {"contradicted_by": "a1", "reason": "r"}, artifact_id="a1"),
+            2,
+            states.get,
+            lambda _h: False,
+        )
     with pytest.raises(IllegalTransition, match="'ghost' does not exist"):
-        decide(ev(agents["bob"], "contradicted", {"contradicted_by": "ghost", "reason": "r"}, artifact_id="a1"),
-               2, states.get, lambda _h: False)
+        decide(
+            ev(agents["bob"], "contradicted", {"contradicted_by": "ghost", "reason": "r"}, artifact_id="a1"),
+            2,
+            states.get,
+            lambda _h: False,
+        )
 
 
 def test_a_transition_on_a_missing_artifact_is_refused(agents):
@@ -135,7 +163,9 @@ def test_supersession_sets_both_sides_or_nothing(agents):
     fold = Fold()
     fold.apply(claim(agents["alice"], "old"), 1)
     fold.apply(claim(agents["alice"], "new", text="the cache is warm"), 2)
-    fold.apply(ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "new"}, artifact_id="old"), 3)
+    fold.apply(
+        ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "new"}, artifact_id="old"), 3
+    )
     assert (fold.artifacts["old"].superseded_by, fold.artifacts["new"].supersedes) == ("new", "old")
     assert fold.artifacts["old"].resolution is ResolutionKind.superseded
     # A third claim cannot also be superseded by "new": refused whole, nothing changes on either side.

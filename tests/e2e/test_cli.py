@@ -129,7 +129,8 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
 
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 2
-    assert stats["streams"]["EPI"]["consumers"]["journal"]["pending"] == 0
+    (journal_consumer,) = [c for name, c in stats["streams"]["EPI"]["consumers"].items() if name.startswith("journal-")]
+    assert journal_consumer["pending"] == 0
     assert stats["streams"]["EPI_DLQ"]["messages"] == 0
     assert stats["outbox_depth"] == 0
 
@@ -184,19 +185,7 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_
         check=False,
     )
     assert enum.returncode != 0 and "exploratory" in enum.stderr
-    resolved = epibus(
-        home,
-        "publish",
-        "resolved",
-        "-p",
-        "demo",
-        "--artifact-id",
-        "a1",
-        "--resolution",
-        "superseded",
-        "--json",
-        check=False,
-    )
+    resolved = epibus(home, "resolve", "a1", "-p", "demo", "--as", "superseded", "--json", check=False)
     assert resolved.returncode == 1 and "superseded_by" in as_json(resolved)["error"]
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 0
@@ -226,8 +215,8 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
         "journaled",
     )
     letters = as_json(epibus(home, "dlq", "list", "--json"))
-    assert [(d["reason"], d["consumer"], d["subject"]) for d in letters] == [
-        ("invalid_event", "journal", "epi.demo.finding.bogus")
+    assert [(d["reason"], d["consumer"][:8], d["subject"]) for d in letters] == [
+        ("invalid_event", "journal-", "epi.demo.finding.bogus")
     ]
     assert "not JSON" in letters[0]["error"]
     assert len(as_json(epibus(home, "events", "-p", "demo", "--json"))) == 1

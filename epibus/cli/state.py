@@ -1,0 +1,306 @@
+"""State commands: resolve, verify, contradict, rollback (writes, validated and compare-and-set), and the
+journal reads artifacts, audit, briefing, vocab-report (every read takes --as-of)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bus.client import connect
+from bus.event import Evidence
+from bus.home import epibus_home, resolve_journal_url
+from bus.publish import Receipt
+from bus.state import TRUST_TRANSITIONS
+from bus.vocab import ResolutionKind, Trust, describe
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JournalOpt,
+    JsonOpt,
+    NatsOpt,
+    console,
+    emit_json,
+    handles_errors,
+    parse_time,
+    run,
+    table,
+)
+from observers.journal import Journal
+from observers.reads import ArtifactView, artifacts, audit_artifacts, briefing, vocab_report
+
+ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug.")]
+ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on.")]
+AsOfOpt = Annotated[
+    str | None, typer.Option("--as-of", help="Knowledge as it stood then: ISO time or age (30m, 2h, 7d).")
+]
+KindFilter = Annotated[list[str] | None, typer.Option("--kind", "-k", help="Only these kinds (repeatable).")]
+
+
+def trust_help() -> str:
+    """Every trust value with its meaning and the legal moves, for --help."""
+    moves = "; ".join(
+        f"{t.value} -> {' | '.join(sorted(m.value for m in TRUST_TRANSITIONS[t])) or '(terminal)'}" for t in Trust
+    )
+    return f"Trust values: {describe(Trust)}. Legal moves: {moves}."
+
+
+async def _transition(
+    kind: str, body: dict[str, Any], project: str, artifact_id: str, target: dict[str, Any]
+) -> Receipt:
+    async with connect(target["nats"], agent=target["agent"], home=target["home"], outbox=False) as client:
+        return await client.transition(kind, body, project=project, artifact_id=artifact_id)
+
+
+def _print_receipt(title: str, receipt: Receipt, artifact_id: str, as_json: bool) -> None:
+    if as_json:
+        emit_json({"ok": True, "artifact_id": artifact_id, **receipt.as_dict()})
+        return
+    console.print(
+        table(title, ["artifact_id", "event_id", "stream_seq"], [[artifact_id, receipt.event_id, receipt.stream_seq]])
+    )
+
+
+@handles_errors
+def resolve(
+    artifact_id: ArtifactArg,
+    project: ProjectOpt,
+    resolution: Annotated[ResolutionKind, typer.Option("--as", help=describe(ResolutionKind))],
+    superseded_by: Annotated[str | None, typer.Option("--superseded-by", help="The replacing artifact.")] = None,
+    note: Annotated[str | None, typer.Option("--note")] = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Mark an artifact no longer current, saying why (lifecycle). Trust is unchanged."""
+    body = {"resolution": resolution.value, "superseded_by": superseded_by, "note": note}
+    receipt = run(_transition("resolved", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
+    _print_receipt(f"resolved ({resolution.value})", receipt, artifact_id, as_json)
+
+
+@handles_errors
+def verify(
+    artifact_id: ArtifactArg,
+    project: ProjectOpt,
+    note: Annotated[str | None, typer.Option("--note")] = None,
+    evidence: Annotated[list[str] | None, typer.Option("--evidence", help="KIND:REF, repeatable")] = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Vouch for another agent's artifact (trust → verified; a verified one gains another record).
+    The verifier is the signing agent (--agent) and may not be the author."""
+    pointers = [_evidence(v) for v in evidence or []]
+    body = {"note": note, "evidence": [p.model_dump(mode="json") for p in pointers]}
+    receipt = run(_transition("verified", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
+    _print_receipt("verified", receipt, artifact_id, as_json)
+
+
+@handles_errors
+def contradict(
+    artifact_id: ArtifactArg,
+    project: ProjectOpt,
+    by: Annotated[str, typer.Option("--by", help="The existing artifact that contradicts it (not itself).")],
+    reason: Annotated[str, typer.Option("--reason")],
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Refute an artifact with another one (trust → contradicted; only a rollback may follow)."""
+    body = {"contradicted_by": by, "reason": reason}
+    receipt = run(_transition("contradicted", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
+    _print_receipt("contradicted", receipt, artifact_id, as_json)
+
+
+def _evidence(value: str) -> Evidence:
+    from epibus.cli.publish import _parse_evidence
+
+    return _parse_evidence([value])[0]
+
+
+@handles_errors
+def rollback(
+    artifact_id: ArtifactArg,
+    project: ProjectOpt,
+    reason: Annotated[str, typer.Option("--reason")] = "rolled back",
+    apply: Annotated[bool, typer.Option("--apply", help="Write the rollback (default: show the plan only).")] = False,
+    cascade: Annotated[bool, typer.Option("--cascade", help="Also roll back tainted descendants.")] = False,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Walk `revises` back to the nearest verified ancestor, roll back the intermediates, report descendants
+    built on them as tainted. A dry run unless --apply; cycles and broken chains are errors."""
+    plan, receipts = run(_rollback(project, artifact_id, reason, apply, cascade, nats, agent, home))
+    if as_json:
+        emit_json({"ok": True, "applied": apply, "plan": plan.as_dict(), "receipts": [r.as_dict() for r in receipts]})
+        return
+    rows = [[a, "roll back" if a in plan.to_roll_back else "", "intermediate"] for a in plan.intermediates]
+    rows += [
+        [a, "roll back" if a in plan.to_roll_back else "tainted (use --cascade)", "descendant"] for a in plan.tainted
+    ]
+    title = f"rollback of {artifact_id} to verified {plan.verified_ancestor}" + ("" if apply else " (dry run)")
+    console.print(table(title, ["artifact", "action", "role"], rows))
+    if apply:
+        console.print(f"rolled back {len(receipts)} artifact(s)")
+
+
+async def _rollback(
+    project: str,
+    artifact_id: str,
+    reason: str,
+    apply: bool,
+    cascade: bool,
+    nats: str | None,
+    agent: str | None,
+    home: Path | None,
+) -> tuple[Any, list[Receipt]]:
+    async with connect(nats, agent=agent, home=home, outbox=False) as client:
+        if not apply:
+            return await client.plan_rollback(project, artifact_id, cascade=cascade), []
+        return await client.rollback(project, artifact_id, reason=reason, cascade=cascade)
+
+
+# -- reads ------------------------------------------------------------------------------------------------
+
+
+def _journal(journal: str | None, home: Path | None) -> Journal:
+    store = Journal(resolve_journal_url(journal, epibus_home(home)))
+    store.migrate()
+    return store
+
+
+def _artifact_rows(views: list[ArtifactView]) -> list[list[Any]]:
+    return [
+        [
+            v.state.artifact_id[:13],
+            v.state.kind,
+            v.state.state_label,
+            v.state.author,
+            f"{v.relevance:.3f}",
+            ",".join(sorted(v.state.flags)),
+            v.state.content[:70],
+        ]
+        for v in views
+    ]
+
+
+COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "relevance", "flags", "content"]
+
+
+@handles_errors
+def artifacts_command(
+    project: ProjectOpt,
+    kind: KindFilter = None,
+    include_resolved: Annotated[bool, typer.Option("--include-resolved", help="Also stale/superseded ones.")] = False,
+    as_of: AsOfOpt = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The safe read: never contradicted, rolled back, retracted or mistyped artifacts. Ranked by relevance."""
+    store = _journal(journal, home)
+    try:
+        views = artifacts(
+            store,
+            project,
+            kinds=set(kind) if kind else None,
+            include_resolved=include_resolved,
+            as_of=parse_time(as_of, "--as-of"),
+            limit=limit,
+        )
+    finally:
+        store.close()
+    if as_json:
+        emit_json([v.as_dict() for v in views])
+        return
+    console.print(table(f"{len(views)} artifact(s) in {project}", COLUMNS, _artifact_rows(views)))
+
+
+@handles_errors
+def audit(
+    project: ProjectOpt,
+    kind: KindFilter = None,
+    as_of: AsOfOpt = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 500,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit read: every artifact whatever its state, with its verification log."""
+    store = _journal(journal, home)
+    try:
+        views = audit_artifacts(
+            store, project, kinds=set(kind) if kind else None, as_of=parse_time(as_of, "--as-of"), limit=limit
+        )
+    finally:
+        store.close()
+    if as_json:
+        emit_json([v.as_dict() for v in views])
+        return
+    console.print(table(f"audit of {project}: {len(views)} artifact(s)", COLUMNS, _artifact_rows(views)))
+
+
+@handles_errors
+def briefing_command(
+    project: ProjectOpt,
+    goal: Annotated[str | None, typer.Option("--goal", help="Goal id: adds what was recorded under it.")] = None,
+    as_of: AsOfOpt = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 10,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
+    superseded items and confidence flags."""
+    store = _journal(journal, home)
+    try:
+        brief = briefing(store, project, goal, as_of=parse_time(as_of, "--as-of"), limit=limit)
+    finally:
+        store.close()
+    if as_json:
+        emit_json(brief.as_dict())
+        return
+    for title, views in (
+        ("top artifacts", brief.top),
+        (f"recorded under goal {goal}", brief.for_goal if goal else None),
+        ("open unknowns", brief.open_unknowns),
+        ("recent mistakes and dead ends", brief.recent_mistakes_and_dead_ends),
+        ("recently superseded", brief.recently_superseded),
+        ("unearned confidence (>= 0.8 on intuition)", brief.unearned_confidence),
+        ("repeats a retracted claim", brief.previously_retracted),
+    ):
+        if views is not None:
+            console.print(table(f"{title} ({len(views)})", COLUMNS, _artifact_rows(views)))
+
+
+@handles_errors
+def vocab_report_command(
+    project: ProjectOpt,
+    as_of: AsOfOpt = None,
+    journal: JournalOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Counts of resolutions per kind, trust states and sources: are errors being recorded at all?"""
+    store = _journal(journal, home)
+    try:
+        report = vocab_report(store, project, as_of=parse_time(as_of, "--as-of"))
+    finally:
+        store.close()
+    if as_json:
+        emit_json(report.as_dict())
+        return
+    rows = [[f"resolution {k}", v] for k, v in report.resolutions.items()]
+    rows += [[f"trust {k}", v] for k, v in report.trust.items()]
+    rows += [[f"source {k}", v] for k, v in report.sources.items()]
+    rows.append(["unearned confidence", report.unearned_confidence])
+    console.print(table(f"vocabulary report for {project} ({report.artifacts} artifacts)", ["what", "count"], rows))
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)

@@ -1,0 +1,284 @@
+"""The epistemic state end to end on real NATS and a real journal: client-side validation with
+compare-and-set, the projection, the safe and audit doors, tombstones, as-of (DESIGN §4, §7)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from bus.client import EpibusClient, connect
+from bus.errors import Conflict, IllegalTransition, InvalidEvent
+from bus.state import FLAG_PREVIOUSLY_RETRACTED
+from bus.vocab import ReceiptLevel, Trust
+from epibus.node import Node, NodeConfig
+from observers.journal import Journal
+from observers.reads import artifacts, audit_artifacts, briefing, snapshot, vocab_report
+from tests.conftest import finding
+from tests.support import eventually
+
+
+@pytest.fixture
+async def agents(nats_server, tmp_path: Path) -> AsyncIterator[dict[str, EpibusClient]]:
+    clients = {}
+    for name in ("alice", "bob", "carol"):
+        clients[name] = await connect(nats_server.url, agent=name, home=tmp_path / name, outbox=False)
+    try:
+        yield clients
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+async def claim(client: EpibusClient, project: str, text: str, *, source: str | None = None, **extra: object) -> str:
+    event = client.event("finding", finding(text=text) | extra, project=project, source=source)
+    await client.publish(event, wait_for=ReceiptLevel.journaled)
+    return event.artifact_id
+
+
+async def settled(journal: Journal, client: EpibusClient, project: str) -> None:
+    """Wait until the journal has every event the stream has for the project (the projection commits with it)."""
+    view = await client.project_view(project)
+    expected = len(view.fold.artifacts) and max(view.subject_seq.values())
+
+    def caught_up() -> bool:
+        with journal.engine.connect() as conn:
+            top = conn.execute(text("SELECT max(stream_seq) FROM events WHERE project = :p"), {"p": project}).scalar()
+        return (top or 0) >= expected
+
+    await eventually(caught_up, timeout_s=15)
+
+
+async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node: Node, agents, project):
+    alice, bob = agents["alice"], agents["bob"]
+    term = "replication lag on shard seven"
+    ids = {
+        name: await claim(alice, project, f"{term}: {name}")
+        for name in (
+            "verified",
+            "unverified",
+            "contradicted",
+            "rolled_back",
+            "retracted",
+            "stale",
+            "superseded",
+            "successor",
+        )
+    }
+    await bob.transition("verified", {"note": "reproduced"}, project=project, artifact_id=ids["verified"])
+    await bob.transition(
+        "contradicted",
+        {"contradicted_by": ids["verified"], "reason": "measured otherwise"},
+        project=project,
+        artifact_id=ids["contradicted"],
+    )
+    await bob.transition("rolled_back", {"reason": "bad premise"}, project=project, artifact_id=ids["rolled_back"])
+    await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=ids["retracted"])
+    await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=ids["stale"])
+    await alice.transition(
+        "resolved",
+        {"resolution": "superseded", "superseded_by": ids["successor"]},
+        project=project,
+        artifact_id=ids["superseded"],
+    )
+    await settled(node.journal, alice, project)
+
+    safe = {v.state.artifact_id for v in artifacts(node.journal, project)}
+    assert safe == {ids["verified"], ids["unverified"], ids["successor"]}  # positive control included
+    with_resolved = {v.state.artifact_id for v in artifacts(node.journal, project, include_resolved=True)}
+    assert with_resolved == safe | {ids["stale"], ids["superseded"]}
+    audit = {v.state.artifact_id: v for v in audit_artifacts(node.journal, project)}
+    assert set(audit) == set(ids.values())
+    assert audit[ids["contradicted"]].state.trust is Trust.contradicted
+    assert audit[ids["verified"]].verifications[0].verifier == "bob"
+    assert audit[ids["superseded"]].state.superseded_by == ids["successor"]
+    assert audit[ids["successor"]].state.supersedes == ids["superseded"]
+
+
+async def test_illegal_transitions_are_refused_before_anything_is_written(node: Node, agents, project):
+    alice, bob = agents["alice"], agents["bob"]
+    aid = await claim(alice, project, "the build is flaky")
+    before = (await alice.project_view(project)).subject_seq[aid]
+    with pytest.raises(IllegalTransition, match="alice is the author"):
+        await alice.transition("verified", {}, project=project, artifact_id=aid)
+    with pytest.raises(IllegalTransition, match="cannot contradict itself"):
+        await bob.transition("contradicted", {"contradicted_by": aid, "reason": "r"}, project=project, artifact_id=aid)
+    with pytest.raises(IllegalTransition, match="'ghost' does not exist"):
+        await bob.transition(
+            "resolved", {"resolution": "superseded", "superseded_by": "ghost"}, project=project, artifact_id=aid
+        )
+    with pytest.raises(InvalidEvent, match="superseded_by"):
+        await bob.transition("resolved", {"resolution": "superseded"}, project=project, artifact_id=aid)
+    with pytest.raises(InvalidEvent, match="resolution"):
+        await bob.transition("resolved", {"resolution": "obsolete"}, project=project, artifact_id=aid)
+    await bob.transition("rolled_back", {"reason": "r"}, project=project, artifact_id=aid)
+    with pytest.raises(IllegalTransition, match=r"rolled_back/active -> verified is illegal: from rolled_back only"):
+        await bob.transition("verified", {}, project=project, artifact_id=aid)
+    with pytest.raises(IllegalTransition, match="no verified ancestor"):
+        await bob.plan_rollback(project, await claim(alice, project, "orphan"))
+    after = (await alice.project_view(project)).subject_seq[aid]
+    assert after == before + 1  # only the rollback landed on the artifact's subjects
+
+
+async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_agree(
+    nats_server, agents, project, tmp_path: Path
+):
+    second_journal = f"sqlite:///{tmp_path / 'second.db'}"
+    async with (
+        Node(
+            NodeConfig(home=tmp_path / "n1", nats_url=nats_server.url, journal_url=f"sqlite:///{tmp_path / 'first.db'}")
+        ) as n1,
+        Node(NodeConfig(home=tmp_path / "n2", nats_url=nats_server.url, journal_url=second_journal)) as n2,
+    ):
+        alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
+        aid = await claim(alice, project, "the index is stale after compaction")
+        bob_view, carol_view = await bob.project_view(project), await carol.project_view(project)  # same state read
+        results = await asyncio.gather(
+            bob.transition("verified", {"note": "checked"}, project=project, artifact_id=aid, view=bob_view),
+            carol.transition("rolled_back", {"reason": "wrong"}, project=project, artifact_id=aid, view=carol_view),
+            return_exceptions=True,
+        )
+        winners = [r for r in results if not isinstance(r, BaseException)]
+        losers = [r for r in results if isinstance(r, BaseException)]
+        assert len(winners) == 1 and len(losers) == 1
+        assert isinstance(losers[0], Conflict) and "10071" in str(losers[0])
+        await settled(n1.journal, alice, project)
+        await settled(n2.journal, alice, project)
+        first, second = snapshot(n1.journal, project), snapshot(n2.journal, project)
+        assert first.states == second.states
+        assert first.states[aid].trust in (Trust.verified, Trust.rolled_back)
+        assert first.verifications == second.verifications
+
+
+async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: Node, agents, project, tmp_path: Path):
+    alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
+    root = await claim(alice, project, "baseline latency is 4 ms")
+    await bob.transition("verified", {}, project=project, artifact_id=root)
+    child = await claim(alice, project, "latency is 6 ms after the patch", revises=root)
+    grandchild = await claim(carol, project, "latency regression is in the allocator", revises=child)
+    await claim(alice, project, "nobody knows why p99 moves")
+    await bob.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=grandchild)
+    await claim(carol, project, "latency regression is in the allocator")  # repeats a retracted claim
+    bad = alice.event("verified", {}, project=project, artifact_id=root)  # the author verifying: illegal
+    await alice.publish(bad)  # published raw, past client validation: the projection must reject it
+    await settled(node.journal, alice, project)
+
+    rebuilt = Journal(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuilt.migrate()
+    from bus.reader import replay
+    from observers.journal import JournalObserver
+
+    await replay(alice.js, JournalObserver(rebuilt, name="rebuild"))
+    live, again = snapshot(node.journal, project), snapshot(rebuilt, project)
+    assert [asdict(s) for s in sorted(live.states.values(), key=lambda s: s.artifact_id)] == [
+        asdict(s) for s in sorted(again.states.values(), key=lambda s: s.artifact_id)
+    ]
+    assert live.verifications == again.verifications
+    with node.journal.engine.connect() as conn:
+        status = conn.execute(
+            text("SELECT status, reason FROM events WHERE event_id = :e"), {"e": str(bad.event_id)}
+        ).one()
+    assert status.status == "rejected" and "alice is the author" in status.reason
+    node.journal.rebuild_projection()
+    assert snapshot(node.journal, project).states == live.states
+    rebuilt.close()
+
+
+async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_the_journal(node: Node, agents, project):
+    alice, bob = agents["alice"], agents["bob"]
+    aid = await claim(alice, project, "Disk I/O is the bottleneck.")
+    await alice.transition(
+        "resolved", {"resolution": "retracted", "note": "it was the network"}, project=project, artifact_id=aid
+    )
+    again = bob.event("finding", finding(text="disk i/o is the   bottleneck"), project=project)
+    receipt = await bob.publish(again, wait_for=ReceiptLevel.journaled)
+    assert FLAG_PREVIOUSLY_RETRACTED in receipt.flags
+    await settled(node.journal, alice, project)
+    state = snapshot(node.journal, project).states[again.artifact_id]
+    assert FLAG_PREVIOUSLY_RETRACTED in state.flags
+    with node.journal.engine.connect() as conn:
+        flags = conn.execute(text("SELECT flags FROM events WHERE event_id = :e"), {"e": str(again.event_id)}).scalar()
+    assert flags == FLAG_PREVIOUSLY_RETRACTED
+    strict = bob.event("finding", finding(text="DISK I/O is the bottleneck!!"), project=project)
+    with pytest.raises(InvalidEvent, match="retracted or rolled back"):
+        await bob.publish(strict, strict=True)
+    fresh = bob.event("finding", finding(text="the network is the bottleneck"), project=project)
+    assert (await bob.publish(fresh, strict=True)).flags == ()
+
+
+async def test_as_of_reads_before_and_after_a_retraction(node: Node, agents, project):
+    alice = agents["alice"]
+    aid = await claim(alice, project, "the queue never drops messages")
+    await settled(node.journal, alice, project)
+    before = datetime.now(UTC)
+    await eventually(lambda: datetime.now(UTC) > before)  # the retraction is recorded strictly later
+    await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=aid)
+    await settled(node.journal, alice, project)
+    assert [v.state.artifact_id for v in artifacts(node.journal, project, as_of=before)] == [aid]
+    assert artifacts(node.journal, project) == []
+    assert snapshot(node.journal, project, as_of=before).states[aid].trust is Trust.unverified
+    assert snapshot(node.journal, project).states[aid].resolution.value == "retracted"
+    assert [v.state.artifact_id for v in audit_artifacts(node.journal, project)] == [aid]
+
+
+async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(node: Node, agents, project):
+    alice, bob = agents["alice"], agents["bob"]
+    base = await claim(alice, project, "v0")
+    await bob.transition("verified", {}, project=project, artifact_id=base)
+    chain = [base]
+    for i in range(1, 6):
+        chain.append(await claim(alice, project, f"v{i}", revises=chain[-1]))
+    branch = await claim(alice, project, "branch", revises=chain[2])
+    plan = await bob.plan_rollback(project, chain[3])
+    assert plan.intermediates == (chain[3], chain[2], chain[1])
+    assert set(plan.tainted) == {chain[4], chain[5], branch}
+    plan, receipts = await bob.rollback(project, chain[3], reason="premise was wrong", cascade=True)
+    assert len(receipts) == 6
+    await settled(node.journal, alice, project)
+    states = snapshot(node.journal, project).states
+    assert {a for a, s in states.items() if s.trust is Trust.rolled_back} == set(chain[1:]) | {branch}
+    assert states[base].trust is Trust.verified
+
+
+async def test_briefing_and_vocab_report(node: Node, agents, project):
+    alice, bob = agents["alice"], agents["bob"]
+    top = await claim(alice, project, "the deploy script skips migrations", source="search")
+    unknown = alice.event("unknown", {"question": "why do migrations time out?", "impact": 0.7}, project=project)
+    await alice.publish(unknown)
+    mistake = alice.event(
+        "mistake",
+        {
+            "mistake": "ran migrations twice",
+            "why_wrong": "not idempotent",
+            "cost_estimate": "2h",
+            "root_cause": "no lock",
+            "prevention": "advisory lock",
+        },
+        project=project,
+    )
+    await alice.publish(mistake)
+    hunch = alice.event(
+        "finding", finding(text="it is the ORM") | {"confidence": 0.9}, project=project, source="intuition"
+    )
+    await alice.publish(hunch)
+    stale = await claim(alice, project, "migrations take 10 s")
+    await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=stale)
+    await settled(node.journal, alice, project)
+
+    brief = briefing(node.journal, project)
+    assert top in [v.state.artifact_id for v in brief.top]
+    assert [v.state.artifact_id for v in brief.open_unknowns] == [unknown.artifact_id]
+    assert [v.state.artifact_id for v in brief.recent_mistakes_and_dead_ends] == [mistake.artifact_id]
+    assert [v.state.artifact_id for v in brief.unearned_confidence] == [hunch.artifact_id]
+    report = vocab_report(node.journal, project)
+    assert report.resolutions == {"stale": 1, "superseded": 0, "retracted": 0, "mistyped": 0}
+    assert report.sources["intuition"] == 1 and report.sources["search"] == 1
+    assert any("every resolution (1) is 'stale'" in w for w in report.warnings)
+    await bob.transition("verified", {}, project=project, artifact_id=top)
+    await settled(node.journal, alice, project)
+    assert not any("none of" in w for w in vocab_report(node.journal, project).warnings)
