@@ -284,8 +284,8 @@ class EpibusClient:
             receipts = await self._publish_direct(rows)
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
         if wait_for is ReceiptLevel.journaled:
-            await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
-            receipts = [replace(r, level=ReceiptLevel.journaled) for r in receipts]
+            outcomes = await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
+            receipts = [_journaled(r, outcomes.get(str(r.event_id), {})) for r in receipts]
         return receipts
 
     async def _flags(self, events: Sequence[Envelope], *, strict: bool) -> dict[str, tuple[str, ...]]:
@@ -485,9 +485,11 @@ class EpibusClient:
                 )
         return Receipt(event.event_id, row.subject, ReceiptLevel.published, ack.seq, bool(ack.duplicate))
 
-    async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> None:
-        """Return once a journal observer confirms every event id. Raises Unavailable naming what is missing."""
+    async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> dict[str, dict[str, Any]]:
+        """Return once a journal observer confirms every event id, with what the state projection made of
+        each (status, reason, flags). Raises Unavailable naming what is missing."""
         missing = {str(e) for e in event_ids}
+        outcomes: dict[str, dict[str, Any]] = {}
         delay_s = 0.01
         last_problem = "no journal observer answered"
         loop = asyncio.get_running_loop()
@@ -497,7 +499,9 @@ class EpibusClient:
                 assert self.nc is not None
                 try:
                     reply = await self.nc.request(JOURNAL_LOOKUP, json.dumps(sorted(missing)).encode(), timeout=2)
-                    missing -= set(json.loads(reply.data)["journaled"])
+                    answer = json.loads(reply.data)
+                    missing -= set(answer["journaled"])
+                    outcomes |= answer.get("outcomes", {})
                     last_problem = "the journal has not written them yet"
                 except nats.errors.NoRespondersError:
                     last_problem = "no journal observer answered; is `epibus up` running?"
@@ -508,9 +512,16 @@ class EpibusClient:
                 delay_s = min(0.2, delay_s * 2)
         if missing:
             raise Unavailable("journal", f"{len(missing)} event(s) not journaled within {timeout_s}s: {last_problem}")
+        return outcomes
 
     async def outbox_depth(self) -> int:
         return await self.outbox.depth() if self.outbox is not None else 0
+
+
+def _journaled(receipt: Receipt, outcome: dict[str, Any]) -> Receipt:
+    flags = tuple(dict.fromkeys([*receipt.flags, *outcome.get("flags", [])]))
+    rejected = outcome.get("reason") if outcome.get("status") == "rejected" else None
+    return replace(receipt, level=ReceiptLevel.journaled, flags=flags, rejected=rejected)
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` or `async with connect()`

@@ -32,6 +32,7 @@ class Receipt:
     stream_seq: int | None = None
     duplicate: bool = False
     flags: tuple[str, ...] = ()  # e.g. previously_retracted, unearned_confidence
+    rejected: str | None = None  # journaled, but the state projection refused it: why
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -41,6 +42,7 @@ class Receipt:
             "stream_seq": self.stream_seq,
             "duplicate": self.duplicate,
             "flags": list(self.flags),
+            "rejected": self.rejected,
         }
 
 

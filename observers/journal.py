@@ -177,11 +177,25 @@ class Journal:
             raise Unavailable("journal", f"rebuild on {self.safe_url} failed: {e}") from e
 
     def has(self, event_ids: Sequence[str]) -> set[str]:
+        return set(self.outcomes(event_ids))
+
+    def outcomes(self, event_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """For each journaled event id: what the projection made of it (status, reason, flags)."""
         if not event_ids:
-            return set()
+            return {}
+        found: dict[str, dict[str, Any]] = {}
+        ids = list(event_ids)
         with self.engine.connect() as conn:
-            found = conn.execute(select(events.c.event_id).where(events.c.event_id.in_(list(event_ids))))
-            return set(found.scalars())
+            for start in range(0, len(ids), 500):
+                rows = conn.execute(
+                    select(events.c.event_id, events.c.status, events.c.reason, events.c.flags).where(
+                        events.c.event_id.in_(ids[start : start + 500])
+                    )
+                )
+                for row in rows:
+                    flags = row.flags.split(",") if row.flags else []
+                    found[row.event_id] = {"status": row.status, "reason": row.reason, "flags": flags}
+        return found
 
     def query(self, q: EventQuery) -> list[JournalRow]:
         statement = select(events)
@@ -255,8 +269,8 @@ class JournalObserver:
         async def answer(msg: Msg) -> None:
             try:
                 asked = [str(e) for e in json.loads(msg.data)]
-                found = await asyncio.to_thread(self.journal.has, asked)
-                reply: dict[str, Any] = {"journaled": sorted(found)}
+                found = await asyncio.to_thread(self.journal.outcomes, asked)
+                reply: dict[str, Any] = {"journaled": sorted(found), "outcomes": found}
             except (ValueError, TypeError) as e:
                 reply = {"journaled": [], "error": f"bad lookup request: {e}"}
             except SQLAlchemyError as e:

@@ -271,3 +271,52 @@ def test_a_second_node_on_the_same_home_is_refused(running_node):
     second = epibus(home, "up", "--json", check=False, timeout=30)
     assert second.returncode == 1
     assert str(status["pid"]) in as_json(second)["error"]
+
+
+def test_state_commands_from_publish_to_rollback(running_node):
+    home, _, _ = running_node
+
+    def publish(agent: str, text: str, *extra: str) -> str:
+        out = epibus(home, "publish", "finding", "-p", "st", "--agent", agent, "--text", text, "--impact", "0.5",
+                     "--confidence", "0.6", "--subject", "s", "--wait", "journaled", "--json", *extra)
+        return as_json(out)["artifact_id"]
+
+    base = publish("alice", "the scheduler starves small jobs")
+    as_json(epibus(home, "verify", base, "-p", "st", "--agent", "bob", "--note", "reproduced", "--json"))
+    child = publish("alice", "raising the quantum fixes it", "--revises", base)
+    grandchild = publish("alice", "quantum 50 ms is optimal", "--revises", child)
+    own = epibus(home, "verify", child, "-p", "st", "--agent", "alice", "--json", check=False)
+    assert own.returncode == 1 and "alice is the author" in as_json(own)["error"]
+
+    plan = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--json"))
+    assert plan["applied"] is False and plan["plan"]["intermediates"] == [child]
+    assert plan["plan"]["tainted"] == [grandchild] and plan["receipts"] == []
+    applied = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json"))
+    assert len(applied["receipts"]) == 2
+
+    retract = publish("carol", "the scheduler is fair")
+    epibus(home, "resolve", retract, "-p", "st", "--as", "retracted", "--agent", "carol", "--json")
+    contra = epibus(home, "contradict", base, "-p", "st", "--by", base, "--reason", "r", "--agent", "bob", check=False)
+    assert contra.returncode == 1 and "cannot contradict itself" in contra.stderr
+
+    def settled() -> bool:
+        return len(as_json(epibus(home, "audit", "-p", "st", "--json"))) == 4 and all(
+            a["trust"] == "rolled_back" for a in as_json(epibus(home, "audit", "-p", "st", "--json"))
+            if a["artifact_id"] in (child, grandchild)
+        )
+
+    eventually_sync(settled, timeout_s=20)
+    safe = [a["artifact_id"] for a in as_json(epibus(home, "artifacts", "-p", "st", "--json"))]
+    assert safe == [base]
+    audit = {a["artifact_id"]: a for a in as_json(epibus(home, "audit", "-p", "st", "--json"))}
+    assert audit[base]["verifications"][0]["verifier"] == "bob"
+    assert audit[retract]["resolution"] == "retracted"
+    repeated = epibus(home, "publish", "finding", "-p", "st", "--agent", "dave", "--text", "The scheduler is FAIR.",
+                      "--impact", "0.5", "--confidence", "0.6", "--subject", "s", "--strict", check=False)
+    assert repeated.returncode == 1 and "retracted or rolled back" in repeated.stderr
+    brief = as_json(epibus(home, "briefing", "-p", "st", "--json"))
+    assert [a["artifact_id"] for a in brief["top"]] == [base]
+    report = as_json(epibus(home, "vocab-report", "-p", "st", "--json"))
+    assert report["resolutions"]["retracted"] == 1 and report["trust"]["rolled_back"] == 2
+    before = as_json(epibus(home, "artifacts", "-p", "st", "--as-of", "2020-01-01T00:00:00", "--json"))
+    assert before == []

@@ -282,3 +282,12 @@ async def test_briefing_and_vocab_report(node: Node, agents, project):
     await bob.transition("verified", {}, project=project, artifact_id=top)
     await settled(node.journal, alice, project)
     assert not any("none of" in w for w in vocab_report(node.journal, project).warnings)
+
+
+async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(node: Node, agents, project):
+    alice = agents["alice"]
+    aid = await claim(alice, project, "the author cannot vouch for this")
+    own = alice.event("verified", {}, project=project, artifact_id=aid)
+    receipt = await alice.publish(own, wait_for=ReceiptLevel.journaled)  # raw publish, no client validation
+    assert receipt.level is ReceiptLevel.journaled
+    assert receipt.rejected is not None and "alice is the author" in receipt.rejected
