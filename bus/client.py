@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import Generator, Sequence
@@ -16,61 +15,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import nats
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bus.errors import InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
 from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
 from bus.ids import new_event_id
-from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams
-from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project
+from bus.jetstream import AgentRegistry, ensure_streams, open_nats
+from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
-from bus.publish import Receipt, send_batch, send_one
+from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
+from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
-from bus.state import FLAG_PREVIOUSLY_RETRACTED, FLAG_UNEARNED, UNEARNED_CONFIDENCE, content_hash, decide
-from bus.subjects import JOURNAL_LOOKUP, event_subject
+from bus.state import decide
+from bus.subjects import event_subject
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
-MAX_PUBLISH_ATTEMPTS = 5
 TOMBSTONE_CHECK_TIMEOUT_S = 2.0
-
-
-async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
-    """A reconnecting NATS connection, or Unavailable if none is made within timeout_s."""
-    nc = NatsClient()
-    try:
-        async with asyncio.timeout(timeout_s):
-            await nc.connect(
-                servers=list(servers),
-                name=name,
-                connect_timeout=max(1, int(timeout_s)),
-                reconnect_time_wait=1,
-                max_reconnect_attempts=-1,  # keep trying; the outbox holds events meanwhile
-                **callbacks,
-            )
-    except NATS_UNAVAILABLE as e:
-        with contextlib.suppress(*NATS_UNAVAILABLE):  # closing a half-open client; nothing to lose
-            await nc.close()
-        raise Unavailable("nats", f"cannot connect to {', '.join(servers)}: {type(e).__name__} {e}") from e
-    return nc
-
-
-def retrying_unavailable() -> AsyncRetrying:
-    """Bounded retries of Unavailable only (never Conflict), backing off up to 2 s (STYLE: Async)."""
-    return AsyncRetrying(
-        stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
-        wait=wait_exponential(multiplier=0.2, max=2.0),
-        retry=retry_if_exception_type(Unavailable),
-        reraise=True,
-    )
 
 
 class EpibusClient:
@@ -285,44 +251,15 @@ class EpibusClient:
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
         if wait_for is ReceiptLevel.journaled:
             outcomes = await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
-            receipts = [_journaled(r, outcomes.get(str(r.event_id), {})) for r in receipts]
+            receipts = [journaled_receipt(r, outcomes.get(str(r.event_id), {})) for r in receipts]
         return receipts
 
     async def _flags(self, events: Sequence[Envelope], *, strict: bool) -> dict[str, tuple[str, ...]]:
-        """Flags known before publishing: unearned confidence, and tombstoned content (needs NATS)."""
-        flags: dict[str, tuple[str, ...]] = {}
-        claims = [e for e in events if not e.body.transition]
-        tombstoned: dict[str, set[str]] = {}
-        for project in {e.project for e in claims}:
-            try:
-                if not self.connected:
-                    raise Unavailable("nats", "not connected")
-                tombstoned[project] = await self.tombstones.hashes(project, timeout_s=TOMBSTONE_CHECK_TIMEOUT_S)
-            except Unavailable as e:
-                if strict:
-                    raise Unavailable("nats", f"tombstones cannot be checked ({e.cause}); retry, or drop strict") from e
-                # Publishing must not wait on the check: the journal's projection flags the claim anyway.
-                self.unchecked_tombstones += 1
-                log.warning("tombstones of %s not checked before publishing: %s", project, e)
-        for event in claims:
-            found = []
-            confidence = getattr(event.body, "confidence", None)
-            if (
-                confidence is not None
-                and confidence >= UNEARNED_CONFIDENCE
-                and event.source is EpistemicSource.intuition
-            ):
-                found.append(FLAG_UNEARNED)
-            if content_hash(event.body.content_text()) in tombstoned.get(event.project, set()):
-                if strict:
-                    raise InvalidEvent(
-                        f"event {event.event_id}",
-                        "repeats a claim that was retracted or rolled back in this project; "
-                        "publish without strict to record it anyway (flagged previously_retracted)",
-                    )
-                found.append(FLAG_PREVIOUSLY_RETRACTED)
-            if found:
-                flags[str(event.event_id)] = tuple(found)
+        """Flags known before publishing; tombstones need NATS (checked within 2 s, else counted and left
+        to the journal's projection, unless strict)."""
+        registry = self.tombstones if self.connected else None
+        flags, unchecked = await prepublish_flags(registry, events, strict=strict, timeout_s=TOMBSTONE_CHECK_TIMEOUT_S)
+        self.unchecked_tombstones += len(unchecked)
         return flags
 
     @property
@@ -393,7 +330,7 @@ class EpibusClient:
             await self.outbox.add(rows)
             self.forwarder.wake()
             if self.connected:
-                acks = await self._await_acks(futures, timeout_s)
+                acks = await await_acks(futures, self.outbox, timeout_s)
         finally:
             for future in futures.values():
                 future.cancel()  # no-op when done; an unsent row keeps its place in the outbox
@@ -406,32 +343,6 @@ class EpibusClient:
             else:
                 receipts.append(Receipt(event_id, row.subject, ReceiptLevel.outboxed))
         return receipts
-
-    async def _await_acks(
-        self, futures: dict[str, asyncio.Future[PubAck]], timeout_s: float
-    ) -> dict[str, tuple[int, bool]]:
-        """PubAcks from this client's forwarder, or recorded in the shared outbox by another process's
-        forwarder (a node draining the same outbox), until timeout_s. Refusals are raised."""
-        assert self.outbox is not None
-        acks: dict[str, tuple[int, bool]] = {}
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        poll_s = 0.02
-        while len(acks) < len(futures) and loop.time() < deadline:
-            waiting = [f for event_id, f in futures.items() if event_id not in acks]
-            await asyncio.wait(waiting, timeout=min(poll_s, max(0.0, deadline - loop.time())))
-            for event_id, future in futures.items():
-                if event_id in acks or not future.done():
-                    continue
-                error = future.exception()
-                if error is not None:
-                    raise error
-                acks[event_id] = (future.result().seq, bool(future.result().duplicate))
-            missing = [event_id for event_id in futures if event_id not in acks]
-            if missing:
-                acks |= await self.outbox.sent(missing)
-            poll_s = min(0.25, poll_s * 2)
-        return acks
 
     async def _publish_direct(self, rows: list[OutboxRow]) -> list[Receipt]:
         """Send straight to JetStream; rows without a PubAck are retried (tenacity, same Nats-Msg-Id)."""
@@ -488,40 +399,10 @@ class EpibusClient:
     async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> dict[str, dict[str, Any]]:
         """Return once a journal observer confirms every event id, with what the state projection made of
         each (status, reason, flags). Raises Unavailable naming what is missing."""
-        missing = {str(e) for e in event_ids}
-        outcomes: dict[str, dict[str, Any]] = {}
-        delay_s = 0.01
-        last_problem = "no journal observer answered"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while missing and loop.time() < deadline:
-            if self.connected:
-                assert self.nc is not None
-                try:
-                    reply = await self.nc.request(JOURNAL_LOOKUP, json.dumps(sorted(missing)).encode(), timeout=2)
-                    answer = json.loads(reply.data)
-                    missing -= set(answer["journaled"])
-                    outcomes |= answer.get("outcomes", {})
-                    last_problem = "the journal has not written them yet"
-                except nats.errors.NoRespondersError:
-                    last_problem = "no journal observer answered; is `epibus up` running?"
-                except NATS_UNAVAILABLE as e:
-                    last_problem = f"{type(e).__name__} {e}"
-            if missing:
-                await asyncio.sleep(delay_s)
-                delay_s = min(0.2, delay_s * 2)
-        if missing:
-            raise Unavailable("journal", f"{len(missing)} event(s) not journaled within {timeout_s}s: {last_problem}")
-        return outcomes
+        return await wait_journaled(lambda: self.nc if self.connected else None, event_ids, timeout_s=timeout_s)
 
     async def outbox_depth(self) -> int:
         return await self.outbox.depth() if self.outbox is not None else 0
-
-
-def _journaled(receipt: Receipt, outcome: dict[str, Any]) -> Receipt:
-    flags = tuple(dict.fromkeys([*receipt.flags, *outcome.get("flags", [])]))
-    rejected = outcome.get("reason") if outcome.get("status") == "rejected" else None
-    return replace(receipt, level=ReceiptLevel.journaled, flags=flags, rejected=rejected)
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` or `async with connect()`

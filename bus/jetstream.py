@@ -6,9 +6,13 @@ store (or a new cluster) gets the streams back before anything is published."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
@@ -144,3 +148,23 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
             f"message on {subject}", f"refused by JetStream: {error.description} (err_code {error.err_code})"
         )
     return Unavailable("nats", f"publish to {subject}: unexpected {type(error).__name__}: {error}")
+
+
+async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
+    """A reconnecting NATS connection, or Unavailable if none is made within timeout_s."""
+    nc = NatsClient()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.connect(
+                servers=list(servers),
+                name=name,
+                connect_timeout=max(1, int(timeout_s)),
+                reconnect_time_wait=1,
+                max_reconnect_attempts=-1,  # keep trying; the outbox holds events meanwhile
+                **callbacks,
+            )
+    except NATS_UNAVAILABLE as e:
+        with contextlib.suppress(*NATS_UNAVAILABLE):  # closing a half-open client; nothing to lose
+            await nc.close()
+        raise Unavailable("nats", f"cannot connect to {', '.join(servers)}: {type(e).__name__} {e}") from e
+    return nc

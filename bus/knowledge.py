@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.errors import Unavailable
+from bus.errors import InvalidEvent, Unavailable
+from bus.event import Envelope
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.reader import read_stream
 from bus.runner import Rejected, admit_event
-from bus.state import Fold, Tombstone
+from bus.state import FLAG_PREVIOUSLY_RETRACTED, Fold, Tombstone, claim_flags
 from bus.subjects import STREAM, TOMBSTONES_BUCKET, artifact_filter, events_filter, parse_event_subject
 
 log = logging.getLogger(__name__)
@@ -99,3 +101,37 @@ class TombstoneRegistry:
                 await kv.put(f"{project}.{tombstone.content_hash}", value)
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"recording a tombstone: {type(e).__name__} {e}") from e
+
+
+async def prepublish_flags(
+    registry: TombstoneRegistry | None, events: Sequence[Envelope], *, strict: bool, timeout_s: float
+) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Flags of the claims among `events` before they are published, and the projects whose tombstones
+    could not be checked (registry None: not connected). Strict refuses a repeat of a retracted claim
+    (InvalidEvent) and an unchecked project (Unavailable)."""
+    claims = [e for e in events if not e.body.transition]
+    tombstoned: dict[str, set[str]] = {}
+    unchecked: list[str] = []
+    for project in sorted({e.project for e in claims}):
+        try:
+            if registry is None:
+                raise Unavailable("nats", "not connected")
+            tombstoned[project] = await registry.hashes(project, timeout_s=timeout_s)
+        except Unavailable as e:
+            if strict:
+                raise Unavailable("nats", f"tombstones cannot be checked ({e.cause}); retry, or drop strict") from e
+            # Publishing must not wait on the check: the journal's projection flags the claim anyway.
+            unchecked.append(project)
+            log.warning("tombstones of %s not checked before publishing: %s", project, e)
+    flags: dict[str, tuple[str, ...]] = {}
+    for event in claims:
+        found = claim_flags(event, tombstoned.get(event.project, set()).__contains__)
+        if strict and FLAG_PREVIOUSLY_RETRACTED in found:
+            raise InvalidEvent(
+                f"event {event.event_id}",
+                "repeats a claim that was retracted or rolled back in this project; "
+                "publish without strict to record it anyway (flagged previously_retracted)",
+            )
+        if found:
+            flags[str(event.event_id)] = tuple(sorted(found))
+    return flags, unchecked

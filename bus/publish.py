@@ -13,6 +13,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bus.errors import EpibusError, Unavailable
 from bus.jetstream import NATS_UNAVAILABLE, translate_publish_error
@@ -20,6 +21,7 @@ from bus.outbox import OutboxRow
 from bus.vocab import ReceiptLevel
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+MAX_PUBLISH_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,13 @@ async def send_one(
         return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
     except Exception as e:
         raise translate_publish_error(e, row.subject) from e
+
+
+def retrying_unavailable() -> AsyncRetrying:
+    """Bounded retries of Unavailable only (never Conflict), backing off up to 2 s (STYLE: Async)."""
+    return AsyncRetrying(
+        stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.2, max=2.0),
+        retry=retry_if_exception_type(Unavailable),
+        reraise=True,
+    )

@@ -149,6 +149,17 @@ class Change:
 Lookup = Callable[[str], ArtifactState | None]
 
 
+def claim_flags(event: Envelope, is_tombstoned: Callable[[str], bool]) -> frozenset[str]:
+    """Unearned confidence (>= 0.8 on intuition alone) and repeats of retracted or rolled-back claims."""
+    flags = set()
+    confidence = getattr(event.body, "confidence", None)
+    if confidence is not None and confidence >= UNEARNED_CONFIDENCE and event.source is EpistemicSource.intuition:
+        flags.add(FLAG_UNEARNED)
+    if is_tombstoned(content_hash(event.body.content_text())):
+        flags.add(FLAG_PREVIOUSLY_RETRACTED)
+    return frozenset(flags)
+
+
 def decide(event: Envelope, stream_seq: int, lookup: Lookup, is_tombstoned: Callable[[str], bool]) -> Change:
     """The change `event` makes given current states. Raises IllegalTransition naming the artifact, its
     current state and what would be legal. Pure: reads through `lookup`, writes nothing."""
@@ -173,11 +184,7 @@ def _decide_new_artifact(event: Envelope, seq: int, lookup: Lookup, is_tombstone
     digest = content_hash(content)
     impact = getattr(body, "impact", None)
     confidence = getattr(body, "confidence", None)
-    flags = set()
-    if confidence is not None and confidence >= UNEARNED_CONFIDENCE and event.source is EpistemicSource.intuition:
-        flags.add(FLAG_UNEARNED)
-    if is_tombstoned(digest):
-        flags.add(FLAG_PREVIOUSLY_RETRACTED)
+    flags = claim_flags(event, is_tombstoned)
     revises = supersedes = None
     if isinstance(body, FindingBody):
         revises, supersedes = body.revises, body.supersedes
@@ -200,14 +207,14 @@ def _decide_new_artifact(event: Envelope, seq: int, lookup: Lookup, is_tombstone
         goal_id=event.goal_id,
         revises=revises,
         supersedes=supersedes,
-        flags=frozenset(flags),
+        flags=flags,
         last_seq=seq,
         updated_at=event.recorded_at,
     )
     changed = [state]
     if supersedes is not None:
         changed.append(_supersede(_require(lookup, supersedes, "superseded artifact", event.kind), aid, event, seq))
-    return Change(str(event.event_id), tuple(changed), flags=frozenset(flags))
+    return Change(str(event.event_id), tuple(changed), flags=flags)
 
 
 def _supersede(old: ArtifactState, successor: str, event: Envelope, seq: int) -> ArtifactState:

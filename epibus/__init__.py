@@ -16,6 +16,7 @@ from bus.publish import Receipt
 from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
 from epibus import sync
 from epibus.node import Node, NodeConfig
+from observers import reads
 from observers.journal import EventQuery, Journal, JournalRow
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Trust",
     "Unavailable",
     "connect",
+    "reads",
     "register_kind",
     "sync",
 ]

@@ -15,10 +15,9 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from bus.client import open_nats
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
-from bus.jetstream import ensure_streams
+from bus.jetstream import ensure_streams, open_nats
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer

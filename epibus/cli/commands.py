@@ -14,11 +14,10 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from bus.client import open_nats
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import decode_event
 from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url, resolve_nats_url
-from bus.jetstream import NATS_OR_API_ERROR
+from bus.jetstream import NATS_OR_API_ERROR, open_nats
 from bus.outbox import Outbox
 from bus.reader import dead_letters, replay, stream_figures
 from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT

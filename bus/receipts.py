@@ -1,0 +1,87 @@
+"""Receipts beyond a PubAck: acknowledgements another process's forwarder recorded in the shared outbox, and
+the journal's confirmation (`journaled`) with what the state projection made of each event (DESIGN §6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import PubAck
+
+from bus.errors import Unavailable
+from bus.jetstream import NATS_UNAVAILABLE
+from bus.outbox import Outbox
+from bus.publish import Receipt
+from bus.subjects import JOURNAL_LOOKUP
+from bus.vocab import ReceiptLevel
+
+
+async def await_acks(
+    futures: dict[str, asyncio.Future[PubAck]], outbox: Outbox, timeout_s: float
+) -> dict[str, tuple[int, bool]]:
+    """PubAcks (stream seq, duplicate) from this process's forwarder, or recorded in the shared outbox by
+    another process's forwarder (a node draining the same outbox), until timeout_s. Refusals are raised."""
+    acks: dict[str, tuple[int, bool]] = {}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    poll_s = 0.02
+    while len(acks) < len(futures) and loop.time() < deadline:
+        waiting = [f for event_id, f in futures.items() if event_id not in acks]
+        await asyncio.wait(waiting, timeout=min(poll_s, max(0.0, deadline - loop.time())))
+        for event_id, future in futures.items():
+            if event_id in acks or not future.done():
+                continue
+            error = future.exception()
+            if error is not None:
+                raise error
+            acks[event_id] = (future.result().seq, bool(future.result().duplicate))
+        missing = [event_id for event_id in futures if event_id not in acks]
+        if missing:
+            acks |= await outbox.sent(missing)
+        poll_s = min(0.25, poll_s * 2)
+    return acks
+
+
+async def wait_journaled(
+    connection: Callable[[], NatsClient | None], event_ids: Sequence[uuid.UUID], *, timeout_s: float
+) -> dict[str, dict[str, Any]]:
+    """Ask the journal observers (JOURNAL_LOOKUP) until every event id is confirmed. Returns each one's
+    outcome (status, reason, flags). Raises Unavailable naming how many are missing and why."""
+    missing = {str(e) for e in event_ids}
+    outcomes: dict[str, dict[str, Any]] = {}
+    delay_s = 0.01
+    last_problem = "no journal observer answered"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while missing and loop.time() < deadline:
+        nc = connection()
+        if nc is not None:
+            try:
+                reply = await nc.request(JOURNAL_LOOKUP, json.dumps(sorted(missing)).encode(), timeout=2)
+                answer = json.loads(reply.data)
+                missing -= set(answer["journaled"])
+                outcomes |= answer.get("outcomes", {})
+                last_problem = "the journal has not written them yet"
+            except nats.errors.NoRespondersError:
+                last_problem = "no journal observer answered; is `epibus up` running?"
+            except NATS_UNAVAILABLE as e:
+                last_problem = f"{type(e).__name__} {e}"
+        if missing:
+            await asyncio.sleep(delay_s)
+            delay_s = min(0.2, delay_s * 2)
+    if missing:
+        raise Unavailable("journal", f"{len(missing)} event(s) not journaled within {timeout_s}s: {last_problem}")
+    return outcomes
+
+
+def journaled_receipt(receipt: Receipt, outcome: dict[str, Any]) -> Receipt:
+    """The receipt raised to `journaled`, with the projection's flags and, if it refused the event, why."""
+    flags = tuple(dict.fromkeys([*receipt.flags, *outcome.get("flags", [])]))
+    rejected = outcome.get("reason") if outcome.get("status") == "rejected" else None
+    return replace(receipt, level=ReceiptLevel.journaled, flags=flags, rejected=rejected)
