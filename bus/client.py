@@ -54,6 +54,7 @@ class EpibusClient:
         publish_timeout_s: float = 10.0,
         max_in_flight: int = 512,
         replicas: int | None = None,
+        only_own_rows: bool = True,
     ) -> None:
         self.servers = list(servers)
         self.key = key
@@ -63,6 +64,8 @@ class EpibusClient:
         self.publish_timeout_s = publish_timeout_s
         self.max_in_flight = max_in_flight
         self.replicas = replicas
+        # A client's forwarder sends the rows it added (and orphans); a node drains everyone's.
+        self.only_own_rows = only_own_rows
         self._outbox_path = outbox
         self.outbox: Outbox | None = None
         self.forwarder: Forwarder | None = None
@@ -88,7 +91,15 @@ class EpibusClient:
 
     async def start(self) -> None:
         """Open the outbox (if any) and connect. Without an outbox an unreachable NATS raises Unavailable;
-        with one, the client starts offline and a background task keeps connecting."""
+        with one, the client starts offline and a background task keeps connecting. A key registered to
+        another agent raises Conflict. Whatever start raises, it leaves nothing open."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         if self._outbox_path is not None:
             self.outbox = await Outbox(self._outbox_path).open()
             self._stack.push_async_callback(self.outbox.close)
@@ -98,13 +109,14 @@ class EpibusClient:
                 before_send=self._prepare_server,
                 max_in_flight=self.max_in_flight,
                 timeout_s=self.publish_timeout_s,
+                only_own_rows=self.only_own_rows,
             )
+            self._stack.push_async_callback(self.outbox.release_leases)
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         try:
             self.nc = await self._connect()
         except Unavailable:
             if self.outbox is None:
-                await self._stack.aclose()
                 raise
             log.warning("NATS unreachable at %s; events are kept in the outbox until it answers", self.servers)
             self._tasks.append(group.create_task(self._connect_in_background()))

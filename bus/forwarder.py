@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -42,6 +44,7 @@ class Forwarder:
         timeout_s: float = 10.0,
         idle_poll_s: float = 1.0,
         max_backoff_s: float = 5.0,
+        only_own_rows: bool = False,
     ) -> None:
         self.outbox = outbox
         self._jetstream = jetstream
@@ -51,6 +54,7 @@ class Forwarder:
         self.timeout_s = timeout_s
         self.idle_poll_s = idle_poll_s
         self.max_backoff_s = max_backoff_s
+        self.only_own_rows = only_own_rows
         self.stats = ForwarderStats()
         self._wake = asyncio.Event()
         self._waiters: dict[str, list[asyncio.Future[PubAck]]] = {}
@@ -91,6 +95,12 @@ class Forwarder:
             except Unavailable as e:
                 moved_all = False
                 self._count_error(e)
+            except (EpibusError, sqlite3.Error, nats.errors.Error, OSError) as e:
+                # Not an outage (a key conflict, a broken outbox file): say so loudly and keep the loop,
+                # and the rows, alive; a dead forwarder would take its owner's task group down with it.
+                moved_all = False
+                self._count_error(e)
+                log.error("forwarder: %s: %s (rows stay in the outbox)", type(e).__name__, e)
             backoff_s = 0.0 if moved_all else min(self.max_backoff_s, max(0.1, backoff_s * 2))
 
     async def drain_once(self) -> bool:
@@ -101,7 +111,7 @@ class Forwarder:
         if self._before_send is not None:
             await self._before_send()
         while True:
-            rows = await self.outbox.claim(self.batch_size, lease_s=self.timeout_s * 3)
+            rows = await self.outbox.claim(self.batch_size, lease_s=self.timeout_s * 3, only_own=self.only_own_rows)
             if not rows:
                 return True
             results = await send_batch(js, rows, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
@@ -132,7 +142,7 @@ class Forwarder:
             if retry:
                 return False
 
-    def _count_error(self, error: EpibusError) -> None:
+    def _count_error(self, error: Exception) -> None:
         self.stats.failed_attempts += 1
         self.stats.last_error = str(error)
         name = type(error).__name__

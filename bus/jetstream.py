@@ -34,6 +34,7 @@ NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
     nats.errors.StaleConnectionError,
     nats.errors.ConnectionDrainingError,
     nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,  # publishing while reconnecting filled nats-py's pending buffer
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
     TimeoutError,

@@ -33,9 +33,11 @@ CREATE TABLE IF NOT EXISTS outbox (
     last_error TEXT,
     sent_at REAL,
     stream_seq INTEGER,
-    duplicate INTEGER
+    duplicate INTEGER,
+    origin TEXT
 )
 """
+ORPHAN_AFTER_S = 30.0  # a row its adder has not sent by then may be sent by any forwarder
 KEEP_SENT_S = 600.0  # sent rows stay this long so any process sharing the outbox can read their receipt
 
 
@@ -73,6 +75,8 @@ class Outbox:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=30000")
         conn.execute(_SCHEMA)
+        if "origin" not in {row[1] for row in conn.execute("PRAGMA table_info(outbox)")}:
+            conn.execute("ALTER TABLE outbox ADD COLUMN origin TEXT")  # an outbox file from before origins
         self._conn = conn
 
     async def close(self) -> None:
@@ -111,25 +115,29 @@ class Outbox:
             self.conn.execute("BEGIN IMMEDIATE")
             # A pending or parked event stays as it is; one already sent is sent again (JetStream says duplicate).
             self.conn.executemany(
-                "INSERT INTO outbox (event_id, subject, payload, created_at) VALUES (?, ?, ?, ?)"
+                "INSERT INTO outbox (event_id, subject, payload, created_at, origin) VALUES (?, ?, ?, ?, ?)"
                 " ON CONFLICT(event_id) DO UPDATE SET sent_at = NULL, stream_seq = NULL, duplicate = NULL,"
                 " lease_owner = NULL, lease_until = 0 WHERE sent_at IS NOT NULL",
-                [(r.event_id, r.subject, r.payload, now) for r in rows],
+                [(r.event_id, r.subject, r.payload, now, self.owner) for r in rows],
             )
 
-    async def claim(self, limit: int, lease_s: float) -> list[OutboxRow]:
-        """Lease up to `limit` rows, oldest first, that no live lease holds."""
-        rows: list[OutboxRow] = await self._run(self._claim, limit, lease_s)
+    async def claim(self, limit: int, lease_s: float, *, only_own: bool = False) -> list[OutboxRow]:
+        """Lease up to `limit` rows, oldest first, that no live lease holds. `only_own`: rows this outbox
+        object added, and orphans older than ORPHAN_AFTER_S (a short-lived publisher does not take over
+        a node's backlog)."""
+        rows: list[OutboxRow] = await self._run(self._claim, limit, lease_s, only_own)
         return rows
 
-    def _claim(self, limit: int, lease_s: float) -> list[OutboxRow]:
+    def _claim(self, limit: int, lease_s: float, only_own: bool) -> list[OutboxRow]:
         now = time.time()
+        mine = "AND (origin = ? OR created_at < ?)" if only_own else ""
+        params = (now, self.owner, now - ORPHAN_AFTER_S, limit) if only_own else (now, limit)
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             found = self.conn.execute(
-                "SELECT seq, event_id, subject, payload FROM outbox WHERE sent_at IS NULL AND lease_until < ?"
+                f"SELECT seq, event_id, subject, payload FROM outbox WHERE sent_at IS NULL AND lease_until < ? {mine}"
                 " ORDER BY seq LIMIT ?",
-                (now, limit),
+                params,
             ).fetchall()
             if found:
                 self.conn.executemany(
@@ -184,6 +192,19 @@ class Outbox:
                 "UPDATE outbox SET lease_owner = NULL, lease_until = 0, attempts = attempts + 1, last_error = ?"
                 " WHERE event_id = ?",
                 [(error, event_id) for event_id, error in failures.items()],
+            )
+
+    async def release_leases(self) -> None:
+        """Give back every unsent row this outbox object holds (on close: others need not wait out the lease)."""
+        await self._run(self._release_leases)
+
+    def _release_leases(self) -> None:
+        with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute(
+                "UPDATE outbox SET lease_owner = NULL, lease_until = 0"
+                " WHERE lease_owner = ? AND sent_at IS NULL AND lease_until < ?",
+                (self.owner, PARKED),
             )
 
     async def park(self, refusals: dict[str, str]) -> None:

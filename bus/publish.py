@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -22,6 +23,8 @@ from bus.vocab import ReceiptLevel
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 MAX_PUBLISH_ATTEMPTS = 5
+# Whatever nats-py raises while sending is classified per row, never raised out of a batch.
+SEND_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.errors.Error)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ async def send_batch(
             break
         try:
             future = await js.publish_async(row.subject, row.payload, headers=message_headers(row.event_id))
-        except NATS_UNAVAILABLE as e:
+        except SEND_ERRORS as e:
             slots.release()
             results[row.event_id] = translate_publish_error(e, row.subject)
             continue

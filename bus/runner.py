@@ -25,6 +25,11 @@ from bus.vocab import DeadLetterReason
 
 log = logging.getLogger(__name__)
 RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
+# Fetch errors that mean the durable consumer no longer exists on the server.
+CONSUMER_GONE: tuple[type[BaseException], ...] = (
+    nats.js.errors.NotFoundError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 # Dead-letter headers: the reason, the error and where the message came from.
 DLQ_REASON = "Epibus-Dlq-Reason"
@@ -65,6 +70,8 @@ class RunnerStats:
     dead_lettered: dict[str, int] = field(default_factory=dict)
     last_stream_seq: int = 0
     last_error: str | None = None
+    degraded: bool = False  # the observer's store is down; events are held, not dead-lettered
+    outage_retries: int = 0
 
 
 class Rejected(Exception):
@@ -120,9 +127,12 @@ class ConsumerRunner:
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             filter_subject=self.filter_subject,
-            max_deliver=self.max_deliver,
+            # -1: the server never stops redelivering; the runner enforces max_deliver itself, so a message
+            # whose last allowed attempt ends in a nak (say the DLQ did not answer) comes back, not vanishes.
+            max_deliver=-1,
             ack_wait=self.ack_wait_s,
-            max_ack_pending=self.batch_size * 8,
+            # One batch in flight per durable: runners sharing it take turns, so events apply in stream order.
+            max_ack_pending=self.batch_size,
         )
 
     async def _subscribe(self) -> nats.js.JetStreamContext.PullSubscription:
@@ -135,19 +145,29 @@ class ConsumerRunner:
 
     async def run(self) -> None:
         backoff_s = 0.0
+        failures_in_a_row = 0
         while True:
             if backoff_s:
                 await asyncio.sleep(backoff_s)
             try:
                 await self.step()
-                backoff_s = 0.0
+                backoff_s, failures_in_a_row = 0.0, 0
             except RETRYABLE as e:
+                failures_in_a_row += 1
                 self.stats.fetch_errors += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"
                 log.warning("runner %s: %s; retrying (nothing acked, nothing lost)", self.observer.name, e)
-                if isinstance(e, nats.js.errors.NotFoundError):
-                    self._subscription = None  # the consumer is gone (new server?): create it again
+                if failures_in_a_row >= 3 or isinstance(e, CONSUMER_GONE):
+                    await self._drop_subscription()  # the consumer may be gone (new server, deleted): recreate
                 backoff_s = min(5.0, max(0.2, backoff_s * 2))
+
+    async def _drop_subscription(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except RETRYABLE as e:  # the old inbox may already be gone with the connection
+                log.info("runner %s: dropping the old subscription: %s", self.observer.name, e)
 
     async def step(self) -> int:
         """Fetch one batch and process it. Returns how many messages were fetched (0 = nothing yet)."""
@@ -176,22 +196,53 @@ class ConsumerRunner:
         if not admitted:
             return
         try:
-            await self.observer.handle([delivery for _, delivery in admitted])
-        except Exception as e:  # noqa: BLE001 - counted, logged, redelivered, dead-lettered at MaxDeliver
+            await self._handle_through_outages(admitted)
+        except Exception as e:  # noqa: BLE001 - not an outage: find the poison event, redeliver the rest
             self.stats.handler_failures += 1
             self.stats.last_error = f"{type(e).__name__}: {e}"
             log.error("observer %s failed on a batch of %d: %s", self.observer.name, len(admitted), e)
-            for msg, delivery in admitted:
-                if delivery.num_delivered >= self.max_deliver:
-                    await self.dead_letter(msg, DeadLetterReason.max_deliver, f"{type(e).__name__}: {e}")
-                else:
-                    await msg.nak(delay=self._delay(msg))
+            if len(admitted) == 1:
+                await self._redeliver_or_dead_letter(admitted[0], e)
+                return
+            for one in admitted:  # one at a time: only the event that fails on its own is held back
+                try:
+                    await self._handle_through_outages([one])
+                except Exception as single:  # noqa: BLE001 - counted, redelivered or dead-lettered
+                    self.stats.handler_failures += 1
+                    await self._redeliver_or_dead_letter(one, single)
             return
+        self.stats.batches += 1
+
+    async def _handle_through_outages(self, admitted: list[tuple[Msg, Delivery]]) -> None:
+        """Hand the batch to the observer and ack it after its durable write. While the observer reports
+        Unavailable (its store is down) the batch is held and retried, and JetStream is told it is still in
+        progress: an outage is waited out, reported as degraded, and never spends deliveries."""
+        delay_s = 0.5
+        while True:
+            try:
+                await self.observer.handle([delivery for _, delivery in admitted])
+                break
+            except Unavailable as e:
+                self.stats.degraded = True
+                self.stats.outage_retries += 1
+                self.stats.last_error = str(e)
+                log.warning("observer %s degraded, holding %d events: %s", self.observer.name, len(admitted), e)
+                for msg, _ in admitted:
+                    await msg.in_progress()
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.ack_wait_s / 3)
+        self.stats.degraded = False
         for msg, delivery in admitted:
             await msg.ack()
             self.stats.last_stream_seq = max(self.stats.last_stream_seq, delivery.stream_seq)
         self.stats.handled += len(admitted)
-        self.stats.batches += 1
+
+    async def _redeliver_or_dead_letter(self, admitted: tuple[Msg, Delivery], error: Exception) -> None:
+        msg, delivery = admitted
+        if delivery.num_delivered >= self.max_deliver:
+            await self.dead_letter(msg, DeadLetterReason.max_deliver, f"{type(error).__name__}: {error}")
+        else:
+            await msg.nak(delay=self._delay(msg))
 
     def _delay(self, msg: Msg) -> float:
         attempt = msg.metadata.num_delivered

@@ -191,3 +191,86 @@ async def test_journaled_receipt_is_confirmed_by_the_lookup_service(nats_server,
         await nc.close()
     assert receipt.level is ReceiptLevel.journaled
     assert journal_event_ids(journal.url, project) == [str(receipt.event_id)]
+
+
+class OutageObserver:
+    """A sink whose store is down for the first `down_calls` calls (stands in for a database outage)."""
+
+    def __init__(self, name: str, down_calls: int) -> None:
+        self.name = name
+        self.down_calls = down_calls
+        self.written: list[str] = []
+
+    async def handle(self, batch: Sequence[Delivery]) -> None:
+        from bus.errors import Unavailable
+
+        if self.down_calls > 0:
+            self.down_calls -= 1
+            raise Unavailable("journal", "connection refused")
+        self.written.extend(str(d.event.event_id) for d in batch)
+
+
+async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(nats_server, home, project):
+    observer = OutageObserver("outage", down_calls=8)  # longer than max_deliver attempts would allow
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, observer, max_deliver=2, ack_wait_s=2.0, fetch_timeout_s=0.2
+    ) as (runner,):
+        events = [client.event("finding", finding(i), project=project) for i in range(20)]
+        await client.publish_many(events)
+        await eventually(lambda: runner.stats.degraded, timeout_s=10)
+        await eventually(lambda: len(observer.written) == 20, timeout_s=60)
+        letters = await dead_letters(client.js)
+    assert sorted(observer.written) == sorted(str(e.event_id) for e in events)
+    assert letters == [] and runner.stats.dead_lettered == {}
+    assert runner.stats.outage_retries == 8 and runner.stats.degraded is False
+
+
+class PoisonObserver:
+    """Fails on one specific event, writes the others (stands in for a sink that chokes on one row)."""
+
+    def __init__(self, name: str, poison: str) -> None:
+        self.name = name
+        self.poison = poison
+        self.written: list[str] = []
+
+    async def handle(self, batch: Sequence[Delivery]) -> None:
+        if any(str(d.event.event_id) == self.poison for d in batch):
+            raise ValueError("cannot store this one")
+        self.written.extend(str(d.event.event_id) for d in batch)
+
+
+async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, home, project):
+    async with connect(nats_server.url, agent="alice", home=home) as client:
+        events = [client.event("finding", finding(i), project=project) for i in range(10)]
+        observer = PoisonObserver("poison", str(events[4].event_id))
+        async with running(nats_server.url, observer, max_deliver=2, redelivery_delays_s=(0.05,),
+                           fetch_timeout_s=0.2) as (runner,):
+            await client.publish_many(events)
+            await eventually(lambda: runner.stats.dead_lettered.get("max_deliver") == 1, timeout_s=20)
+            (letter,) = await dead_letters(client.js)
+    assert json.loads(letter.data)["event_id"] == observer.poison
+    assert sorted(observer.written) == sorted(str(e.event_id) for e in events if str(e.event_id) != observer.poison)
+
+
+async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_server, home, project, journal):
+    async with connect(nats_server.url, agent="alice", home=home) as client, running(
+        nats_server.url, JournalObserver(journal), fetch_timeout_s=0.2
+    ) as (runner,):
+        first = client.event("finding", finding(1), project=project)
+        await client.publish(first)
+        await eventually(lambda: runner.stats.handled == 1)
+        await client.js.delete_consumer("EPI", runner.observer.name)
+        second = client.event("finding", finding(2), project=project)
+        await client.publish(second)
+        await eventually(lambda: str(second.event_id) in journal_event_ids(journal.url, project), timeout_s=30)
+    assert sorted(journal_event_ids(journal.url, project)) == sorted([str(first.event_id), str(second.event_id)])
+
+
+async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_deliver(nats_server, journal):
+    nc = await nats.connect(nats_server.url)
+    try:
+        runner = ConsumerRunner(nc, JournalObserver(journal), max_deliver=3)
+        assert runner.consumer_config().max_deliver == -1
+        assert runner.max_deliver == 3
+    finally:
+        await nc.close()
