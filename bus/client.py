@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from bus.errors import InvalidEvent, Unavailable
+from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
 from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
@@ -230,7 +230,7 @@ class EpibusClient:
         self,
         event: Envelope,
         *,
-        wait_for: ReceiptLevel = ReceiptLevel.published,
+        wait_for: ReceiptLevel | str = ReceiptLevel.published,
         timeout_s: float | None = None,
         strict: bool = False,
     ) -> Receipt:
@@ -244,27 +244,40 @@ class EpibusClient:
         self,
         events: Sequence[Envelope],
         *,
-        wait_for: ReceiptLevel = ReceiptLevel.published,
+        wait_for: ReceiptLevel | str = ReceiptLevel.published,
         timeout_s: float | None = None,
         strict: bool = False,
     ) -> list[Receipt]:
         """Publish events in bulk with bounded in-flight async publishes; receipts in the input order.
         Every event is validated before anything is written: one bad event writes none. A claim whose
         content was retracted or rolled back before is flagged `previously_retracted` (refused if strict)."""
+        level = self._wait_level(wait_for)
         rows = [self._row(event) for event in events]
         if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
             raise InvalidEvent("event_id", "appears twice in one publish_many call")
         flags = await self._flags(events, strict=strict)
         deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(rows) / 2000)
         if self.outbox is not None:
-            receipts = await self._publish_through_outbox(rows, deadline_s)
+            receipts = await self._publish_through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
         else:
             receipts = await self._publish_direct(rows)
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
-        if wait_for is ReceiptLevel.journaled:
+        if level is ReceiptLevel.journaled:
             outcomes = await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
             receipts = [journaled_receipt(r, outcomes.get(str(r.event_id), {})) for r in receipts]
         return receipts
+
+    def _wait_level(self, wait_for: ReceiptLevel | str) -> ReceiptLevel:
+        allowed = ["outboxed", "published", "journaled"]
+        try:
+            level = ReceiptLevel(wait_for)
+        except ValueError:
+            raise ConfigError("wait_for", f"{wait_for!r} is not a receipt level", allowed=allowed) from None
+        if level is ReceiptLevel.indexed:
+            raise ConfigError("wait_for", "'indexed' needs the vector mirror, which is not built yet", allowed=allowed)
+        if level is ReceiptLevel.outboxed and self.outbox is None:
+            raise ConfigError("wait_for", "'outboxed' needs the outbox; connect with outbox=True", allowed=allowed)
+        return level
 
     async def _flags(self, events: Sequence[Envelope], *, strict: bool) -> dict[str, tuple[str, ...]]:
         """Flags known before publishing; tombstones need NATS (checked within 2 s, else counted and left

@@ -10,6 +10,10 @@ from collections.abc import Iterable
 class EpibusError(Exception):
     """Root of every error epibus raises on purpose."""
 
+    def __str__(self) -> str:
+        # One line, always: driver messages (psycopg, nats) can span several.
+        return " ".join(super().__str__().split())
+
 
 class InvalidEvent(EpibusError, ValueError):
     """An event (or a field of one) failed validation; nothing was written."""
@@ -38,10 +42,10 @@ class IllegalTransition(EpibusError):
 class Conflict(EpibusError):
     """Another writer got there first (expected sequence or revision); re-read and retry deliberately."""
 
-    def __init__(self, what: str, detail: str) -> None:
+    def __init__(self, what: str, detail: str, fix: str = "re-read the current state and retry") -> None:
         self.what = what
         self.detail = detail
-        super().__init__(f"conflict on {what}: {detail}; re-read the current state and retry")
+        super().__init__(f"conflict on {what}: {detail}; {fix}")
 
 
 class NotFound(EpibusError, LookupError):

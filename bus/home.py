@@ -17,7 +17,10 @@ NODE_FILE = "node.json"
 
 def epibus_home(explicit: Path | str | None = None) -> Path:
     raw = explicit if explicit is not None else os.environ.get("EPIBUS_HOME", "~/.epibus")
-    return Path(raw).expanduser().resolve()
+    home = Path(raw).expanduser().resolve()
+    if home.exists() and not home.is_dir():
+        raise ConfigError("EPIBUS_HOME", f"{home} is a file; point --home or EPIBUS_HOME at a directory")
+    return home
 
 
 def default_agent() -> str:
@@ -71,7 +74,10 @@ def read_node_info(home: Path) -> NodeInfo | None:
     path = home / NODE_FILE
     if not path.exists():
         return None
-    info = NodeInfo(**json.loads(path.read_text()))
+    try:
+        info = NodeInfo(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ConfigError("node", f"{path} is unreadable ({e}); delete it if no node is running") from e
     return info if info.alive() else None
 
 

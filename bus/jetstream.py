@@ -131,6 +131,7 @@ class AgentRegistry:
             raise Conflict(
                 f"agent {actor.agent_id}",
                 f"it is registered with key {bound[:12]}…, this event is signed by {actor.public_key[:12]}…",
+                fix=f"use the agent's original key (keys/{actor.agent_id}.nk) or another agent name",
             )
         self._known[actor.agent_id] = bound
 
@@ -151,9 +152,21 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
     return Unavailable("nats", f"publish to {subject}: unexpected {type(error).__name__}: {error}")
 
 
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, OSError)
+
+
 async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
-    """A reconnecting NATS connection, or Unavailable if none is made within timeout_s."""
+    """A reconnecting NATS connection, or Unavailable (naming the last connection error) if none is made
+    within timeout_s. Connection errors go to `error_cb` if given, never to nats-py's traceback logging."""
     nc = NatsClient()
+    errors: list[BaseException] = []
+    user_error_cb = callbacks.pop("error_cb", None)
+
+    async def remember(error: Exception) -> None:
+        errors.append(error)
+        if user_error_cb is not None:
+            await user_error_cb(error)
+
     try:
         async with asyncio.timeout(timeout_s):
             await nc.connect(
@@ -162,10 +175,14 @@ async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **ca
                 connect_timeout=max(1, int(timeout_s)),
                 reconnect_time_wait=1,
                 max_reconnect_attempts=-1,  # keep trying; the outbox holds events meanwhile
+                error_cb=remember,
                 **callbacks,
             )
-    except NATS_UNAVAILABLE as e:
-        with contextlib.suppress(*NATS_UNAVAILABLE):  # closing a half-open client; nothing to lose
+    except CONNECT_ERRORS as e:
+        with contextlib.suppress(*CONNECT_ERRORS):  # closing a half-open client; nothing to lose
             await nc.close()
-        raise Unavailable("nats", f"cannot connect to {', '.join(servers)}: {type(e).__name__} {e}") from e
+        last = errors[-1] if errors else e
+        raise Unavailable(
+            "nats", f"cannot connect to {', '.join(servers)}: {type(last).__name__} {last}; is the server running?"
+        ) from e
     return nc

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bus.errors import Unavailable
+
 T = TypeVar("T")
 PARKED = 1e18  # a lease that never expires: refused rows wait here for a person
 
@@ -64,7 +66,11 @@ class Outbox:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def open(self) -> Outbox:
-        await self._run(self._open)
+        """Raises Unavailable("outbox", …) when the file cannot be opened or created."""
+        try:
+            await self._run(self._open)
+        except (sqlite3.Error, OSError) as e:
+            raise Unavailable("outbox", f"cannot open {self.path}: {e}; check the path and its permissions") from e
         return self
 
     def _open(self) -> None:
@@ -104,7 +110,7 @@ class Outbox:
                 try:
                     await self._run(self._insert, batch)
                 except (sqlite3.Error, OSError) as e:
-                    done.set_exception(e)
+                    done.set_exception(Unavailable("outbox", f"cannot write to {self.path}: {e}"))
                 else:
                     done.set_result(None)
         await done

@@ -21,6 +21,8 @@ from bus.publish import Receipt
 from bus.subjects import JOURNAL_LOOKUP
 from bus.vocab import ReceiptLevel
 
+LOOKUP_CHUNK = 1000  # event ids per lookup request: ~40 KB, far below NATS's 1 MiB max_payload
+
 
 async def await_acks(
     futures: dict[str, asyncio.Future[PubAck]], outbox: Outbox, timeout_s: float
@@ -61,17 +63,21 @@ async def wait_journaled(
     deadline = loop.time() + timeout_s
     while missing and loop.time() < deadline:
         nc = connection()
-        if nc is not None:
+        asking = sorted(missing)
+        for start in range(0, len(asking) if nc is not None else 0, LOOKUP_CHUNK):  # stay under max_payload
+            assert nc is not None
             try:
-                reply = await nc.request(JOURNAL_LOOKUP, json.dumps(sorted(missing)).encode(), timeout=2)
-                answer = json.loads(reply.data)
-                missing -= set(answer["journaled"])
-                outcomes |= answer.get("outcomes", {})
-                last_problem = "the journal has not written them yet"
+                chunk = json.dumps(asking[start : start + LOOKUP_CHUNK]).encode()
+                answer = json.loads((await nc.request(JOURNAL_LOOKUP, chunk, timeout=2)).data)
             except nats.errors.NoRespondersError:
                 last_problem = "no journal observer answered; is `epibus up` running?"
+                break
             except NATS_UNAVAILABLE as e:
                 last_problem = f"{type(e).__name__} {e}"
+                break
+            missing -= set(answer["journaled"])
+            outcomes |= answer.get("outcomes", {})
+            last_problem = answer.get("error") or "the journal has not written them yet"
         if missing:
             await asyncio.sleep(delay_s)
             delay_s = min(0.2, delay_s * 2)

@@ -173,6 +173,10 @@ class NatsServer:
         self.stop()
         self.start(timeout_s)
 
+    @property
+    def exit_code(self) -> int | None:
+        return self._process.poll() if self._process else None
+
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from bus.errors import ConfigError
+
 STREAM = "EPI"
 STREAM_SUBJECTS = ("epi.>",)
 DLQ_STREAM = "EPI_DLQ"
@@ -47,7 +49,12 @@ def parse_event_subject(subject: str) -> EventAddress | None:
 
 
 def events_filter(project: str | None = None, kind: str | None = None) -> str:
-    """A consumer filter for one project and/or one kind; every event when both are None."""
+    """A consumer filter for one project and/or one kind; every event when both are None.
+    Raises ConfigError for a project or kind that no subject could hold."""
+    if project is not None and not PROJECT_PATTERN.match(project):
+        raise ConfigError("project", f"{project!r} must match {PROJECT_PATTERN.pattern}")
+    if kind is not None and not KIND_PATTERN.match(kind):
+        raise ConfigError("kind", f"{kind!r} must match {KIND_PATTERN.pattern}")
     if project is None and kind is None:
         return "epi.>"
     return f"epi.{project or '*'}.{kind or '*'}.*"

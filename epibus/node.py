@@ -15,9 +15,10 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from bus.errors import Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
-from bus.jetstream import ensure_streams, open_nats
+from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
@@ -51,6 +52,7 @@ class Node:
         self.info: NodeInfo | None = None
         self.js: JetStreamContext | None = None
         self._streams_ready = False
+        self.server_restarts = 0
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -84,9 +86,13 @@ class Node:
         await asyncio.to_thread(self.journal.migrate)
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
         self.nc = await open_nats(
-            servers, name=f"epibus-node:{self.config.agent}", timeout_s=10, reconnected_cb=self._on_reconnected
+            servers,
+            name=f"epibus-node:{self.config.agent}",
+            timeout_s=10,
+            reconnected_cb=self._on_reconnected,
+            error_cb=self._on_nats_error,
         )
-        self._stack.push_async_callback(self.nc.close)
+        self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
         await self._ensure_streams()
 
@@ -99,6 +105,8 @@ class Node:
 
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [group.create_task(self.runner.run()), group.create_task(self.forwarder.run())]
+        if self.server is not None:
+            self._tasks.append(group.create_task(self._watch_server(self.server)))
         if self.config.record:
             self.info = NodeInfo(
                 pid=os.getpid(),
@@ -114,6 +122,31 @@ class Node:
 
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.nc is not None and self.nc.is_connected else None
+
+    async def _watch_server(self, server: NatsServer) -> None:
+        """The embedded server is ours: if it exits, say so once and start it again on the same ports
+        (its file store keeps what was fsynced; clients reconnect to the same URL)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if server.running():
+                continue
+            self.server_restarts += 1
+            log.error("embedded nats-server exited (%s); restarting it on %s", server.exit_code, server.url)
+            try:
+                await asyncio.to_thread(server.start)
+            except Unavailable as e:
+                log.error("embedded nats-server did not restart: %s; trying again", e)
+
+    async def _on_nats_error(self, error: Exception) -> None:
+        # One line, not nats-py's default traceback per reconnect attempt.
+        log.warning("NATS: %s %s", type(error).__name__, error)
+
+    async def _close_nats(self) -> None:
+        assert self.nc is not None
+        try:
+            await self.nc.close()
+        except NATS_UNAVAILABLE as e:  # shutting down anyway: the server may be gone already
+            log.warning("closing the NATS connection: %s %s", type(e).__name__, e)
 
     async def _on_reconnected(self) -> None:
         self._streams_ready = False  # the server may be new or have lost its store

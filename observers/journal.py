@@ -18,7 +18,7 @@ from nats.aio.subscription import Subscription
 from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from bus.errors import ConfigError, Unavailable
 from bus.event import Envelope, validate_event
@@ -37,8 +37,13 @@ def _utc(value: datetime) -> datetime:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for a journal URL. Raises ConfigError for an unsupported database."""
-    parsed = make_url(url)
+    """An engine for a journal URL. Raises ConfigError for a malformed URL or an unsupported database."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        raise ConfigError(
+            "journal", f"{url!r} is not a database URL; use sqlite:///PATH or postgresql://USER@HOST/DB"
+        ) from e
     if parsed.get_backend_name() not in DIALECTS:
         raise ConfigError("journal", f"{parsed.get_backend_name()!r} is not supported", allowed=DIALECTS)
     if parsed.get_backend_name() == "sqlite":

@@ -173,9 +173,11 @@ async def _tail(
     nc = await target.connect()
     try:
         policy = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
-        subscription = await nc.jetstream().subscribe(
-            events_filter(project, kind), ordered_consumer=True, deliver_policy=policy
-        )
+        subject = events_filter(project, kind)
+        try:
+            subscription = await nc.jetstream().subscribe(subject, ordered_consumer=True, deliver_policy=policy)
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"cannot follow {subject}: {e}; is this the epibus NATS (stream EPI)?") from e
         if not as_json:
             err_console.print(f"following {events_filter(project, kind)} (Ctrl-C stops)")
         seen = 0

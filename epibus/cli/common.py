@@ -14,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bus.errors import ConfigError, EpibusError
@@ -49,7 +50,7 @@ def fail(message: str, *, as_json: bool, code: int = 1) -> typer.Exit:
     if as_json:
         print(json.dumps({"ok": False, "error": message}))
     else:
-        err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -13,7 +13,10 @@ from pydantic.fields import FieldInfo
 
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import Body, Evidence, kind_names, require_kind
+from bus.event import Body, Evidence, draft_event, encode_event, kind_names, require_kind
+from bus.home import default_agent, epibus_home
+from bus.ids import new_event_id
+from bus.signing import AgentKey
 from bus.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
 from epibus.cli.common import (
     AgentOpt,
@@ -41,9 +44,8 @@ def _parse_evidence(values: list[str]) -> list[Evidence]:
     for value in values:
         kind, sep, ref = value.partition(":")
         if not sep or kind not in EvidenceKind.__members__:
-            raise InvalidEvent(
-                f"--evidence={value!r}", "must be KIND:REF with KIND one of", allowed=list(EvidenceKind.__members__)
-            )
+            kinds = ", ".join(EvidenceKind.__members__)
+            raise InvalidEvent(f"--evidence={value!r}", f"must be KIND:REF with KIND one of {{{kinds}}}")
         evidence.append(Evidence(kind=EvidenceKind(kind), ref=ref))
     return evidence
 
@@ -112,7 +114,12 @@ def _common_parameters() -> list[inspect.Parameter]:
                 ReceiptLevel, typer.Option("--wait", help="Level to wait for: published or journaled.")
             ],
         ),
-        p("timeout_s", keyword, default=10.0, annotation=Annotated[float, typer.Option("--timeout")]),
+        p(
+            "timeout_s",
+            keyword,
+            default=10.0,
+            annotation=Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the receipt.")],
+        ),
         p(
             "strict",
             keyword,
@@ -153,16 +160,28 @@ def _make_command(kind: str) -> Any:
 async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
     if o["wait_for"] not in (ReceiptLevel.published, ReceiptLevel.journaled):
         raise InvalidEvent("--wait", repr(o["wait_for"].value), allowed=["published", "journaled"])
+    # Validate and sign before connecting: bad input is named even when no node is running.
+    home = epibus_home(o["home"])
+    key = AgentKey.load_or_create(home, o["agent"] or default_agent())
+    draft = draft_event(
+        kind,
+        body,
+        project=o["project"],
+        actor=key.actor,
+        session_id=str(new_event_id()),
+        artifact_id=o["artifact_id"],
+        goal_id=o["goal_id"],
+        source=o["source"],
+    )
+    event = key.sign(draft)
+    encode_event(event)  # the size limit, too
     async with connect(
         o["nats"],
-        agent=o["agent"],
-        home=o["home"],
+        agent=key.agent_id,
+        home=home,
         publish_timeout_s=o["timeout_s"],
         connect_timeout_s=min(5.0, o["timeout_s"]),
     ) as client:
-        event = client.event(
-            kind, body, project=o["project"], artifact_id=o["artifact_id"], source=o["source"], goal_id=o["goal_id"]
-        )
         receipt = await client.publish(event, wait_for=o["wait_for"], timeout_s=o["timeout_s"], strict=o["strict"])
     if o["as_json"]:
         emit_json({"ok": True, **receipt.as_dict(), "artifact_id": event.artifact_id})

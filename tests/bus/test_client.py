@@ -240,3 +240,18 @@ async def test_a_receipt_is_read_from_the_shared_outbox_when_another_forwarder_s
     assert receipt.stream_seq is not None
     assert node.forwarder is not None and node.forwarder.stats.sent >= 1
     await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)])
+
+
+async def test_wait_for_accepts_strings_and_refuses_levels_it_cannot_reach(node: Node, nats_server, home, project):
+    async with connect(nats_server.url, agent="alice", home=home) as client:
+        receipt = await client.publish(client.event("finding", finding(), project=project), wait_for="journaled")
+        assert receipt.level is ReceiptLevel.journaled
+        with pytest.raises(ConfigError, match="indexed"):
+            await client.publish(client.event("finding", finding(), project=project), wait_for="indexed")
+        with pytest.raises(ConfigError, match="allowed: outboxed, published, journaled"):
+            await client.publish(client.event("finding", finding(), project=project), wait_for="soon")
+        quick = await client.publish(client.event("finding", finding(), project=project), wait_for="outboxed")
+        assert quick.level is ReceiptLevel.outboxed
+    async with connect(nats_server.url, agent="alice", home=home, outbox=False) as direct:
+        with pytest.raises(ConfigError, match="outbox"):
+            await direct.publish(direct.event("finding", finding(), project=project), wait_for="outboxed")

@@ -115,3 +115,18 @@ async def test_observer_process_killed_mid_stream_loses_and_doubles_nothing(
         node.wait(timeout=20)
     report = missing_and_extra(expected, journal_event_ids(sqlite_journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
+
+
+async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Path, project: str):
+    home = tmp_path / "home"
+    async with Node(NodeConfig(home=home)) as node:
+        assert node.server is not None
+        url = node.server.url
+        node.server.kill()
+        await eventually(lambda: node.server_restarts == 1 and node.server.running(), timeout_s=20)
+        assert node.server.url == url
+        async with connect(url, agent="alice", home=home, outbox=False) as client:
+            receipt = await client.publish(
+                client.event("finding", finding(), project=project), wait_for=ReceiptLevel.journaled, timeout_s=30
+            )
+    assert receipt.level is ReceiptLevel.journaled
