@@ -297,7 +297,8 @@ class EpibusClient:
 
     async def project_view(self, project: str) -> ProjectView:
         """The project folded from the stream now (the client's view for validating state changes)."""
-        return await load_project(self.js, project)
+        self._registry = self._registry or AgentRegistry(self.js)
+        return await load_project(self.js, project, self._registry)
 
     async def transition(
         self,

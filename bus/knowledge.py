@@ -13,9 +13,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.errors import InvalidEvent, Unavailable
+from bus.errors import Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.reader import read_stream
 from bus.runner import Rejected, admit_event
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Fold, Tombstone, claim_flags
@@ -38,8 +38,11 @@ class ProjectView:
     invalid: int = 0
 
 
-async def load_project(js: JetStreamContext, project: str) -> ProjectView:
-    """Fold every event of the project in stream order. Raises Unavailable."""
+async def load_project(js: JetStreamContext, project: str, registry: AgentRegistry | None = None) -> ProjectView:
+    """Fold every event of the project in stream order, skipping exactly what the live consumer
+    dead-letters (invalid, wrongly signed, or signed with a key not bound to its agent), so the client's
+    view and the journal's projection agree. Raises Unavailable."""
+    registry = registry or AgentRegistry(js)
     view = ProjectView(project)
     async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
         for msg in messages:
@@ -49,7 +52,8 @@ async def load_project(js: JetStreamContext, project: str) -> ProjectView:
                 view.subject_seq[address.artifact_id] = seq
             try:
                 event = admit_event(msg.subject, msg.data)
-            except Rejected:
+                await registry.bind(event.actor)
+            except (Rejected, Conflict):
                 view.invalid += 1  # the live consumer dead-letters it; it changes no state here either
                 continue
             view.fold.apply(event, seq)
