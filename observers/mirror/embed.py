@@ -111,6 +111,11 @@ class FastEmbedder:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._ensure_model)
         return self
 
+    def load_blocking(self) -> FastEmbedder:
+        """`load` for synchronous callers (scripts, module-scoped fixtures)."""
+        self._executor.submit(self._ensure_model).result()
+        return self
+
     def _embed(self, texts: list[str]) -> list[list[float]]:
         model = self._ensure_model()
         return [vector.tolist() for vector in model.embed(texts, batch_size=self.batch_size)]

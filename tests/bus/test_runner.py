@@ -212,9 +212,10 @@ class OutageObserver:
 
 async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(nats_server, home, project):
     observer = OutageObserver("outage", down_calls=8)  # longer than max_deliver attempts would allow
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, observer, max_deliver=2, ack_wait_s=2.0, fetch_timeout_s=0.2
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, observer, max_deliver=2, ack_wait_s=2.0, fetch_timeout_s=0.2) as (runner,),
+    ):
         events = [client.event("finding", finding(i), project=project) for i in range(20)]
         await client.publish_many(events)
         await eventually(lambda: runner.stats.degraded, timeout_s=10)
@@ -243,8 +244,9 @@ async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, 
     async with connect(nats_server.url, agent="alice", home=home) as client:
         events = [client.event("finding", finding(i), project=project) for i in range(10)]
         observer = PoisonObserver("poison", str(events[4].event_id))
-        async with running(nats_server.url, observer, max_deliver=2, redelivery_delays_s=(0.05,),
-                           fetch_timeout_s=0.2) as (runner,):
+        async with running(
+            nats_server.url, observer, max_deliver=2, redelivery_delays_s=(0.05,), fetch_timeout_s=0.2
+        ) as (runner,):
             await client.publish_many(events)
             await eventually(lambda: runner.stats.dead_lettered.get("max_deliver") == 1, timeout_s=20)
             (letter,) = await dead_letters(client.js)
@@ -253,9 +255,10 @@ async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, 
 
 
 async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_server, home, project, journal):
-    async with connect(nats_server.url, agent="alice", home=home) as client, running(
-        nats_server.url, JournalObserver(journal), fetch_timeout_s=0.2
-    ) as (runner,):
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, JournalObserver(journal), fetch_timeout_s=0.2) as (runner,),
+    ):
         first = client.event("finding", finding(1), project=project)
         await client.publish(first)
         await eventually(lambda: runner.stats.handled == 1)

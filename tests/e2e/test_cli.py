@@ -277,8 +277,27 @@ def test_state_commands_from_publish_to_rollback(running_node):
     home, _, _ = running_node
 
     def publish(agent: str, text: str, *extra: str) -> str:
-        out = epibus(home, "publish", "finding", "-p", "st", "--agent", agent, "--text", text, "--impact", "0.5",
-                     "--confidence", "0.6", "--subject", "s", "--wait", "journaled", "--json", *extra)
+        out = epibus(
+            home,
+            "publish",
+            "finding",
+            "-p",
+            "st",
+            "--agent",
+            agent,
+            "--text",
+            text,
+            "--impact",
+            "0.5",
+            "--confidence",
+            "0.6",
+            "--subject",
+            "s",
+            "--wait",
+            "journaled",
+            "--json",
+            *extra,
+        )
         return as_json(out)["artifact_id"]
 
     base = publish("alice", "the scheduler starves small jobs")
@@ -301,7 +320,8 @@ def test_state_commands_from_publish_to_rollback(running_node):
 
     def settled() -> bool:
         return len(as_json(epibus(home, "audit", "-p", "st", "--json"))) == 4 and all(
-            a["trust"] == "rolled_back" for a in as_json(epibus(home, "audit", "-p", "st", "--json"))
+            a["trust"] == "rolled_back"
+            for a in as_json(epibus(home, "audit", "-p", "st", "--json"))
             if a["artifact_id"] in (child, grandchild)
         )
 
@@ -311,8 +331,25 @@ def test_state_commands_from_publish_to_rollback(running_node):
     audit = {a["artifact_id"]: a for a in as_json(epibus(home, "audit", "-p", "st", "--json"))}
     assert audit[base]["verifications"][0]["verifier"] == "bob"
     assert audit[retract]["resolution"] == "retracted"
-    repeated = epibus(home, "publish", "finding", "-p", "st", "--agent", "dave", "--text", "The scheduler is FAIR.",
-                      "--impact", "0.5", "--confidence", "0.6", "--subject", "s", "--strict", check=False)
+    repeated = epibus(
+        home,
+        "publish",
+        "finding",
+        "-p",
+        "st",
+        "--agent",
+        "dave",
+        "--text",
+        "The scheduler is FAIR.",
+        "--impact",
+        "0.5",
+        "--confidence",
+        "0.6",
+        "--subject",
+        "s",
+        "--strict",
+        check=False,
+    )
     assert repeated.returncode == 1 and "retracted or rolled back" in repeated.stderr
     brief = as_json(epibus(home, "briefing", "-p", "st", "--json"))
     assert [a["artifact_id"] for a in brief["top"]] == [base]

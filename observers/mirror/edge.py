@@ -1,0 +1,181 @@
+"""The `edge` vector store: qdrant-edge-py, Qdrant's in-process engine, in a directory under EPIBUS_HOME.
+
+The shard holds no metadata of its own, so `collection.json` beside it records the embedding model id and
+dimension; a store opened for another model raises ModelMismatch. All engine calls run on one owned thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import qdrant_edge as qe
+
+from bus.errors import ModelMismatch, Unavailable
+from observers.mirror.store import (
+    INDEXED_FLOATS,
+    INDEXED_KEYWORDS,
+    CollectionInfo,
+    Filter,
+    Hit,
+    Point,
+    Vector,
+    match_value,
+    match_values,
+)
+
+T = TypeVar("T")
+META_FILE = "collection.json"
+SHARD_DIR = "shard"
+
+
+def edge_filter(where: Filter) -> qe.Filter | None:
+    must: list[Any] = [
+        qe.FieldCondition(key, match=qe.MatchValue(match_value(value))) for key, value in where.equals.items()
+    ]
+    must += [qe.FieldCondition(key, match=qe.MatchAny(match_values(values))) for key, values in where.any_of.items()]
+    must_not: list[Any] = [
+        qe.FieldCondition(key, match=qe.MatchAny(match_values(values))) for key, values in where.none_of.items()
+    ]
+    if not must and not must_not:
+        return None
+    return qe.Filter(must=must or None, must_not=must_not or None)
+
+
+class EdgeVectorStore:
+    """A VectorStore on qdrant-edge. Use `await EdgeVectorStore.open(path, model_id, dimension)`."""
+
+    def __init__(self, path: Path, model_id: str, dimension: int) -> None:
+        self.path = path
+        self.model_id = model_id
+        self.dimension = dimension
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-edge")
+        self._shard: Any = None
+
+    @classmethod
+    async def open(cls, path: Path, model_id: str, dimension: int) -> EdgeVectorStore:
+        """Open or create. Raises ModelMismatch if the collection was built for another model or dimension."""
+        store = cls(path, model_id, dimension)
+        try:
+            await store._call(store._open)
+        except BaseException:
+            store._executor.shutdown(wait=False)
+            raise
+        return store
+
+    @property
+    def shard(self) -> Any:
+        if self._shard is None:
+            raise Unavailable("qdrant-edge", f"{self.path}: store is closed")
+        return self._shard
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _open(self) -> None:
+        meta_path = self.path / META_FILE
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            if (meta["model_id"], meta["dimension"]) != (self.model_id, self.dimension):
+                raise ModelMismatch(
+                    f"{meta['model_id']} ({meta['dimension']}-d)", f"{self.model_id} ({self.dimension}-d)"
+                )
+            self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        config = qe.EdgeConfig(
+            vectors=qe.EdgeVectorParams(size=self.dimension, distance=qe.Distance.Cosine),
+            # indexing_threshold is in KB of vectors: HNSW is built by optimize() once a segment outgrows it.
+            optimizers=qe.EdgeOptimizersConfig(indexing_threshold=20_000),
+            hnsw_config=qe.HnswIndexConfig(m=16, ef_construct=100, full_scan_threshold=10_000),
+        )
+        self._shard = self._engine(qe.EdgeShard.create, str(self.path / SHARD_DIR), config)
+        for key in INDEXED_KEYWORDS:
+            self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Keyword))
+        for key in INDEXED_FLOATS:
+            self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Float))
+        meta_path.write_text(json.dumps({"model_id": self.model_id, "dimension": self.dimension}))
+
+    def _engine(self, fn: Any, *args: Any) -> Any:
+        """The one choke point: the engine raises bare Exception subclasses for every failure."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            message = str(e)
+            if "dimension error" in message.lower():
+                raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
+            raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
+
+    def _check_dimension(self, vectors: Sequence[Vector]) -> None:
+        for vector in vectors:
+            if len(vector) != self.dimension:
+                raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", f"a {len(vector)}-d vector")
+
+    async def upsert(self, points: Sequence[Point]) -> None:
+        if not points:
+            return
+        self._check_dimension([p.vector for p in points])
+        batch = [
+            qe.Point(str(p.id), list(p.vector), {**p.payload, "model_id": self.model_id, "dimension": self.dimension})
+            for p in points
+        ]
+        await self._call(self._engine, self.shard.update, qe.UpdateOperation.upsert_points(batch))
+
+    async def delete(self, ids: Sequence[uuid.UUID]) -> None:
+        if ids:
+            await self._call(self._engine, self.shard.update, qe.UpdateOperation.delete_points([str(i) for i in ids]))
+
+    async def retrieve(self, ids: Sequence[uuid.UUID]) -> list[Point]:
+        if not ids:
+            return []
+        records = await self._call(self._engine, self.shard.retrieve, [str(i) for i in ids], True, True)
+        return [Point(uuid.UUID(str(r.id)), list(r.vector), dict(r.payload)) for r in records]
+
+    async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
+        self._check_dimension([vector])
+        request = qe.QueryRequest(
+            query=qe.Query.Nearest(list(vector)), filter=edge_filter(where), limit=limit, with_payload=True
+        )
+        found = await self._call(self._engine, self.shard.query, request)
+        return [Hit(uuid.UUID(str(r.id)), float(r.score), dict(r.payload)) for r in found]
+
+    async def set_payload(self, where: Filter, payload: Mapping[str, Any]) -> None:
+        flt = edge_filter(where)
+        if flt is None:
+            raise ValueError("set_payload needs a filter; refusing to rewrite every point")
+        await self._call(self._engine, self.shard.update, qe.UpdateOperation.set_payload_by_filter(flt, dict(payload)))
+
+    async def describe(self) -> CollectionInfo:
+        count = await self._call(self._engine, self.shard.count, qe.CountRequest(exact=True))
+        return CollectionInfo(self.model_id, self.dimension, int(count))
+
+    async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
+        """Every point id (matching `where`), for reconciliation."""
+        return list(await self._call(self._scroll_ids, where))
+
+    def _scroll_ids(self, where: Filter | None) -> list[uuid.UUID]:
+        found: list[uuid.UUID] = []
+        offset = None
+        flt = edge_filter(where) if where is not None else None
+        while True:
+            request = qe.ScrollRequest(offset=offset, limit=1024, filter=flt, with_payload=False, with_vector=False)
+            records, offset = self._engine(self.shard.scroll, request)
+            found += [uuid.UUID(str(r.id)) for r in records]
+            if offset is None:
+                return found
+
+    async def optimize(self) -> bool:
+        """Build HNSW over grown segments. Holds the GIL for seconds on large collections: call it off the
+        hot path (reindex, a quiet moment), not per batch."""
+        return bool(await self._call(self._engine, self.shard.optimize))
+
+    async def close(self) -> None:
+        if self._shard is not None:
+            await self._call(self._engine, self._shard.flush)
+            await self._call(self._engine, self._shard.close)
+            self._shard = None
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,197 @@
+"""The `server` vector store: qdrant-client against a Qdrant server (QDRANT_URL, REST or gRPC), or against
+qdrant-client's local mode (a path, or ":memory:") in tests. The collection's metadata records the embedding
+model id and dimension. All client calls run on one owned thread: local mode is not thread-safe."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from qdrant_client import QdrantClient, models
+
+from bus.errors import ModelMismatch, Unavailable
+from observers.mirror.store import (
+    INDEXED_FLOATS,
+    INDEXED_KEYWORDS,
+    CollectionInfo,
+    Filter,
+    Hit,
+    Point,
+    Vector,
+    match_value,
+    match_values,
+)
+
+DEFAULT_COLLECTION = "epibus"
+
+
+def server_filter(where: Filter) -> models.Filter | None:
+    must: list[Any] = [
+        models.FieldCondition(key=key, match=models.MatchValue(value=match_value(value)))
+        for key, value in where.equals.items()
+    ]
+    must += [
+        models.FieldCondition(key=key, match=models.MatchAny(any=match_values(values)))
+        for key, values in where.any_of.items()
+    ]
+    must_not: list[Any] = [
+        models.FieldCondition(key=key, match=models.MatchAny(any=match_values(values)))
+        for key, values in where.none_of.items()
+    ]
+    if not must and not must_not:
+        return None
+    return models.Filter(must=must or None, must_not=must_not or None)
+
+
+class ServerVectorStore:
+    """A VectorStore on qdrant-client. `location` is a URL (http://…:6333, or grpc with prefer_grpc), a local
+    path, or ":memory:". Use `await ServerVectorStore.open(...)`."""
+
+    def __init__(self, location: str, model_id: str, dimension: int, *, collection: str = DEFAULT_COLLECTION) -> None:
+        self.location = location
+        self.model_id = model_id
+        self.dimension = dimension
+        self.collection = collection
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-qdrant")
+        self._client: QdrantClient | None = None
+
+    @classmethod
+    async def open(
+        cls, location: str, model_id: str, dimension: int, *, collection: str = DEFAULT_COLLECTION
+    ) -> ServerVectorStore:
+        """Open or create the collection. Raises ModelMismatch for a collection of another model,
+        Unavailable when the server does not answer."""
+        store = cls(location, model_id, dimension, collection=collection)
+        try:
+            await store._call(store._open)
+        except BaseException:
+            store._executor.shutdown(wait=False)
+            raise
+        return store
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def guarded() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ModelMismatch, Unavailable):
+                raise
+            except Exception as e:
+                message = " ".join(str(e).split())
+                if "dimension" in message.lower() or "not aligned" in message:
+                    raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
+                raise Unavailable("qdrant", f"{self.location}/{self.collection}: {type(e).__name__}: {message}") from e
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, guarded)
+
+    @property
+    def client(self) -> QdrantClient:
+        if self._client is None:
+            raise Unavailable("qdrant", "store is closed")
+        return self._client
+
+    def _open(self) -> None:
+        if self.location == ":memory:":
+            self._client = QdrantClient(location=":memory:")
+        elif self.location.startswith(("http://", "https://", "grpc://")):
+            self._client = QdrantClient(url=self.location, prefer_grpc=self.location.startswith("grpc://"), timeout=10)
+        else:
+            self._client = QdrantClient(path=self.location)
+        if self.client.collection_exists(self.collection):
+            meta = self.client.get_collection(self.collection).config.metadata or {}
+            found = (meta.get("model_id"), meta.get("dimension"))
+            if found != (self.model_id, self.dimension):
+                raise ModelMismatch(f"{found[0]} ({found[1]}-d)", f"{self.model_id} ({self.dimension}-d)")
+            return
+        self.client.create_collection(
+            self.collection,
+            vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
+            metadata={"model_id": self.model_id, "dimension": self.dimension},
+        )
+        if not self.location.startswith(("http://", "https://", "grpc://")):
+            return  # local mode has no payload indexes (it scans); a server gets them
+        for key in INDEXED_KEYWORDS:
+            self.client.create_payload_index(self.collection, key, field_schema=models.PayloadSchemaType.KEYWORD)
+        for key in INDEXED_FLOATS:
+            self.client.create_payload_index(self.collection, key, field_schema=models.PayloadSchemaType.FLOAT)
+
+    def _check_dimension(self, vectors: Sequence[Vector]) -> None:
+        for vector in vectors:
+            if len(vector) != self.dimension:
+                raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", f"a {len(vector)}-d vector")
+
+    async def upsert(self, points: Sequence[Point]) -> None:
+        if not points:
+            return
+        self._check_dimension([p.vector for p in points])
+        batch = [
+            models.PointStruct(
+                id=str(p.id),
+                vector=list(p.vector),
+                payload={**p.payload, "model_id": self.model_id, "dimension": self.dimension},
+            )
+            for p in points
+        ]
+        await self._call(self.client.upsert, self.collection, batch, wait=True)
+
+    async def delete(self, ids: Sequence[uuid.UUID]) -> None:
+        if ids:
+            selector = models.PointIdsList(points=[str(i) for i in ids])
+            await self._call(self.client.delete, self.collection, selector, wait=True)
+
+    async def retrieve(self, ids: Sequence[uuid.UUID]) -> list[Point]:
+        if not ids:
+            return []
+        records = await self._call(
+            self.client.retrieve, self.collection, [str(i) for i in ids], with_payload=True, with_vectors=True
+        )
+        return [Point(uuid.UUID(str(r.id)), list(r.vector), dict(r.payload or {})) for r in records]
+
+    async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
+        self._check_dimension([vector])
+        response = await self._call(
+            self.client.query_points,
+            self.collection,
+            query=list(vector),
+            query_filter=server_filter(where),
+            limit=limit,
+            with_payload=True,
+        )
+        return [Hit(uuid.UUID(str(r.id)), float(r.score), dict(r.payload or {})) for r in response.points]
+
+    async def set_payload(self, where: Filter, payload: Mapping[str, Any]) -> None:
+        flt = server_filter(where)
+        if flt is None:
+            raise ValueError("set_payload needs a filter; refusing to rewrite every point")
+        await self._call(self.client.set_payload, self.collection, payload=dict(payload), points=flt, wait=True)
+
+    async def describe(self) -> CollectionInfo:
+        result = await self._call(self.client.count, self.collection, exact=True)
+        return CollectionInfo(self.model_id, self.dimension, int(result.count))
+
+    async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
+        return list(await self._call(self._scroll_ids, where))
+
+    def _scroll_ids(self, where: Filter | None) -> list[uuid.UUID]:
+        found: list[uuid.UUID] = []
+        offset = None
+        while True:
+            records, offset = self.client.scroll(
+                self.collection,
+                scroll_filter=server_filter(where) if where is not None else None,
+                limit=1024,
+                offset=offset,
+                with_payload=False,
+                with_vectors=False,
+            )
+            found += [uuid.UUID(str(r.id)) for r in records]
+            if offset is None:
+                return found
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._call(self._client.close)
+            self._client = None
+        self._executor.shutdown(wait=True)

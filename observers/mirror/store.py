@@ -1,0 +1,80 @@
+"""The vector-store port: where mirror points live, and the only seam between the mirror and a backend
+(DESIGN §2, §10). Every write is idempotent by point id; every backend passes tests/conformance/test_store.py."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Vector = Sequence[float]
+Scalar = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class Point:
+    id: uuid.UUID
+    vector: Vector
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: uuid.UUID
+    score: float  # cosine similarity, higher is closer
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Filter:
+    """All conditions must hold. `equals`: field == value; `any_of`: field is one of the values;
+    `none_of`: field is none of the values (a missing field counts as none of them)."""
+
+    equals: Mapping[str, Scalar] = field(default_factory=dict)
+    any_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
+    none_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
+
+
+def match_value(value: Scalar) -> Any:
+    """Exact matches are on keywords, integers and booleans; a float is matched as its text."""
+    return value if isinstance(value, str | int | bool) else str(value)
+
+
+def match_values(values: Sequence[Scalar]) -> Any:
+    return [match_value(v) for v in values]
+
+
+@dataclass(frozen=True)
+class CollectionInfo:
+    model_id: str
+    dimension: int
+    count: int
+
+
+# Payload fields the mirror filters on; backends index them.
+INDEXED_KEYWORDS = ("project", "kind", "artifact_id", "actor", "trust", "lifecycle", "resolution", "event_id")
+INDEXED_FLOATS = ("impact",)
+
+
+class VectorStore(Protocol):
+    """Where mirror points live. Every write is idempotent by point id. A store that did not answer raises
+    Unavailable; one built for another embedding model raises ModelMismatch."""
+
+    async def upsert(self, points: Sequence[Point]) -> None:
+        """Write or overwrite. Raises ModelMismatch if a vector's length is not the collection's dimension."""
+
+    async def delete(self, ids: Sequence[uuid.UUID]) -> None:
+        """Deleting an absent id is not an error; callers prove deletes with retrieve()."""
+
+    async def retrieve(self, ids: Sequence[uuid.UUID]) -> list[Point]:
+        """The points that exist among `ids`, with vectors and payloads; absent ids are left out."""
+
+    async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
+        """The closest points that match `where`, best first. An empty list means nothing matched."""
+
+    async def set_payload(self, where: Filter, payload: Mapping[str, Any]) -> None:
+        """Merge `payload` into every point matching `where` (state transitions reach the mirror this way)."""
+
+    async def describe(self) -> CollectionInfo:
+        """The collection's embedding model id, dimension and point count."""

@@ -1,0 +1,171 @@
+"""One vector-store suite, every backend (DESIGN §2, §10): each case runs on qdrant-edge, qdrant-client's
+local mode (on disk and in memory) and, where a Docker engine answers, a real Qdrant server."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bus.errors import ConfigError, ModelMismatch, Unavailable
+from bus.ids import new_event_id, point_id
+from observers.mirror.backends import open_store
+from observers.mirror.store import Filter, Point
+
+DIM = 8
+MODEL = "test/model-8d"
+
+
+def docker_engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+
+
+@pytest.fixture(params=["edge", "server-local", "server-docker"])
+async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[object, object]]:
+    """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
+    kind = request.param
+    if kind == "server-docker":
+        if not docker_engine_answers():
+            pytest.skip("no Docker engine: the real Qdrant server case runs only where `docker info` answers")
+        from testcontainers.qdrant import QdrantContainer
+
+        container = QdrantContainer("qdrant/qdrant:v1.13.0")
+        container.start()
+        request.addfinalizer(container.stop)
+        location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
+        backend = "server"
+    elif kind == "edge":
+        location, backend = str(tmp_path / "edge"), "edge"
+    else:
+        location, backend = str(tmp_path / "local"), "server"
+    store = await open_store(backend, location, MODEL, DIM)
+
+    async def reopen(model_id: str, dimension: int) -> object:
+        await store.close()
+        return await open_store(backend, location, model_id, dimension)
+
+    yield store, reopen
+    await store.close()
+
+
+def vector(seed: int) -> list[float]:
+    import math
+
+    raw = [math.sin(seed * (i + 1)) + 1.1 for i in range(DIM)]
+    norm = math.sqrt(sum(x * x for x in raw))
+    return [x / norm for x in raw]
+
+
+def point(seed: int, **payload: object) -> tuple[uuid.UUID, Point]:
+    event_id = new_event_id()
+    base = {"event_id": str(event_id), "project": "p", "kind": "finding", "trust": "unverified", "impact": 0.5}
+    return event_id, Point(point_id(event_id), vector(seed), base | payload)
+
+
+async def test_point_ids_are_proven_against_storage(store_and_reopen):
+    store, _ = store_and_reopen
+    event_id, p = point(1)
+    await store.upsert([p])
+    (found,) = await store.retrieve([point_id(event_id)])  # the id is derived again, not remembered
+    assert found.id == point_id(event_id)
+    assert found.payload["event_id"] == str(event_id)
+    assert (found.payload["model_id"], found.payload["dimension"]) == (MODEL, DIM)  # §10.9 on every point
+    assert (await store.describe()).count == 1
+
+
+async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # §10.2
+    store, _ = store_and_reopen
+    event_id, p = point(2)
+    for _ in range(3):
+        await store.upsert([p])
+    await store.upsert([Point(point_id(event_id), vector(3), {**p.payload, "trust": "verified"})])
+    assert (await store.describe()).count == 1
+    (found,) = await store.retrieve([point_id(event_id)])
+    assert found.payload["trust"] == "verified"
+    assert await store.point_ids() == [point_id(event_id)]
+
+
+async def test_delete_is_proven_by_reading_back(store_and_reopen):  # §10.1
+    store, _ = store_and_reopen
+    kept, gone = point(4), point(5)
+    await store.upsert([kept[1], gone[1]])
+    await store.delete([point_id(gone[0]), uuid.uuid4()])  # an absent id is not an error
+    assert await store.retrieve([point_id(gone[0])]) == []
+    assert [p.id for p in await store.retrieve([point_id(kept[0])])] == [point_id(kept[0])]
+    assert (await store.describe()).count == 1
+    hits = await store.search(vector(5), Filter(), limit=10)
+    assert point_id(gone[0]) not in {h.id for h in hits}
+
+
+async def test_search_filters_and_ranks(store_and_reopen):
+    store, _ = store_and_reopen
+    points = [
+        point(i, project="p" if i % 2 else "q", trust="verified" if i % 3 else "contradicted") for i in range(1, 13)
+    ]
+    await store.upsert([p for _, p in points])
+    hits = await store.search(vector(5), Filter(equals={"project": "p"}, none_of={"trust": ["contradicted"]}), limit=20)
+    expected = {p.id for _, p in points if p.payload["project"] == "p" and p.payload["trust"] != "contradicted"}
+    assert {h.id for h in hits} == expected
+    assert hits[0].id == points[4][1].id  # the query vector is point 5's own
+    assert all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
+    anyof = await store.search(vector(1), Filter(any_of={"trust": ["contradicted"]}), limit=20)
+    assert {h.payload["trust"] for h in anyof} == {"contradicted"}
+
+
+async def test_nothing_matched_is_an_empty_list(store_and_reopen):
+    store, _ = store_and_reopen
+    assert await store.search(vector(1), Filter(equals={"project": "nobody"}), limit=5) == []
+
+
+async def test_a_status_change_reaches_the_payload(store_and_reopen):  # §10.5
+    store, _ = store_and_reopen
+    target, other = point(6, artifact_id="a1"), point(7, artifact_id="a2")
+    await store.upsert([target[1], other[1]])
+    await store.set_payload(Filter(equals={"artifact_id": "a1"}), {"trust": "rolled_back", "lifecycle": "active"})
+    (found,) = await store.retrieve([point_id(target[0])])
+    assert found.payload["trust"] == "rolled_back" and found.payload["impact"] == 0.5
+    (untouched,) = await store.retrieve([point_id(other[0])])
+    assert untouched.payload["trust"] == "unverified"
+    with pytest.raises(ValueError, match="needs a filter"):
+        await store.set_payload(Filter(), {"trust": "x"})
+
+
+async def test_model_mismatch_is_refused(store_and_reopen):  # §10.9
+    store, reopen = store_and_reopen
+    with pytest.raises(ModelMismatch, match="5-d"):
+        await store.upsert([Point(uuid.uuid4(), [0.1] * 5, {})])
+    with pytest.raises(ModelMismatch):
+        await store.search([0.1] * 5, Filter(), limit=1)
+    with pytest.raises(ModelMismatch, match="test/model-8d"):
+        await reopen("other/model", DIM)
+    with pytest.raises(ModelMismatch):
+        await reopen(MODEL, DIM * 2)
+
+
+async def test_points_survive_reopening(store_and_reopen):
+    store, reopen = store_and_reopen
+    event_id, p = point(8)
+    await store.upsert([p])
+    again = await reopen(MODEL, DIM)
+    try:
+        assert [x.id for x in await again.retrieve([point_id(event_id)])] == [point_id(event_id)]
+    finally:
+        await again.close()
+
+
+async def test_outage_is_not_an_empty_result(store_and_reopen):  # §10.6
+    store, _ = store_and_reopen
+    await store.close()
+    with pytest.raises(Unavailable):
+        await store.search(vector(1), Filter(), limit=3)
+
+
+async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path):
+    with pytest.raises(ConfigError, match="allowed: edge, server"):
+        await open_store("faiss", tmp_path, MODEL, DIM)

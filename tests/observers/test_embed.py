@@ -1,0 +1,69 @@
+"""The offline default embedding model, for real: meaning, the content-hash cache, failures (DESIGN §10.4)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from bus.errors import ConfigError, Unavailable
+from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, CachedEmbedder, FastEmbedder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
+    return FastEmbedder(tmp_path_factory.mktemp("home")).load_blocking()
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+async def test_the_default_model_loads_offline_and_embeds_meaning(model: FastEmbedder):
+    assert (model.model_id, model.dimension) == (DEFAULT_MODEL, DEFAULT_DIMENSION)
+    cold, paraphrase, unrelated = await model.embed(
+        ["the cache is cold after every deploy", "after a deployment the cache starts empty", "bananas are yellow"]
+    )
+    assert all(math.isclose(math.sqrt(cosine(v, v)), 1.0, rel_tol=1e-3) for v in (cold, paraphrase, unrelated))
+    assert cosine(cold, paraphrase) > 0.6 > 0.2 > cosine(cold, unrelated)
+
+
+async def test_an_identical_text_is_embedded_once(model: FastEmbedder, tmp_path: Path):
+    cache = CachedEmbedder(model, tmp_path / "cache.db")
+    first = await cache.embed(["disk full on node 3", "disk full on node 3", "queue lag"])
+    assert (cache.misses, cache.hits) == (2, 1)
+    again = await cache.embed(["queue lag", "disk full on node 3"])
+    assert (cache.misses, cache.hits) == (2, 3)
+    assert again == [first[2], first[0]]
+    cache.close()
+    reopened = CachedEmbedder(model, tmp_path / "cache.db")  # persistent: read back by a new cache object
+    assert await reopened.embed(["queue lag"]) == [first[2]] and reopened.hits == 1
+    reopened.close()
+
+
+class BrokenModel:
+    """An inner model that fails; the cache, not the model, is under test."""
+
+    model_id = "broken"
+    dimension = 4
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        raise Unavailable("embedder", "onnxruntime crashed")
+
+
+async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Path):
+    cache = CachedEmbedder(BrokenModel(), tmp_path / "cache.db")
+    with pytest.raises(Unavailable, match="onnxruntime crashed"):
+        await cache.embed(["anything"])
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "cache.db") as db:
+        assert db.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
+    cache.close()
+
+
+async def test_an_unloadable_model_is_a_clear_config_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="EPIBUS_EMBED_MODEL.*no-such/model"):
+        await FastEmbedder(tmp_path, "no-such/model").load()
