@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import Generator, Sequence
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from bus.jetstream import AgentRegistry, ensure_streams, open_nats
 from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
+from bus.recall import RecallAnswer, ask_all, recall_request
 from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
@@ -426,6 +428,36 @@ class EpibusClient:
         """Return once a journal observer confirms every event id, with what the state projection made of
         each (status, reason, flags). Raises Unavailable naming what is missing."""
         return await wait_journaled(lambda: self.nc if self.connected else None, event_ids, timeout_s=timeout_s)
+
+    async def recall(
+        self,
+        query: str,
+        project: str,
+        *,
+        k: int = 10,
+        kinds: list[str] | None = None,
+        include_resolved: bool = False,
+        as_of: datetime | None = None,
+        timeout_s: float = 3.0,
+    ) -> RecallAnswer:
+        """The safe door across every node's mirror: never contradicted, rolled back, retracted or mistyped
+        items. Raises Unavailable when no mirror answered (never an empty list that means "broken")."""
+        request = recall_request(
+            query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, audit=False
+        )
+        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+
+    async def audit_recall(
+        self, query: str, project: str, *, k: int = 10, kinds: list[str] | None = None, timeout_s: float = 3.0
+    ) -> RecallAnswer:
+        """The audit door: every mirrored item whatever its state, with that state."""
+        request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
+        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+
+    def _require_nc(self) -> NatsClient:
+        if self.nc is None or not self.connected:
+            raise Unavailable("nats", f"not connected to {', '.join(self.servers)}")
+        return self.nc
 
     async def outbox_depth(self) -> int:
         return await self.outbox.depth() if self.outbox is not None else 0

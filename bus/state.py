@@ -149,6 +149,19 @@ class Change:
 Lookup = Callable[[str], ArtifactState | None]
 
 
+def event_references(event: Envelope) -> set[str]:
+    """Every artifact id `decide` may look up for this event: its own and those its body links to."""
+    body = event.body
+    refs = {event.artifact_id}
+    if isinstance(body, FindingBody):
+        refs |= {r for r in (body.revises, body.supersedes) if r}
+    elif isinstance(body, ResolvedBody) and body.superseded_by:
+        refs.add(body.superseded_by)
+    elif isinstance(body, ContradictedBody):
+        refs.add(body.contradicted_by)
+    return refs
+
+
 def claim_flags(event: Envelope, is_tombstoned: Callable[[str], bool]) -> frozenset[str]:
     """Unearned confidence (>= 0.8 on intuition alone) and repeats of retracted or rolled-back claims."""
     flags = set()

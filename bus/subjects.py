@@ -20,6 +20,8 @@ AGENT_KEYS_BUCKET = "epibus_agents"
 TOMBSTONES_BUCKET = "epibus_tombstones"
 # Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
 JOURNAL_LOOKUP = "epibus.journal.has"
+# Core NATS request subject every node with a mirror answers (no queue group: the asker merges all answers).
+RECALL = "epibus.recall"
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")

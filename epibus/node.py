@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -13,16 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.errors import Unavailable
+from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
 from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
+from bus.subjects import RECALL
 from observers.journal import Journal, JournalObserver
+from observers.mirror.backends import open_store
+from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.embed import CachedEmbedder, FastEmbedder
+from observers.mirror.observer import MirrorObserver
+from observers.mirror.server import ServerVectorStore
+from observers.recall import audit_recall, recall
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +43,8 @@ class NodeConfig:
     journal_url: str | None = None  # None: SQLite file under home
     replicas: int = 1
     agent: str = "node"  # names the node's NATS connection
+    mirror: str = "edge"  # edge (qdrant-edge under home/mirror) | server (qdrant_url) | off
+    qdrant_url: str | None = None
     batch_size: int = 256
     record: bool = True  # write home/node.json so other commands find this node
 
@@ -50,6 +61,10 @@ class Node:
         self.runner: ConsumerRunner | None = None
         self.forwarder: Forwarder | None = None
         self.info: NodeInfo | None = None
+        self.embedder: CachedEmbedder | None = None
+        self.store: EdgeVectorStore | ServerVectorStore | None = None
+        self.mirror: MirrorObserver | None = None
+        self.mirror_runner: ConsumerRunner | None = None
         self.js: JetStreamContext | None = None
         self._streams_ready = False
         self.server_restarts = 0
@@ -103,8 +118,13 @@ class Node:
         self._stack.push_async_callback(outbox.close)
         self.forwarder = Forwarder(outbox, self._jetstream_if_connected, before_send=self._ensure_streams)
 
+        if self.config.mirror != "off":
+            await self._start_mirror()
+
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [group.create_task(self.runner.run()), group.create_task(self.forwarder.run())]
+        if self.mirror_runner is not None:
+            self._tasks.append(group.create_task(self.mirror_runner.run()))
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
         if self.config.record:
@@ -122,6 +142,60 @@ class Node:
 
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.nc is not None and self.nc.is_connected else None
+
+    async def _start_mirror(self) -> None:
+        """The embedding model loads now: a model that cannot load is a start-up error, not a silent outage."""
+        assert self.nc is not None
+        home = self.config.home
+        model = await FastEmbedder(home).load()
+        self._stack.callback(model.close)
+        self.embedder = CachedEmbedder(model, home / "embed-cache.db")
+        self._stack.callback(self.embedder.close)
+        if self.config.mirror == "edge":
+            location: str | Path = home / "mirror"
+        elif self.config.qdrant_url:
+            location = self.config.qdrant_url
+        else:
+            raise ConfigError("mirror", "'server' needs QDRANT_URL (or --qdrant-url)")
+        self.store = await open_store(self.config.mirror, location, self.embedder.model_id, self.embedder.dimension)
+        self._stack.push_async_callback(self.store.close)
+        info = await self.store.describe()
+        self.mirror = MirrorObserver(
+            self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent
+        )
+        self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
+        await self.nc.subscribe(RECALL, cb=self._answer_recall)
+
+    async def _answer_recall(self, msg: Msg) -> None:
+        """Answer a recall request from this node's mirror: hits, or the error that kept it from answering."""
+        assert self.store is not None
+        assert self.embedder is not None
+        node = self.config.agent
+        try:
+            request = json.loads(msg.data)
+            kinds = request.get("kinds")
+            if request.get("audit"):
+                result = await audit_recall(
+                    self.store, self.embedder, request["query"], request["project"], k=int(request["k"]), kinds=kinds
+                )
+            else:
+                as_of = datetime.fromisoformat(request["as_of"]) if request.get("as_of") else None
+                result = await recall(
+                    self.store,
+                    self.embedder,
+                    request["query"],
+                    request["project"],
+                    k=int(request["k"]),
+                    kinds=kinds,
+                    include_resolved=bool(request.get("include_resolved")),
+                    as_of=as_of,
+                    journal=self.journal,
+                )
+            reply: dict[str, Any] = {"node": node, "hits": [h.as_dict() for h in result.hits]}
+        except (EpibusError, ValueError, KeyError) as e:
+            log.warning("recall request failed on this node: %s", e)
+            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
+        await msg.respond(json.dumps(reply).encode())
 
     async def _watch_server(self, server: NatsServer) -> None:
         """The embedded server is ours: if it exits, say so once and start it again on the same ports

@@ -17,9 +17,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from bus.errors import IllegalTransition
-from bus.event import ContradictedBody, Envelope, FindingBody, ResolvedBody, validate_event
+from bus.event import Envelope, validate_event
 from bus.runner import Delivery
-from bus.state import ArtifactState, Change, decide
+from bus.state import ArtifactState, Change, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import artifacts, events, projection_cursor, tombstones, verifications
 
@@ -92,18 +92,6 @@ def row_to_state(m: Any) -> ArtifactState:
     )
 
 
-def _references(event: Envelope) -> set[str]:
-    body = event.body
-    refs = {event.artifact_id}
-    if isinstance(body, FindingBody):
-        refs |= {r for r in (body.revises, body.supersedes) if r}
-    elif isinstance(body, ResolvedBody) and body.superseded_by:
-        refs.add(body.superseded_by)
-    elif isinstance(body, ContradictedBody):
-        refs.add(body.contradicted_by)
-    return refs
-
-
 class BatchState:
     """Artifact states and tombstones a batch touches, loaded once and written back once."""
 
@@ -112,7 +100,7 @@ class BatchState:
         self.states: dict[tuple[str, str], ArtifactState | None] = {}
         self.dirty: set[tuple[str, str]] = set()
         self.tombstoned: dict[str, set[str]] = {}
-        keys = {(e.project, ref) for e in batch for ref in _references(e)}
+        keys = {(e.project, ref) for e in batch for ref in event_references(e)}
         self._load(keys)
         for project in {e.project for e in batch}:
             self.tombstoned[project] = set(

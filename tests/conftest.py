@@ -81,7 +81,7 @@ def sqlite_journal_url(tmp_path: Path) -> str:
 @pytest.fixture
 async def node(nats_server: NatsServer, home: Path, sqlite_journal_url: str) -> AsyncIterator[Node]:
     """A node joined to the test's nats-server: journal observer, lookup service, forwarder."""
-    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url)) as n:
+    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")) as n:
         yield n
 
 

@@ -38,6 +38,7 @@ def edge_filter(where: Filter) -> qe.Filter | None:
         qe.FieldCondition(key, match=qe.MatchValue(match_value(value))) for key, value in where.equals.items()
     ]
     must += [qe.FieldCondition(key, match=qe.MatchAny(match_values(values))) for key, values in where.any_of.items()]
+    must += [qe.FieldCondition(key, range=qe.RangeFloat(lte=float(value))) for key, value in where.at_most.items()]
     must_not: list[Any] = [
         qe.FieldCondition(key, match=qe.MatchAny(match_values(values))) for key, values in where.none_of.items()
     ]
@@ -55,6 +56,7 @@ class EdgeVectorStore:
         self.dimension = dimension
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-edge")
         self._shard: Any = None
+        self.store_id = ""
 
     @classmethod
     async def open(cls, path: Path, model_id: str, dimension: int) -> EdgeVectorStore:
@@ -63,7 +65,7 @@ class EdgeVectorStore:
         try:
             await store._call(store._open)
         except BaseException:
-            store._executor.shutdown(wait=False)
+            await store.close()  # a refused open leaves nothing locked
             raise
         return store
 
@@ -84,6 +86,7 @@ class EdgeVectorStore:
                 raise ModelMismatch(
                     f"{meta['model_id']} ({meta['dimension']}-d)", f"{self.model_id} ({self.dimension}-d)"
                 )
+            self.store_id = str(meta["store_id"])
             self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
             return
         self.path.mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,10 @@ class EdgeVectorStore:
             self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Keyword))
         for key in INDEXED_FLOATS:
             self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Float))
-        meta_path.write_text(json.dumps({"model_id": self.model_id, "dimension": self.dimension}))
+        self.store_id = str(uuid.uuid4())
+        meta_path.write_text(
+            json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
+        )
 
     def _engine(self, fn: Any, *args: Any) -> Any:
         """The one choke point: the engine raises bare Exception subclasses for every failure."""
@@ -151,7 +157,7 @@ class EdgeVectorStore:
 
     async def describe(self) -> CollectionInfo:
         count = await self._call(self._engine, self.shard.count, qe.CountRequest(exact=True))
-        return CollectionInfo(self.model_id, self.dimension, int(count))
+        return CollectionInfo(self.model_id, self.dimension, int(count), self.store_id)
 
     async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
         """Every point id (matching `where`), for reconciliation."""

@@ -31,8 +31,11 @@ class Embedder(Protocol):
     """Turns texts into vectors of `dimension` floats, normalised. `model_id` names the model exactly: vectors
     from two ids are never mixed in one collection."""
 
-    model_id: str
-    dimension: int
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def dimension(self) -> int: ...
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One vector per text, in order. Raises Unavailable if the model could not embed them."""

@@ -37,6 +37,9 @@ def server_filter(where: Filter) -> models.Filter | None:
         models.FieldCondition(key=key, match=models.MatchAny(any=match_values(values)))
         for key, values in where.any_of.items()
     ]
+    must += [
+        models.FieldCondition(key=key, range=models.Range(lte=float(value))) for key, value in where.at_most.items()
+    ]
     must_not: list[Any] = [
         models.FieldCondition(key=key, match=models.MatchAny(any=match_values(values)))
         for key, values in where.none_of.items()
@@ -57,6 +60,7 @@ class ServerVectorStore:
         self.collection = collection
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-qdrant")
         self._client: QdrantClient | None = None
+        self.store_id = ""
 
     @classmethod
     async def open(
@@ -68,7 +72,7 @@ class ServerVectorStore:
         try:
             await store._call(store._open)
         except BaseException:
-            store._executor.shutdown(wait=False)
+            await store.close()  # a refused open leaves nothing locked
             raise
         return store
 
@@ -104,11 +108,13 @@ class ServerVectorStore:
             found = (meta.get("model_id"), meta.get("dimension"))
             if found != (self.model_id, self.dimension):
                 raise ModelMismatch(f"{found[0]} ({found[1]}-d)", f"{self.model_id} ({self.dimension}-d)")
+            self.store_id = str(meta.get("store_id", self.collection))
             return
+        self.store_id = str(uuid.uuid4())
         self.client.create_collection(
             self.collection,
             vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
-            metadata={"model_id": self.model_id, "dimension": self.dimension},
+            metadata={"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id},
         )
         if not self.location.startswith(("http://", "https://", "grpc://")):
             return  # local mode has no payload indexes (it scans); a server gets them
@@ -169,7 +175,7 @@ class ServerVectorStore:
 
     async def describe(self) -> CollectionInfo:
         result = await self._call(self.client.count, self.collection, exact=True)
-        return CollectionInfo(self.model_id, self.dimension, int(result.count))
+        return CollectionInfo(self.model_id, self.dimension, int(result.count), self.store_id)
 
     async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
         return list(await self._call(self._scroll_ids, where))

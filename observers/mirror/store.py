@@ -29,16 +29,21 @@ class Hit:
 @dataclass(frozen=True)
 class Filter:
     """All conditions must hold. `equals`: field == value; `any_of`: field is one of the values;
-    `none_of`: field is none of the values (a missing field counts as none of them)."""
+    `none_of`: field is none of the values (a missing field counts as none of them); `at_most`: a numeric
+    field is at most the value."""
 
     equals: Mapping[str, Scalar] = field(default_factory=dict)
     any_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
     none_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
+    at_most: Mapping[str, float] = field(default_factory=dict)  # numeric field <= value
 
 
 def match_value(value: Scalar) -> Any:
-    """Exact matches are on keywords, integers and booleans; a float is matched as its text."""
-    return value if isinstance(value, str | int | bool) else str(value)
+    """Exact matches are on keywords and integers. Booleans are refused: qdrant-edge does not match them
+    (a stored False never equals a filter's False), so a filter on one would silently match nothing."""
+    if isinstance(value, bool):
+        raise ValueError("boolean payload filters are not portable across backends; filter on a keyword instead")
+    return value if isinstance(value, str | int) else str(value)
 
 
 def match_values(values: Sequence[Scalar]) -> Any:
@@ -50,6 +55,7 @@ class CollectionInfo:
     model_id: str
     dimension: int
     count: int
+    store_id: str  # made when the collection is created: mirrors sharing one store share one consumer
 
 
 # Payload fields the mirror filters on; backends index them.
@@ -78,3 +84,6 @@ class VectorStore(Protocol):
 
     async def describe(self) -> CollectionInfo:
         """The collection's embedding model id, dimension and point count."""
+
+    async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
+        """Every point id matching `where` (all when None): reconciliation and lookups by payload."""

@@ -201,7 +201,9 @@ def test_the_sync_facade_publishes_and_waits_for_the_journal(nats_server, home, 
 
     def run_node() -> None:
         async def main() -> None:
-            async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url)):
+            async with Node(
+                NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")
+            ):
                 ready.set()
                 while not stop.is_set():
                     await asyncio.sleep(0.05)

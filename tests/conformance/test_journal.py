@@ -146,7 +146,7 @@ async def test_a_node_journals_published_events_on_this_backend(nats_server, hom
     from bus.client import connect
     from bus.vocab import ReceiptLevel
 
-    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url)):
+    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")):
         async with connect(nats_server.url, agent="alice", home=home) as client:
             events = [client.event("finding", finding(i), project=project) for i in range(50)]
             await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)

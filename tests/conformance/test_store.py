@@ -116,6 +116,15 @@ async def test_search_filters_and_ranks(store_and_reopen):
     assert all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
     anyof = await store.search(vector(1), Filter(any_of={"trust": ["contradicted"]}), limit=20)
     assert {h.payload["trust"] for h in anyof} == {"contradicted"}
+    low = await store.search(vector(1), Filter(at_most={"impact": 0.4}), limit=20)
+    assert low == []  # every point has impact 0.5
+    assert len(await store.search(vector(1), Filter(at_most={"impact": 0.5}), limit=20)) == len(points)
+
+
+async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen):
+    store, _ = store_and_reopen
+    with pytest.raises(ValueError, match="boolean"):
+        await store.search(vector(1), Filter(equals={"forgotten": False}), limit=3)
 
 
 async def test_nothing_matched_is_an_empty_list(store_and_reopen):

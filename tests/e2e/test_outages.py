@@ -40,7 +40,9 @@ async def test_nats_killed_while_publishing_5000_events_loses_and_doubles_nothin
     total, chunk = 5000, 50
     levels: dict[str, int] = {}
     expected: set[str] = set()
-    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url)) as node:
+    async with Node(
+        NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")
+    ) as node:
         async with connect(nats_server.url, agent="alice", home=home, publish_timeout_s=2, connect_timeout_s=2) as c:
             for start in range(0, total, chunk):
                 if start == 1500:

@@ -131,9 +131,16 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
     second_journal = f"sqlite:///{tmp_path / 'second.db'}"
     async with (
         Node(
-            NodeConfig(home=tmp_path / "n1", nats_url=nats_server.url, journal_url=f"sqlite:///{tmp_path / 'first.db'}")
+            NodeConfig(
+                home=tmp_path / "n1",
+                nats_url=nats_server.url,
+                journal_url=f"sqlite:///{tmp_path / 'first.db'}",
+                mirror="off",
+            )
         ) as n1,
-        Node(NodeConfig(home=tmp_path / "n2", nats_url=nats_server.url, journal_url=second_journal)) as n2,
+        Node(
+            NodeConfig(home=tmp_path / "n2", nats_url=nats_server.url, journal_url=second_journal, mirror="off")
+        ) as n2,
     ):
         alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
         aid = await claim(alice, project, "the index is stale after compaction")

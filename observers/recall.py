@@ -1,0 +1,167 @@
+"""Recall by meaning (DESIGN §7): `recall` is the safe door, `audit_recall` the separate audit door. Hits are
+ranked by similarity x relevance and carry their state and provenance. A mirror that is missing or fails is an
+error, never an empty list that looks like "no matches" (§10.6)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from bus.errors import ConfigError
+from bus.state import ArtifactState, relevance
+from observers.journal import Journal
+from observers.mirror.embed import Embedder
+from observers.mirror.observer import payload_state
+from observers.mirror.store import Filter, Hit, VectorStore
+from observers.reads import snapshot
+
+OVERFETCH = 4  # candidates per wanted hit: relevance reorders what similarity found
+
+
+@dataclass(frozen=True)
+class RecallHit:
+    artifact_id: str
+    event_id: str
+    kind: str
+    content: str
+    similarity: float
+    relevance: float
+    score: float
+    state: Mapping[str, Any]
+    provenance: Mapping[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "artifact_id": self.artifact_id,
+            "event_id": self.event_id,
+            "kind": self.kind,
+            "content": self.content,
+            "similarity": round(self.similarity, 6),
+            "relevance": round(self.relevance, 6),
+            "score": round(self.score, 6),
+            "state": dict(self.state),
+            "provenance": dict(self.provenance),
+        }
+
+
+@dataclass(frozen=True)
+class RecallResult:
+    query: str
+    project: str
+    hits: list[RecallHit]
+    nodes: list[str] = field(default_factory=list)  # which nodes answered
+    missing_nodes: list[str] = field(default_factory=list)  # asked, did not answer in time
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "query": self.query,
+            "project": self.project,
+            "hits": [h.as_dict() for h in self.hits],
+            "nodes": self.nodes,
+            "missing_nodes": self.missing_nodes,
+        }
+
+
+def safe_filter(project: str, *, kinds: Sequence[str] | None, include_resolved: bool) -> Filter:
+    """What the safe door may return: never contradicted, rolled back, retracted or mistyped."""
+    equals: dict[str, Any] = {"project": project}  # forgotten artifacts have no points: the mirror deletes them
+    if not include_resolved:
+        equals["lifecycle"] = "active"
+    return Filter(
+        equals=equals,
+        any_of={"kind": list(kinds)} if kinds else {},
+        none_of={"trust": ["contradicted", "rolled_back"], "resolution": ["retracted", "mistyped"]},
+    )
+
+
+def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
+    weight = relevance(state, now)
+    payload = found.payload
+    return RecallHit(
+        artifact_id=state.artifact_id,
+        event_id=str(payload.get("event_id")),
+        kind=state.kind,
+        content=state.content,
+        similarity=found.score,
+        relevance=weight,
+        score=found.score * weight,
+        state={
+            "trust": state.trust.value,
+            "lifecycle": state.lifecycle.value,
+            "resolution": state.resolution.value if state.resolution else None,
+            "superseded_by": state.superseded_by,
+            "contradicted_by": state.contradicted_by,
+        },
+        provenance={
+            "actor": state.author,
+            "event_id": state.created_event_id,
+            "node": payload.get("node"),
+            "evidence": payload.get("evidence", []),
+            "recorded_at": state.created_at.isoformat(),
+            "commit": next((e["ref"] for e in payload.get("evidence", []) if e.get("kind") == "commit"), None),
+        },
+    )
+
+
+async def _candidates(store: VectorStore, embedder: Embedder, query: str, where: Filter, k: int) -> list[Hit]:
+    if not query.strip():
+        raise ConfigError("query", "is empty; say what to recall")
+    (vector,) = await embedder.embed([query])
+    return await store.search(vector, where, limit=k * OVERFETCH)
+
+
+async def recall(
+    store: VectorStore,
+    embedder: Embedder,
+    query: str,
+    project: str,
+    *,
+    k: int = 10,
+    kinds: Sequence[str] | None = None,
+    include_resolved: bool = False,
+    as_of: datetime | None = None,
+    journal: Journal | None = None,
+) -> RecallResult:
+    """The safe door. With as_of, candidates recorded by then are judged by the state the journal says they
+    had then (the mirror holds only the current state). Raises Unavailable if the store or model fails."""
+    if as_of is None:
+        where = safe_filter(project, kinds=kinds, include_resolved=include_resolved)
+        found = await _candidates(store, embedder, query, where, k)
+        now = datetime.now(UTC)
+        hits = [_hit(h, payload_state(h.payload), now) for h in found]
+    else:
+        if journal is None:
+            raise ConfigError("as_of", "recall as of a time needs the journal (pass journal=)")
+        where = Filter(
+            equals={"project": project},
+            any_of={"kind": list(kinds)} if kinds else {},
+            at_most={"created_ts": as_of.timestamp()},
+        )
+        found = await _candidates(store, embedder, query, where, k * 2)
+        then = snapshot(journal, project, as_of=as_of)
+        hits = [
+            _hit(h, then.states[aid], then.at)
+            for h in found
+            if (aid := str(h.payload.get("artifact_id"))) in then.states
+            and then.states[aid].safe(include_resolved=include_resolved)
+        ]
+    return RecallResult(query, project, sorted(hits, key=lambda h: -h.score)[:k])
+
+
+async def audit_recall(
+    store: VectorStore,
+    embedder: Embedder,
+    query: str,
+    project: str,
+    *,
+    k: int = 10,
+    kinds: Sequence[str] | None = None,
+) -> RecallResult:
+    """The audit door: everything the mirror holds for the project, whatever its state, with that state."""
+    where = Filter(equals={"project": project}, any_of={"kind": list(kinds)} if kinds else {})
+    found = await _candidates(store, embedder, query, where, k)
+    now = datetime.now(UTC)
+    hits = [_hit(h, payload_state(h.payload), now) for h in found]
+    return RecallResult(query, project, sorted(hits, key=lambda h: -h.score)[:k])
