@@ -75,6 +75,7 @@ class EpibusClient:
         self._js: JetStreamContext | None = None
         self._tombstones: TombstoneRegistry | None = None
         self.unchecked_tombstones = 0  # publishes whose tombstone pre-check could not run (counted, logged)
+        self.unchecked_links = 0  # linked claims published while offline, unchecked (counted, logged)
         self._tombstones_js: JetStreamContext | None = None
         self._streams_ready = False
         self._registry: AgentRegistry | None = None
@@ -257,9 +258,12 @@ class EpibusClient:
         rows = [self._row(event) for event in events]
         if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
             raise InvalidEvent("event_id", "appears twice in one publish_many call")
+        guard = await self._check_links(events)
         flags = await self._flags(events, strict=strict)
         deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(rows) / 2000)
-        if self.outbox is not None:
+        if guard is not None:
+            receipts = [await self.publish_expecting(events[0], expected_headers=guard, timeout_s=timeout_s)]
+        elif self.outbox is not None:
             receipts = await self._publish_through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
         else:
             receipts = await self._publish_direct(rows)
@@ -268,6 +272,34 @@ class EpibusClient:
             outcomes = await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
             receipts = [journaled_receipt(r, outcomes.get(str(r.event_id), {})) for r in receipts]
         return receipts
+
+    async def _check_links(self, events: Sequence[Envelope]) -> dict[str, str] | None:
+        """Claims that revise or supersede another artifact are checked against the project as the stream has
+        it (IllegalTransition, nothing written). A superseding claim changes the superseded artifact, so it is
+        published alone, guarded by compare-and-set on that artifact: the headers to use, else None."""
+        linked = [e for e in events if not e.body.transition and (_link(e, "revises") or _link(e, "supersedes"))]
+        if not linked:
+            return None
+        superseding = [e for e in linked if _link(e, "supersedes")]
+        if superseding and len(events) > 1:
+            raise InvalidEvent(
+                "body.supersedes", "a superseding claim must be published on its own (publish), not in a batch"
+            )
+        if not self.connected:
+            self.unchecked_links += len(linked)  # the journal's projection rejects what is illegal, with the reason
+            log.warning("%d linked claim(s) published unchecked: NATS is not connected", len(linked))
+            return None
+        views = {project: await self.project_view(project) for project in {e.project for e in linked}}
+        for event in events:
+            view = views.get(event.project)
+            if view is not None:
+                view.fold.absorb(decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, lambda _h: False))
+        if not superseding:
+            return None
+        target = _link(superseding[0], "supersedes")
+        assert target is not None
+        view = views[superseding[0].project]
+        return cas_headers(superseding[0].project, target, view.subject_seq.get(target, 0))
 
     def _wait_level(self, wait_for: ReceiptLevel | str) -> ReceiptLevel:
         allowed = ["outboxed", "published", "journaled"]
@@ -322,8 +354,6 @@ class EpibusClient:
         receipt = await self.publish_expecting(
             event, expected_headers=cas_headers(project, artifact_id, expected), timeout_s=timeout_s
         )
-        if change.tombstone is not None:
-            await self.tombstones.record(project, change.tombstone)
         view.fold.absorb(change)
         if receipt.stream_seq is not None:
             view.subject_seq[artifact_id] = receipt.stream_seq
@@ -461,6 +491,11 @@ class EpibusClient:
 
     async def outbox_depth(self) -> int:
         return await self.outbox.depth() if self.outbox is not None else 0
+
+
+def _link(event: Envelope, name: str) -> str | None:
+    value = getattr(event.body, name, None)
+    return value if isinstance(value, str) else None
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` or `async with connect()`

@@ -100,7 +100,7 @@ async def replay(
             except Rejected as rejection:
                 report.rejected.append((seq, rejection.reason.value, rejection.error))
                 continue
-            deliveries.append(Delivery(event, msg.subject, seq, msg.metadata.num_delivered))
+            deliveries.append(Delivery(event, msg.subject, seq, msg.metadata.num_delivered, msg.metadata.timestamp))
         if deliveries:
             await observer.handle(deliveries)
         report.read += len(messages)

@@ -43,8 +43,8 @@ def plan_rollback(artifacts: Mapping[str, ArtifactState], artifact_id: str, *, c
     target = artifacts.get(artifact_id)
     if target is None:
         raise IllegalTransition(artifact_id, "absent", "rolled_back", "no such artifact")
-    if target.trust is Trust.rolled_back:
-        raise IllegalTransition(artifact_id, target.state_label, "rolled_back", "it is already rolled back")
+    # An already rolled-back target is planned anyway: a rollback stopped halfway (a Conflict on one link)
+    # is resumed by running it again; what is done already is reported in `already_rolled_back`.
     chain = [target]
     seen = {artifact_id}
     parent_id = target.revises

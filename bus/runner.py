@@ -48,6 +48,7 @@ class Delivery:
     subject: str
     stream_seq: int
     num_delivered: int
+    stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
 
 
 class Observer(Protocol):
@@ -256,7 +257,7 @@ class ConsumerRunner:
         except Conflict as e:
             raise Rejected(DeadLetterReason.unknown_actor_key, str(e), event) from e
         metadata = msg.metadata
-        return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered)
+        return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
 
     async def dead_letter(self, msg: Msg, reason: DeadLetterReason, error: str) -> None:
         """Keep the message in EPI_DLQ with the reason, then ack it. If the DLQ does not answer, the message

@@ -230,16 +230,22 @@ def _decide_new_artifact(event: Envelope, seq: int, lookup: Lookup, is_tombstone
     return Change(str(event.event_id), tuple(changed), flags=flags)
 
 
+def _legal_trust_moves(state: ArtifactState) -> str:
+    moves = sorted(t.value for t in TRUST_TRANSITIONS[state.trust])
+    return ("legal: " + ", ".join(moves)) if moves else "nothing is legal (terminal)"
+
+
 def _supersede(old: ArtifactState, successor: str, event: Envelope, seq: int) -> ArtifactState:
     """Both sides or nothing: the caller writes the returned state with the successor's, or raises."""
+    requested = "resolved(superseded)"
     if old.artifact_id == successor:
-        raise IllegalTransition(old.artifact_id, old.state_label, "superseded", "an artifact cannot supersede itself")
+        raise IllegalTransition(old.artifact_id, old.state_label, requested, "an artifact cannot supersede itself")
     if old.lifecycle is Lifecycle.resolved:
         raise IllegalTransition(
-            old.artifact_id, old.state_label, "resolved(superseded)", "it is already resolved; nothing is legal"
+            old.artifact_id, old.state_label, requested, f"it is already resolved; {_legal_trust_moves(old)}"
         )
     if old.trust is Trust.rolled_back:
-        raise IllegalTransition(old.artifact_id, old.state_label, "resolved(superseded)", "it is rolled back")
+        raise IllegalTransition(old.artifact_id, old.state_label, requested, "it is rolled back (terminal)")
     return replace(
         old,
         lifecycle=Lifecycle.resolved,
@@ -248,6 +254,24 @@ def _supersede(old: ArtifactState, successor: str, event: Envelope, seq: int) ->
         last_seq=seq,
         updated_at=event.recorded_at,
     )
+
+
+def _require_usable_successor(successor: ArtifactState, superseded: str) -> None:
+    """A successor must itself be current and trusted enough to be shown, or the supersession hides both."""
+    if successor.lifecycle is Lifecycle.resolved or successor.trust in UNSAFE_TRUST or successor.forgotten:
+        raise IllegalTransition(
+            successor.artifact_id,
+            successor.state_label,
+            f"supersedes {superseded}",
+            "a successor must be active and neither contradicted, rolled back nor forgotten",
+        )
+    if successor.supersedes not in (None, superseded):
+        raise IllegalTransition(
+            successor.artifact_id,
+            successor.state_label,
+            f"supersedes {superseded}",
+            f"it already supersedes {successor.supersedes}",
+        )
 
 
 def _decide_transition(event: Envelope, seq: int, lookup: Lookup) -> Change:
@@ -292,20 +316,16 @@ def _decide_resolution(event: Envelope, body: ResolvedBody, current: ArtifactSta
     aid = event.artifact_id
     requested = f"resolved({body.resolution})"
     if current.lifecycle is Lifecycle.resolved:
-        raise IllegalTransition(aid, current.state_label, requested, "it is already resolved; nothing is legal")
+        raise IllegalTransition(
+            aid, current.state_label, requested, f"it is already resolved; {_legal_trust_moves(current)}"
+        )
     if current.trust is Trust.rolled_back:
         raise IllegalTransition(aid, current.state_label, requested, "it is rolled back (terminal)")
     at = event.recorded_at
     if body.resolution is ResolutionKind.superseded:
         assert body.superseded_by is not None  # the body model requires it
         successor = _require(lookup, body.superseded_by, "successor", requested)
-        if successor.supersedes not in (None, aid):
-            raise IllegalTransition(
-                successor.artifact_id,
-                successor.state_label,
-                "supersedes",
-                f"it already supersedes {successor.supersedes}",
-            )
+        _require_usable_successor(successor, aid)
         old = _supersede(current, successor.artifact_id, event, seq)
         new = replace(successor, supersedes=aid, last_seq=seq, updated_at=at)
         return Change(str(event.event_id), (old, new))

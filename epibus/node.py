@@ -21,16 +21,16 @@ from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
 from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
+from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.subjects import RECALL
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
-from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
-from observers.mirror.server import ServerVectorStore
+from observers.mirror.store import VectorStore
 from observers.recall import audit_recall, recall
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Node:
         self.forwarder: Forwarder | None = None
         self.info: NodeInfo | None = None
         self.embedder: CachedEmbedder | None = None
-        self.store: EdgeVectorStore | ServerVectorStore | None = None
+        self.store: VectorStore | None = None
         self.mirror: MirrorObserver | None = None
         self.mirror_runner: ConsumerRunner | None = None
         self.js: JetStreamContext | None = None
@@ -111,7 +111,7 @@ class Node:
         self.js = self.nc.jetstream()
         await self._ensure_streams()
 
-        self.observer = JournalObserver(self.journal)
+        self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
         await self.observer.serve_lookups(self.nc)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()

@@ -15,20 +15,23 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from bus.errors import ConfigError, Unavailable
 from bus.event import Envelope, validate_event
+from bus.knowledge import TombstoneRegistry
 from bus.runner import Delivery
+from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
-from observers.schema import events, journal_identity, migrate
+from observers.schema import events, journal_identity, migrate, tombstones
 
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
+PROJECTION_LOCK_ID = 7_031_816
 
 
 def _utc(value: datetime) -> datetime:
@@ -158,6 +161,7 @@ class Journal:
                 "source": d.event.source.value if d.event.source is not None else None,
                 "recorded_at": d.event.recorded_at,
                 "received_at": received_at,
+                "stream_time": d.stream_time,
                 "signature_status": "verified",  # the runner dead-letters everything else
                 "envelope": json.dumps(d.event.model_dump(mode="json"), sort_keys=True),
             }
@@ -167,6 +171,10 @@ class Journal:
         statement = insert.on_conflict_do_nothing(index_elements=["event_id"]).returning(events.c.event_id)
         try:
             with self.engine.begin() as conn:  # the events and what they did to the state commit together
+                if self.dialect == "postgresql":
+                    # Writers sharing a database take turns, or one could decide from states another has
+                    # not committed yet (SQLite serialises writers by itself at the first INSERT).
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PROJECTION_LOCK_ID})
                 inserted = set(conn.execute(statement, rows).scalars().all())
                 project_deliveries(conn, [d for d in deliveries if str(d.event.event_id) in inserted])
         except SQLAlchemyError as e:
@@ -180,6 +188,16 @@ class Journal:
                 return rebuild(conn)
         except SQLAlchemyError as e:
             raise Unavailable("journal", f"rebuild on {self.safe_url} failed: {e}") from e
+
+    def tombstones_of(self, event_ids: Sequence[str]) -> list[tuple[str, Tombstone]]:
+        """The tombstones (project, tombstone) that these events left, if any."""
+        found: list[tuple[str, Tombstone]] = []
+        ids = list(event_ids)
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), 500):
+                rows = conn.execute(select(tombstones).where(tombstones.c.event_id.in_(ids[start : start + 500])))
+                found += [(r.project, Tombstone(r.content_hash, r.artifact_id, r.event_id, r.reason)) for r in rows]
+        return found
 
     def has(self, event_ids: Sequence[str]) -> set[str]:
         return set(self.outcomes(event_ids))
@@ -257,18 +275,38 @@ class Journal:
 
 
 class JournalObserver:
-    """The runner's journal sink; also answers "which of these ids are journaled?" on JOURNAL_LOOKUP."""
+    """The runner's journal sink; also answers "which of these ids are journaled?" on JOURNAL_LOOKUP, and
+    publishes the tombstones its projection records to the KV registry clients check before publishing."""
 
-    def __init__(self, journal: Journal, *, name: str | None = None) -> None:
+    def __init__(
+        self, journal: Journal, *, name: str | None = None, tombstones: TombstoneRegistry | None = None
+    ) -> None:
         self.journal = journal
         self.name = name or f"journal-{journal.identity()[:8]}"
+        self.tombstones = tombstones
         self.inserted = 0
         self.already_present = 0
+        self.tombstone_sync_failures = 0
 
     async def handle(self, batch: Sequence[Delivery]) -> None:
         inserted = await asyncio.to_thread(self.journal.write, batch)
         self.inserted += len(inserted)
         self.already_present += len(batch) - len(inserted)
+        if self.tombstones is not None:
+            await self._sync_tombstones([str(d.event.event_id) for d in batch if d.event.body.transition])
+
+    async def _sync_tombstones(self, transition_ids: list[str]) -> None:
+        """Idempotent: a redelivered batch puts the same keys again. The journal stays the authority (its
+        projection flags repeats itself); a failed put is counted and logged, and the next one retries it."""
+        if not transition_ids:
+            return
+        for project, tombstone in await asyncio.to_thread(self.journal.tombstones_of, transition_ids):
+            assert self.tombstones is not None
+            try:
+                await self.tombstones.record(project, tombstone)
+            except Unavailable as e:
+                self.tombstone_sync_failures += 1
+                log.error("tombstone %s not published to the KV registry: %s", tombstone.content_hash[:12], e)
 
     async def serve_lookups(self, nc: NatsClient) -> Subscription:
         async def answer(msg: Msg) -> None:

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from bus.event import validate_event
 from bus.state import (
     FLAG_PREVIOUSLY_RETRACTED,
     FLAG_UNEARNED,
+    UNSAFE_TRUST,
     ArtifactState,
     Fold,
     Verification,
@@ -96,7 +97,8 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
         cutoff = as_of.astimezone(UTC)
         rows = conn.execute(
             select(events.c.envelope, events.c.stream_seq)
-            .where(events.c.project == project, events.c.recorded_at <= cutoff)
+            # JetStream's clock, not the publisher's: what had reached the stream by then is a prefix of it
+            .where(events.c.project == project, func.coalesce(events.c.stream_time, events.c.recorded_at) <= cutoff)
             .order_by(events.c.stream_seq)
         )
         fold = Fold.of((validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows)
@@ -180,6 +182,7 @@ def briefing(
         for s in snap.states.values()
         if s.resolution is ResolutionKind.superseded
         and not s.forgotten
+        and s.trust not in UNSAFE_TRUST
         and (s.updated_at or s.created_at) >= recent_since
     ]
     return Briefing(

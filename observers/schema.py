@@ -59,6 +59,7 @@ events = Table(
     Column("status", String(16), nullable=False, server_default="applied"),
     Column("reason", Text, nullable=True),
     Column("flags", String(200), nullable=True),
+    Column("stream_time", DateTime(timezone=True), nullable=True),  # v2: JetStream's clock; as-of reads cut on it
     # The indexes the journal's reads use: by project (and kind) over time, by actor, by artifact, by seq.
     Index("ix_events_project_kind_time", "project", "kind", "recorded_at"),
     Index("ix_events_project_time", "project", "recorded_at"),
@@ -146,12 +147,17 @@ def _v2_state_projection(conn: Connection) -> None:
         ("status", "VARCHAR(16) NOT NULL DEFAULT 'applied'"),
         ("reason", "TEXT"),
         ("flags", "VARCHAR(200)"),
+        ("stream_time", "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"),
     ):
         if name not in present:  # a v1 database; a new one got these columns from the table definition
             conn.execute(text(f"ALTER TABLE events ADD COLUMN {name} {ddl}"))
     metadata.create_all(conn, tables=[artifacts, verifications, tombstones, projection_cursor, journal_identity])
     if conn.execute(select(journal_identity.c.id)).first() is None:
         conn.execute(journal_identity.insert().values(id=str(uuid.uuid4())))
+    # A v1 journal already holds events: project them now, or every old artifact would be invisible.
+    from observers.projection import rebuild  # the projection needs these tables; imported late on purpose
+
+    rebuild(conn)
 
 
 # (version, description, step). Append only: a shipped step is never edited.

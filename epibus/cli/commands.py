@@ -253,6 +253,9 @@ def events(
 @handles_errors
 def replay_command(
     from_seq: Annotated[int, typer.Option("--from-seq", min=1, help="First stream sequence to replay.")] = 1,
+    rebuild_state: Annotated[
+        bool, typer.Option("--rebuild-state", help="Then recompute the state projection from the journal's events.")
+    ] = False,
     nats: NatsOpt = None,
     journal: JournalOpt = None,
     agent: AgentOpt = None,
@@ -260,10 +263,10 @@ def replay_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Rebuild the journal from the stream. Safe to repeat: rows already present are left as they are."""
-    run(_replay(from_seq, journal, Target(nats, home, agent), as_json))
+    run(_replay(from_seq, rebuild_state, journal, Target(nats, home, agent), as_json))
 
 
-async def _replay(from_seq: int, journal: str | None, target: Target, as_json: bool) -> None:
+async def _replay(from_seq: int, rebuild_state: bool, journal: str | None, target: Target, as_json: bool) -> None:
     store = Journal(resolve_journal_url(journal, epibus_home(target.home)))
     nc = await target.connect()
     try:
@@ -283,6 +286,7 @@ async def _replay(from_seq: int, journal: str | None, target: Target, as_json: b
                 progress.update(task, completed=seq, total=end)
 
             report = await replay(nc.jetstream(), observer, start_seq=from_seq, progress=advance)
+        rebuilt = await asyncio.to_thread(store.rebuild_projection) if rebuild_state else None
     finally:
         await nc.close()
         store.close()
@@ -293,6 +297,7 @@ async def _replay(from_seq: int, journal: str | None, target: Target, as_json: b
         "already_present": observer.already_present,
         "rejected": len(report.rejected),
         "last_seq": report.last_seq,
+        "state_rebuilt_from_events": rebuilt,
         "journal": store.safe_url,
     }
     if as_json:

@@ -1,14 +1,18 @@
-"""Choosing a vector store by name: the explicit table of backends (STYLE: Interfaces)."""
+"""Choosing a vector store by name: the explicit table of backends (STYLE: Interfaces). Backends are imported
+when chosen: qdrant-client alone takes a second to import, and most commands never touch a store."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bus.errors import ConfigError
-from observers.mirror.edge import EdgeVectorStore
-from observers.mirror.server import ServerVectorStore
 
-STORES = {"edge": EdgeVectorStore, "server": ServerVectorStore}
+if TYPE_CHECKING:
+    from observers.mirror.edge import EdgeVectorStore
+    from observers.mirror.server import ServerVectorStore
+
+STORES = ("edge", "server")
 
 
 async def open_store(
@@ -17,7 +21,11 @@ async def open_store(
     """`edge`: a directory; `server`: a Qdrant URL, a local-mode path or ":memory:". Raises ConfigError for
     an unknown kind, ModelMismatch for a collection built for another model, Unavailable if it did not answer."""
     if kind == "edge":
+        from observers.mirror.edge import EdgeVectorStore
+
         return await EdgeVectorStore.open(Path(location), model_id, dimension)
     if kind == "server":
+        from observers.mirror.server import ServerVectorStore
+
         return await ServerVectorStore.open(str(location), model_id, dimension)
-    raise ConfigError("vector store", f"{kind!r} is unknown", allowed=sorted(STORES))
+    raise ConfigError("vector store", f"{kind!r} is unknown", allowed=STORES)
