@@ -276,7 +276,10 @@ class EpibusClient:
     async def _check_links(self, events: Sequence[Envelope]) -> dict[str, str] | None:
         """Claims that revise or supersede another artifact are checked against the project as the stream has
         it (IllegalTransition, nothing written). A superseding claim changes the superseded artifact, so it is
-        published alone, guarded by compare-and-set on that artifact: the headers to use, else None."""
+        published alone with compare-and-set on that artifact's subjects: a verify, rollback or resolution of
+        it landing meanwhile makes JetStream refuse the claim (Conflict). Two new claims superseding one
+        artifact at once land on their own subjects; the projection applies the first and rejects the second
+        with the reason (a `journaled` receipt says so). Returns the headers to use, else None."""
         linked = [e for e in events if not e.body.transition and (_link(e, "revises") or _link(e, "supersedes"))]
         if not linked:
             return None

@@ -299,3 +299,36 @@ def test_relevance_combines_time_weight_and_impact():
     assert relevance(old, now) == pytest.approx(math.exp(-1) * 0.5)
     high = state("b", impact=1.0, created_at=now - timedelta(days=30))
     assert relevance(high, now) == pytest.approx(math.exp(-30 / 90) * 1.0)
+
+
+@pytest.mark.parametrize(
+    "successor",
+    [
+        state("b", Trust.rolled_back),
+        state("b", Trust.contradicted),
+        state("b", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.stale),
+        state("b", forgotten=True),
+    ],
+    ids=["rolled_back", "contradicted", "resolved", "forgotten"],
+)
+def test_a_successor_that_could_not_be_shown_is_refused(agents, successor):
+    states = {"a": state("a"), "b": successor}
+    event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
+    with pytest.raises(IllegalTransition, match="a successor must be active"):
+        decide(event, 5, states.get, lambda _h: False)
+
+
+def test_a_rollback_stopped_halfway_is_resumed_by_planning_again():
+    states = chain(5, verified_at=0)
+    states["c4"] = replace(states["c4"], trust=Trust.rolled_back)  # the first link went through
+    plan = plan_rollback(states, "c4")
+    assert plan.already_rolled_back == ("c4",)
+    assert plan.to_roll_back == ("c3", "c2", "c1")
+
+
+def test_an_error_on_a_resolved_artifact_lists_the_trust_moves_still_legal(agents):
+    states = {"a": state("a", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.stale)}
+    with pytest.raises(IllegalTransition, match="legal: contradicted, rolled_back, verified"):
+        decide(
+            ev(agents["bob"], "resolved", {"resolution": "retracted"}, artifact_id="a"), 2, states.get, lambda _h: False
+        )

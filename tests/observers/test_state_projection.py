@@ -298,3 +298,88 @@ async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(n
     receipt = await alice.publish(own, wait_for=ReceiptLevel.journaled)  # raw publish, no client validation
     assert receipt.level is ReceiptLevel.journaled
     assert receipt.rejected is not None and "alice is the author" in receipt.rejected
+
+
+async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(node: Node, agents, project):
+    alice = agents["alice"]
+    ghost = alice.event("finding", finding(text="builds on nothing") | {"revises": "ghost"}, project=project)
+    with pytest.raises(IllegalTransition, match="revised artifact 'ghost' does not exist"):
+        await alice.publish(ghost)
+    assert (await alice.project_view(project)).subject_seq == {}
+
+
+async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node: Node, agents, project):
+    alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
+    old = await claim(alice, project, "the limit is 100 requests per second")
+    first = bob.event("finding", finding(text="the limit is 120 rps") | {"supersedes": old}, project=project)
+    second = carol.event("finding", finding(text="the limit is 150 rps") | {"supersedes": old}, project=project)
+    receipts = await asyncio.gather(
+        bob.publish(first, wait_for=ReceiptLevel.journaled),
+        carol.publish(second, wait_for=ReceiptLevel.journaled),
+        return_exceptions=True,
+    )
+    # The compare-and-set guards the superseded artifact's own subjects; two new claims land on their own
+    # subjects, so both may be stored: the projection applies the first and rejects the second, saying why.
+    landed = [r for r in receipts if not isinstance(r, BaseException)]
+    refused = [r for r in receipts if isinstance(r, BaseException)]
+    assert all(isinstance(r, IllegalTransition | Conflict) for r in refused)
+    rejected = [r for r in landed if r.rejected]
+    assert len(landed) - len(rejected) == 1
+    assert all("already resolved" in r.rejected for r in rejected)
+    states = snapshot(node.journal, project).states
+    winner = next(r for r in landed if not r.rejected)
+    winner_id = first.artifact_id if winner.event_id == first.event_id else second.artifact_id
+    assert states[old].superseded_by == winner_id
+    assert states[winner_id].supersedes == old
+
+
+async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_clock(node: Node, agents, project):
+    from datetime import timedelta
+
+    from bus.event import validate_event
+
+    alice = agents["alice"]
+    draft = alice.event("finding", finding(text="written offline an hour ago"), project=project)
+    late = alice.key.sign(
+        validate_event(draft.model_dump() | {"recorded_at": draft.recorded_at - timedelta(hours=1), "signature": None})
+    )
+    await alice.publish(late, wait_for=ReceiptLevel.journaled)
+    half_an_hour_ago = datetime.now(UTC) - timedelta(minutes=30)
+    assert artifacts(node.journal, project, as_of=half_an_hour_ago) == []  # it had not reached the stream yet
+    assert [v.state.artifact_id for v in artifacts(node.journal, project)] == [late.artifact_id]
+
+
+async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, agents, project):
+    from bus.runner import Delivery
+    from bus.subjects import event_subject
+    from observers.schema import _v1_events, events, metadata, schema_versions
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = Journal(url)
+    event = agents["alice"].event("finding", finding(text="written before the upgrade"), project=project)
+    with old.engine.begin() as conn:  # a journal at version 1: events, no projection
+        metadata.create_all(conn, tables=[schema_versions])
+        _v1_events(conn)
+        conn.execute(schema_versions.insert().values(version=1, description="v1", applied_at=datetime.now(UTC)))
+    delivery = Delivery(event, event_subject(project, "finding", event.artifact_id), 1, 1)
+    with old.engine.begin() as conn:
+        conn.execute(
+            events.insert().values(
+                event_id=str(event.event_id),
+                stream_seq=1,
+                subject=delivery.subject,
+                project=project,
+                kind="finding",
+                artifact_id=event.artifact_id,
+                actor_id="alice",
+                actor_key=event.actor.public_key,
+                session_id="s",
+                recorded_at=event.recorded_at,
+                received_at=event.recorded_at,
+                signature_status="verified",
+                envelope=__import__("json").dumps(event.model_dump(mode="json")),
+            )
+        )
+    old.migrate()
+    assert [v.state.artifact_id for v in artifacts(old, project)] == [event.artifact_id]
+    old.close()
