@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands, state
+from epibus.cli import commands, recall, state
 from epibus.cli.publish import publish_app, register_publish_commands
 
 app = typer.Typer(
@@ -32,6 +32,8 @@ app.command("artifacts")(state.artifacts_command)
 app.command()(state.audit)
 app.command("briefing")(state.briefing_command)
 app.command("vocab-report")(state.vocab_report_command)
+app.command("recall")(recall.recall_command)
+app.command("audit-recall")(recall.audit_recall_command)
 
 
 def main() -> None:

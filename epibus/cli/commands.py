@@ -69,13 +69,27 @@ def up(
         int,
         typer.Option("--replicas", envvar="EPIBUS_REPLICAS", min=1, max=5, help="Stream replicas (3 in a cluster)."),
     ] = 1,
+    mirror: Annotated[
+        str,
+        typer.Option("--mirror", envvar="EPIBUS_MIRROR", help="edge (embedded Qdrant) | server (--qdrant-url) | off"),
+    ] = "edge",
+    qdrant_url: Annotated[str | None, typer.Option("--qdrant-url", envvar="QDRANT_URL")] = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a node: an embedded nats-server (unless --nats), the journal observer and the outbox forwarder."""
+    """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, and
+    the vector mirror with its recall service (unless --mirror off)."""
+    if mirror not in ("edge", "server", "off"):
+        raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
     config = NodeConfig(
-        home=epibus_home(home), nats_url=nats, journal_url=journal, replicas=replicas, agent=agent or default_agent()
+        home=epibus_home(home),
+        nats_url=nats,
+        journal_url=journal,
+        replicas=replicas,
+        agent=agent or default_agent(),
+        mirror=mirror,
+        qdrant_url=qdrant_url,
     )
     run(_up(config, as_json))
 
@@ -103,6 +117,8 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "journal": node.journal.safe_url if node.journal else None,
             "outbox": node.info.outbox_path,
             "embedded_server": node.info.embedded_server,
+            "mirror": f"{config.mirror} ({node.store.__class__.__name__})" if node.store else "off",
+            "embedding_model": node.embedder.model_id if node.embedder else None,
             "server_version": shown,
         }
         if as_json:

@@ -361,3 +361,34 @@ def test_state_commands_from_publish_to_rollback(running_node):
     assert report["resolutions"]["retracted"] == 1 and report["trust"]["rolled_back"] == 2
     before = as_json(epibus(home, "artifacts", "-p", "st", "--as-of", "2020-01-01T00:00:00", "--json"))
     assert before == []
+
+
+def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_node):
+    home, status, _ = running_node
+    assert status["mirror"].startswith("edge") and status["embedding_model"]
+
+    def publish(text: str) -> str:
+        out = epibus(home, "publish", "finding", "-p", "rc", "--text", text, "--impact", "0.6", "--confidence", "0.7",
+                     "--subject", "ops", "--json")
+        return as_json(out)["artifact_id"]
+
+    cold = publish("the cache is cold after every deploy")
+    publish("bananas are yellow when ripe")
+
+    def found() -> list[dict[str, object]]:
+        hits = as_json(epibus(home, "recall", "a deployment leaves the cache empty", "-p", "rc", "--json"))["hits"]
+        return hits if len(hits) == 2 else []
+
+    hits = eventually_sync(found, timeout_s=30)
+    assert hits[0]["artifact_id"] == cold
+    epibus(home, "resolve", cold, "-p", "rc", "--as", "retracted", "--json")
+
+    def hidden() -> bool:
+        hits = as_json(epibus(home, "recall", "a deployment leaves the cache empty", "-p", "rc", "--json"))["hits"]
+        return cold not in [h["artifact_id"] for h in hits]
+
+    eventually_sync(hidden, timeout_s=30)
+    audit = as_json(epibus(home, "audit-recall", "a deployment leaves the cache empty", "-p", "rc", "--json"))
+    assert audit["hits"][0]["artifact_id"] == cold and audit["hits"][0]["state"]["resolution"] == "retracted"
+    empty = epibus(home, "recall", "   ", "-p", "rc", check=False)
+    assert empty.returncode == 1 and "query" in empty.stderr

@@ -1,0 +1,109 @@
+"""`epibus recall` and `epibus audit-recall`: ask every node's mirror by meaning, merged by event id."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bus.client import connect
+from bus.recall import RecallAnswer
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JsonOpt,
+    NatsOpt,
+    console,
+    emit_json,
+    err_console,
+    handles_errors,
+    parse_time,
+    run,
+    table,
+)
+
+QueryArg = Annotated[str, typer.Argument(help="What to recall, in words.")]
+ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug (required: recall is scoped).")]
+KOpt = Annotated[int, typer.Option("--k", "-k", min=1, max=200, help="How many hits.")]
+KindsOpt = Annotated[list[str] | None, typer.Option("--kind", help="Only these kinds (repeatable).")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the nodes.")]
+
+
+def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
+    if as_json:
+        emit_json({"ok": True, **answer.as_dict()})
+        return
+    rows = [
+        [
+            f"{h['score']:.3f}",
+            f"{h['similarity']:.3f}",
+            h["kind"],
+            h["artifact_id"][:13],
+            f"{h['state']['trust']}/{h['state']['lifecycle']}",
+            h["provenance"]["actor"],
+            h["content"][:70],
+        ]
+        for h in answer.hits
+    ]
+    console.print(
+        table(
+            f"{title}: {len(rows)} hit(s) from {', '.join(answer.nodes)}",
+            ["score", "similarity", "kind", "artifact", "state", "actor", "content"],
+            rows,
+        )
+    )
+    for node, error in answer.failed_nodes.items():
+        err_console.print(f"[yellow]warning:[/] node {node} did not answer: {error}", highlight=False)
+
+
+@handles_errors
+def recall_command(
+    query: QueryArg,
+    project: ProjectOpt,
+    k: KOpt = 10,
+    kind: KindsOpt = None,
+    include_resolved: Annotated[bool, typer.Option("--include-resolved", help="Also stale/superseded ones.")] = False,
+    as_of: Annotated[str | None, typer.Option("--as-of", help="As it stood then: ISO time or age (2h).")] = None,
+    timeout: TimeoutOpt = 3.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The safe door by meaning: never contradicted, rolled back, retracted or mistyped items. Ranked by
+    similarity x relevance; says which nodes answered. No mirror answering is an error, not "no matches"."""
+
+    async def ask() -> RecallAnswer:
+        async with connect(nats, agent=agent, home=home, outbox=False) as client:
+            return await client.recall(
+                query,
+                project,
+                k=k,
+                kinds=kind,
+                include_resolved=include_resolved,
+                as_of=parse_time(as_of, "--as-of"),
+                timeout_s=timeout,
+            )
+
+    _show(run(ask()), "recall", as_json)
+
+
+@handles_errors
+def audit_recall_command(
+    query: QueryArg,
+    project: ProjectOpt,
+    k: KOpt = 10,
+    kind: KindsOpt = None,
+    timeout: TimeoutOpt = 3.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit door by meaning: everything mirrored, whatever its state, with that state."""
+
+    async def ask() -> RecallAnswer:
+        async with connect(nats, agent=agent, home=home, outbox=False) as client:
+            return await client.audit_recall(query, project, k=k, kinds=kind, timeout_s=timeout)
+
+    _show(run(ask()), "audit recall", as_json)
