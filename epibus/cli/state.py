@@ -3,8 +3,9 @@ journal reads artifacts, audit, briefing, vocab-report (every read takes --as-of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -30,6 +31,7 @@ from epibus.cli.common import (
 from observers.journal import Journal
 from observers.reads import ArtifactView, artifacts, audit_artifacts, briefing, vocab_report
 
+T = TypeVar("T")
 ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug.")]
 ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on.")]
 AsOfOpt = Annotated[
@@ -169,10 +171,14 @@ async def _rollback(
 # -- reads ------------------------------------------------------------------------------------------------
 
 
-def _journal(journal: str | None, home: Path | None) -> Journal:
+def _read(journal: str | None, home: Path | None, read: Callable[[Journal], T]) -> T:
+    """Open the journal, read, close: every read command's frame."""
     store = Journal(resolve_journal_url(journal, epibus_home(home)))
-    store.migrate()
-    return store
+    try:
+        store.migrate()
+        return read(store)
+    finally:
+        store.close()
 
 
 def _artifact_rows(views: list[ArtifactView]) -> list[list[Any]]:
@@ -205,18 +211,13 @@ def artifacts_command(
     as_json: JsonOpt = False,
 ) -> None:
     """The safe read: never contradicted, rolled back, retracted or mistyped artifacts. Ranked by relevance."""
-    store = _journal(journal, home)
-    try:
-        views = artifacts(
-            store,
-            project,
-            kinds=set(kind) if kind else None,
-            include_resolved=include_resolved,
-            as_of=parse_time(as_of, "--as-of"),
-            limit=limit,
-        )
-    finally:
-        store.close()
+    cutoff = parse_time(as_of, "--as-of")
+    kinds = set(kind) if kind else None
+    views = _read(
+        journal,
+        home,
+        lambda j: artifacts(j, project, kinds=kinds, include_resolved=include_resolved, as_of=cutoff, limit=limit),
+    )
     if as_json:
         emit_json([v.as_dict() for v in views])
         return
@@ -234,13 +235,9 @@ def audit(
     as_json: JsonOpt = False,
 ) -> None:
     """The audit read: every artifact whatever its state, with its verification log."""
-    store = _journal(journal, home)
-    try:
-        views = audit_artifacts(
-            store, project, kinds=set(kind) if kind else None, as_of=parse_time(as_of, "--as-of"), limit=limit
-        )
-    finally:
-        store.close()
+    cutoff = parse_time(as_of, "--as-of")
+    kinds = set(kind) if kind else None
+    views = _read(journal, home, lambda j: audit_artifacts(j, project, kinds=kinds, as_of=cutoff, limit=limit))
     if as_json:
         emit_json([v.as_dict() for v in views])
         return
@@ -259,11 +256,8 @@ def briefing_command(
 ) -> None:
     """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
     superseded items and confidence flags."""
-    store = _journal(journal, home)
-    try:
-        brief = briefing(store, project, goal, as_of=parse_time(as_of, "--as-of"), limit=limit)
-    finally:
-        store.close()
+    cutoff = parse_time(as_of, "--as-of")
+    brief = _read(journal, home, lambda j: briefing(j, project, goal, as_of=cutoff, limit=limit))
     if as_json:
         emit_json(brief.as_dict())
         return
@@ -289,11 +283,8 @@ def vocab_report_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Counts of resolutions per kind, trust states and sources: are errors being recorded at all?"""
-    store = _journal(journal, home)
-    try:
-        report = vocab_report(store, project, as_of=parse_time(as_of, "--as-of"))
-    finally:
-        store.close()
+    cutoff = parse_time(as_of, "--as-of")
+    report = _read(journal, home, lambda j: vocab_report(j, project, as_of=cutoff))
     if as_json:
         emit_json(report.as_dict())
         return

@@ -26,6 +26,7 @@ from observers.mirror.store import (
     Vector,
     match_value,
     match_values,
+    require_dimension,
 )
 
 T = TypeVar("T")
@@ -116,15 +117,10 @@ class EdgeVectorStore:
                 raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
             raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
 
-    def _check_dimension(self, vectors: Sequence[Vector]) -> None:
-        for vector in vectors:
-            if len(vector) != self.dimension:
-                raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", f"a {len(vector)}-d vector")
-
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
             return
-        self._check_dimension([p.vector for p in points])
+        require_dimension(self.model_id, self.dimension, [p.vector for p in points])
         batch = [
             qe.Point(str(p.id), list(p.vector), {**p.payload, "model_id": self.model_id, "dimension": self.dimension})
             for p in points
@@ -142,7 +138,7 @@ class EdgeVectorStore:
         return [Point(uuid.UUID(str(r.id)), list(r.vector), dict(r.payload)) for r in records]
 
     async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
-        self._check_dimension([vector])
+        require_dimension(self.model_id, self.dimension, [vector])
         request = qe.QueryRequest(
             query=qe.Query.Nearest(list(vector)), filter=edge_filter(where), limit=limit, with_payload=True
         )

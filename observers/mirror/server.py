@@ -23,6 +23,7 @@ from observers.mirror.store import (
     Vector,
     match_value,
     match_values,
+    require_dimension,
 )
 
 DEFAULT_COLLECTION = "epibus"
@@ -123,15 +124,10 @@ class ServerVectorStore:
         for key in INDEXED_FLOATS:
             self.client.create_payload_index(self.collection, key, field_schema=models.PayloadSchemaType.FLOAT)
 
-    def _check_dimension(self, vectors: Sequence[Vector]) -> None:
-        for vector in vectors:
-            if len(vector) != self.dimension:
-                raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", f"a {len(vector)}-d vector")
-
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
             return
-        self._check_dimension([p.vector for p in points])
+        require_dimension(self.model_id, self.dimension, [p.vector for p in points])
         batch = [
             models.PointStruct(
                 id=str(p.id),
@@ -156,7 +152,7 @@ class ServerVectorStore:
         return [Point(uuid.UUID(str(r.id)), list(r.vector), dict(r.payload or {})) for r in records]
 
     async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
-        self._check_dimension([vector])
+        require_dimension(self.model_id, self.dimension, [vector])
         response = await self._call(
             self.client.query_points,
             self.collection,

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bus.errors import ModelMismatch
+
 Vector = Sequence[float]
 Scalar = str | int | float | bool
 
@@ -36,6 +38,14 @@ class Filter:
     any_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
     none_of: Mapping[str, Sequence[Scalar]] = field(default_factory=dict)
     at_most: Mapping[str, float] = field(default_factory=dict)  # numeric field <= value
+
+
+def require_dimension(model_id: str, dimension: int, vectors: Sequence[Vector]) -> None:
+    """Raise ModelMismatch before a backend sees a vector of the wrong length (qdrant-client's local mode
+    would answer a wrong-sized query with a bare numpy error)."""
+    for vector in vectors:
+        if len(vector) != dimension:
+            raise ModelMismatch(f"{model_id} ({dimension}-d)", f"a {len(vector)}-d vector")
 
 
 def match_value(value: Scalar) -> Any:
