@@ -16,25 +16,26 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.errors import ConfigError, InvalidEvent, NotFound, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
 from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
 from bus.ids import new_event_id
-from bus.jetstream import AgentRegistry, ensure_streams, open_nats
+from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry, ensure_streams, open_nats
 from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
-from bus.recall import RecallAnswer, ask_all, recall_request
+from bus.recall import ForgetProof, ForgetReport, RecallAnswer, ask_all, fan_out, recall_request
 from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import event_subject
+from bus.subjects import PROVE_FORGOTTEN, STREAM, event_subject
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
@@ -461,6 +462,43 @@ class EpibusClient:
         """Return once a journal observer confirms every event id, with what the state projection made of
         each (status, reason, flags). Raises Unavailable naming what is missing."""
         return await wait_journaled(lambda: self.nc if self.connected else None, event_ids, timeout_s=timeout_s)
+
+    async def forget(self, project: str, artifact_id: str, *, reason: str) -> ForgetReport:
+        """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
+        mirror deletes the points), then erase every message on the artifact's subjects from the stream.
+        Raises NotFound for an unknown artifact. Prove it with `prove_forgotten`."""
+        view = await self.project_view(project)
+        if artifact_id not in view.fold.artifacts:
+            raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
+        messages = list(view.messages.get(artifact_id, []))
+        receipt = await self.transition(
+            "forgotten", {"reason": reason}, project=project, artifact_id=artifact_id, view=view
+        )
+        for seq, _ in messages:
+            try:
+                async with asyncio.timeout(self.publish_timeout_s):
+                    await self.js.delete_msg(STREAM, seq)  # erases: the server overwrites the stored bytes
+            except nats.js.errors.NotFoundError:
+                continue  # already gone
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
+        return ForgetReport(project, artifact_id, str(receipt.event_id), messages)
+
+    async def prove_forgotten(self, report: ForgetReport, *, timeout_s: float = 3.0) -> ForgetProof:
+        """Read every store back: the stream by sequence, and each node's journal and mirror by event id."""
+        erased = []
+        for seq, _ in report.messages:
+            try:
+                await self.js.get_msg(STREAM, seq)
+            except nats.js.errors.NotFoundError:
+                erased.append(seq)
+        request = {
+            "project": report.project,
+            "artifact_id": report.artifact_id,
+            "event_ids": [e for _, e in report.messages if e],
+        }
+        answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
+        return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
 
     async def recall(
         self,

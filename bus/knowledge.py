@@ -35,6 +35,8 @@ class ProjectView:
     project: str
     fold: Fold = field(default_factory=Fold)
     subject_seq: dict[str, int] = field(default_factory=dict)
+    # every message on each artifact's subjects: (stream seq, event id or None when it was not an event)
+    messages: dict[str, list[tuple[int, str | None]]] = field(default_factory=dict)
     invalid: int = 0
 
 
@@ -55,7 +57,10 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
                 await registry.bind(event.actor)
             except (Rejected, Conflict):
                 view.invalid += 1  # the live consumer dead-letters it; it changes no state here either
+                if address is not None:
+                    view.messages.setdefault(address.artifact_id, []).append((seq, None))
                 continue
+            view.messages.setdefault(event.artifact_id, []).append((seq, str(event.event_id)))
             view.fold.apply(event, seq)
     return view
 

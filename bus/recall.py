@@ -37,6 +37,52 @@ class RecallAnswer:
         }
 
 
+@dataclass(frozen=True)
+class ForgetReport:
+    project: str
+    artifact_id: str
+    forgotten_event_id: str
+    messages: list[tuple[int, str | None]]  # (stream seq, event id) erased from the stream
+
+
+@dataclass(frozen=True)
+class ForgetProof:
+    """What reading every store back showed. `nodes[name]` has journal_rows, journal_content_left,
+    projection_rows and mirror_points for that node."""
+
+    report: ForgetReport
+    erased_seqs: list[int]
+    nodes: dict[str, dict[str, Any]]
+
+    @property
+    def stream_clean(self) -> bool:
+        return sorted(self.erased_seqs) == sorted(seq for seq, _ in self.report.messages)
+
+    def node_clean(self, node: str) -> bool:
+        answer = self.nodes[node]
+        return "error" not in answer and not (
+            answer["journal_content_left"] or answer["projection_rows"] or answer["mirror_points"]
+        )
+
+    @property
+    def clean(self) -> bool:
+        return self.stream_clean and bool(self.nodes) and all(self.node_clean(n) for n in self.nodes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "project": self.report.project,
+            "artifact_id": self.report.artifact_id,
+            "forgotten_event_id": self.report.forgotten_event_id,
+            "stream": {
+                "messages": len(self.report.messages),
+                "erased": len(self.erased_seqs),
+                "clean": self.stream_clean,
+            },
+            "nodes": {n: a | {"clean": self.node_clean(n)} for n, a in self.nodes.items()},
+            "clean": self.clean,
+        }
+
+
 def recall_request(
     query: str,
     project: str,
@@ -62,8 +108,9 @@ def recall_request(
     }
 
 
-async def ask_all(nc: NatsClient, request: dict[str, Any], *, timeout_s: float = 3.0) -> RecallAnswer:
-    """Fan out, merge by event id (best score kept), rank. Raises Unavailable when no node answered."""
+async def fan_out(nc: NatsClient, subject: str, request: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+    """Publish one request that every node answers; collect the JSON answers until timeout_s, or SETTLE_S
+    after the last one came in. An empty list means no node answered."""
     inbox = nc.new_inbox()
     replies: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -71,37 +118,43 @@ async def ask_all(nc: NatsClient, request: dict[str, Any], *, timeout_s: float =
         await replies.put(msg)
 
     subscription = await nc.subscribe(inbox, cb=collect)
-    answer = RecallAnswer(request["query"], request["project"])
-    merged: dict[str, dict[str, Any]] = {}
+    answers: list[dict[str, Any]] = []
     try:
-        await nc.publish(RECALL, json.dumps(request).encode(), reply=inbox)
+        await nc.publish(subject, json.dumps(request).encode(), reply=inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
-            wait_s = deadline - loop.time() if not answer.nodes and not answer.failed_nodes else SETTLE_S
+            wait_s = deadline - loop.time() if not answers else min(SETTLE_S, deadline - loop.time())
             try:
                 msg = await asyncio.wait_for(replies.get(), timeout=max(0.0, wait_s))
             except TimeoutError:
                 break
             if not msg.data:  # a status message (503: no responders), not an answer
-                status = (msg.headers or {}).get("Status", "")
-                if status == "503" and not answer.nodes:
+                if (msg.headers or {}).get("Status") == "503" and not answers:
                     break
                 continue
-            body = json.loads(msg.data)
-            node = str(body.get("node"))
-            if "error" in body:
-                answer.failed_nodes[node] = str(body["error"])
-                continue
-            answer.nodes.append(node)
-            for hit in body["hits"]:
-                best = merged.get(hit["event_id"])
-                if best is None or hit["score"] > best["score"]:
-                    merged[hit["event_id"]] = hit | {"answered_by": node}
+            answers.append(json.loads(msg.data))
     except NATS_UNAVAILABLE as e:
-        raise Unavailable("nats", f"recall request: {type(e).__name__} {e}") from e
+        raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
     finally:
         await subscription.unsubscribe()
+    return answers
+
+
+async def ask_all(nc: NatsClient, request: dict[str, Any], *, timeout_s: float = 3.0) -> RecallAnswer:
+    """Fan out, merge by event id (best score kept), rank. Raises Unavailable when no node answered."""
+    answer = RecallAnswer(request["query"], request["project"])
+    merged: dict[str, dict[str, Any]] = {}
+    for body in await fan_out(nc, RECALL, request, timeout_s=timeout_s):
+        node = str(body.get("node"))
+        if "error" in body:
+            answer.failed_nodes[node] = str(body["error"])
+            continue
+        answer.nodes.append(node)
+        for hit in body["hits"]:
+            best = merged.get(hit["event_id"])
+            if best is None or hit["score"] > best["score"]:
+                merged[hit["event_id"]] = hit | {"answered_by": node}
     if not answer.nodes:
         why = "; ".join(f"{n}: {e}" for n, e in answer.failed_nodes.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")

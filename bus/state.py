@@ -276,6 +276,9 @@ def _require_usable_successor(successor: ArtifactState, superseded: str) -> None
 
 def _decide_transition(event: Envelope, seq: int, lookup: Lookup) -> Change:
     aid = event.artifact_id
+    if isinstance(event.body, ForgottenBody) and lookup(aid) is None:
+        # Its content may have been erased before this reader saw it: forgetting nothing changes nothing.
+        return Change(str(event.event_id))
     current = _require(lookup, aid, "artifact", event.kind)
     if current.project != event.project:
         raise IllegalTransition(aid, current.state_label, event.kind, f"it belongs to project {current.project}")

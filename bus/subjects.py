@@ -22,6 +22,8 @@ TOMBSTONES_BUCKET = "epibus_tombstones"
 JOURNAL_LOOKUP = "epibus.journal.has"
 # Core NATS request subject every node with a mirror answers (no queue group: the asker merges all answers).
 RECALL = "epibus.recall"
+# Core NATS request every node answers: "is this artifact gone from your journal and mirror?"
+PROVE_FORGOTTEN = "epibus.forget.prove"
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,12 +21,13 @@ from nats.js import JetStreamContext
 from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
+from bus.ids import point_id
 from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
-from bus.subjects import RECALL
+from bus.subjects import PROVE_FORGOTTEN, RECALL
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -112,6 +114,7 @@ class Node:
         await self._ensure_streams()
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
+        await self.nc.subscribe(PROVE_FORGOTTEN, cb=self._prove_forgotten)
         await self.observer.serve_lookups(self.nc)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
@@ -165,6 +168,22 @@ class Node:
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
         await self.nc.subscribe(RECALL, cb=self._answer_recall)
+
+    async def _prove_forgotten(self, msg: Msg) -> None:
+        """Read this node's journal and mirror back for a forgotten artifact."""
+        assert self.journal is not None
+        node = self.config.agent
+        try:
+            request = json.loads(msg.data)
+            ids = [str(e) for e in request["event_ids"]]
+            reply: dict[str, Any] = {"node": node} | await asyncio.to_thread(
+                self.journal.forgotten_check, request["project"], request["artifact_id"], ids
+            )
+            points = await self.store.retrieve([point_id(uuid.UUID(e)) for e in ids]) if self.store else []
+            reply["mirror_points"] = len(points)
+        except (EpibusError, ValueError, KeyError) as e:
+            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
+        await msg.respond(json.dumps(reply).encode())
 
     async def _answer_recall(self, msg: Msg) -> None:
         """Answer a recall request from this node's mirror: hits, or the error that kept it from answering."""

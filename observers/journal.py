@@ -27,7 +27,7 @@ from bus.runner import Delivery
 from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
-from observers.schema import events, journal_identity, migrate, tombstones
+from observers.schema import artifacts, events, journal_identity, migrate, tombstones
 
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
@@ -81,6 +81,7 @@ class JournalRow:
     received_at: datetime
     signature_status: str
     envelope: dict[str, Any]
+    status: str = "applied"  # applied | rejected | forgotten (content erased, this row is its audit trail)
 
     def event(self) -> Envelope:
         return validate_event(self.envelope)
@@ -97,6 +98,7 @@ class JournalRow:
             "recorded_at": self.recorded_at.isoformat(),
             "received_at": self.received_at.isoformat(),
             "signature_status": self.signature_status,
+            "status": self.status,
             "body": self.envelope.get("body"),
         }
 
@@ -199,6 +201,21 @@ class Journal:
                 found += [(r.project, Tombstone(r.content_hash, r.artifact_id, r.event_id, r.reason)) for r in rows]
         return found
 
+    def forgotten_check(self, project: str, artifact_id: str, event_ids: Sequence[str]) -> dict[str, int]:
+        """Read back a forget: the artifact's event rows, how many still hold content, and whether the
+        projection still has the artifact."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(events.c.status, events.c.envelope).where(events.c.event_id.in_(list(event_ids)))
+            ).all()
+            projection = conn.execute(
+                select(func.count())
+                .select_from(artifacts)
+                .where(artifacts.c.project == project, artifacts.c.artifact_id == artifact_id)
+            ).scalar_one()
+        left = sum(1 for r in rows if r.status != "forgotten" or "body" in json.loads(r.envelope))
+        return {"journal_rows": len(rows), "journal_content_left": left, "projection_rows": int(projection)}
+
     def has(self, event_ids: Sequence[str]) -> set[str]:
         return set(self.outcomes(event_ids))
 
@@ -271,6 +288,7 @@ class Journal:
             received_at=_utc(m["received_at"]),
             signature_status=m["signature_status"],
             envelope=json.loads(m["envelope"]),
+            status=m["status"],
         )
 
 

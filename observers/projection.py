@@ -25,6 +25,7 @@ from observers.schema import artifacts, events, projection_cursor, tombstones, v
 
 log = logging.getLogger(__name__)
 CURSOR = "state"
+FORGOTTEN = "forgotten"  # events.status of a redacted event: its content is gone, its audit row stays
 REBUILD_CHUNK = 2_000
 
 
@@ -159,6 +160,39 @@ class BatchState:
                 )
             )
 
+    def forget(self, project: str, artifact_id: str, forgotten_by: str) -> None:
+        """A privacy delete: the artifact leaves the projection, its events keep an audit row each (who, when,
+        which event erased it) with the content gone, and verification notes go too."""
+        key = (project, artifact_id)
+        self.states[key] = None
+        self.dirty.discard(key)
+        self.conn.execute(
+            delete(artifacts).where(artifacts.c.project == project, artifacts.c.artifact_id == artifact_id)
+        )
+        self.conn.execute(
+            update(verifications)
+            .where(verifications.c.project == project, verifications.c.artifact_id == artifact_id)
+            .values(note=None)
+        )
+        rows = self.conn.execute(
+            select(events.c.event_id, events.c.kind, events.c.actor_id, events.c.recorded_at).where(
+                events.c.project == project, events.c.artifact_id == artifact_id, events.c.event_id != forgotten_by
+            )
+        ).all()
+        for row in rows:
+            audit = {
+                "event_id": row.event_id,
+                "kind": row.kind,
+                "actor": row.actor_id,
+                "redacted": True,
+                "forgotten_by": forgotten_by,
+            }
+            self.conn.execute(
+                update(events)
+                .where(events.c.event_id == row.event_id)
+                .values(envelope=json.dumps(audit), status=FORGOTTEN, reason=f"forgotten by {forgotten_by}", flags=None)
+            )
+
     def flush(self) -> None:
         rows = [state_to_row(s) for k in sorted(self.dirty) if (s := self.states[k]) is not None]
         if not rows:
@@ -196,6 +230,8 @@ def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dic
             outcomes.append({"b_id": str(event.event_id), "b_status": "rejected", "b_reason": str(e), "b_flags": None})
             continue
         state.absorb(event.project, change)
+        if event.kind == "forgotten" and change.artifacts:
+            state.forget(event.project, event.artifact_id, str(event.event_id))
         if change.flags:
             flags = ",".join(sorted(change.flags))
             outcomes.append({"b_id": str(event.event_id), "b_status": "applied", "b_reason": None, "b_flags": flags})
@@ -233,17 +269,19 @@ def rebuild(conn: Connection) -> int:
     """Recompute the whole projection from the journal's events in stream order. Returns events applied."""
     for table in (artifacts, verifications, tombstones, projection_cursor):
         conn.execute(delete(table))
-    conn.execute(update(events).values(status="applied", reason=None, flags=None))
+    conn.execute(update(events).where(events.c.status != FORGOTTEN).values(status="applied", reason=None, flags=None))
     applied, after = 0, 0
     while True:
         rows = conn.execute(
-            select(events.c.stream_seq, events.c.envelope)
+            select(events.c.stream_seq, events.c.envelope, events.c.status)
             .where(events.c.stream_seq > after)
             .order_by(events.c.stream_seq)
             .limit(REBUILD_CHUNK)
         ).all()
         if not rows:
             return applied
-        apply_events(conn, [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows])
+        apply_events(
+            conn, [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows if r.status != FORGOTTEN]
+        )
         applied += len(rows)
         after = rows[-1].stream_seq

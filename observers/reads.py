@@ -24,7 +24,7 @@ from bus.state import (
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
-from observers.projection import row_to_state
+from observers.projection import FORGOTTEN, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import events, verifications
 
@@ -98,7 +98,11 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
         rows = conn.execute(
             select(events.c.envelope, events.c.stream_seq)
             # JetStream's clock, not the publisher's: what had reached the stream by then is a prefix of it
-            .where(events.c.project == project, func.coalesce(events.c.stream_time, events.c.recorded_at) <= cutoff)
+            .where(
+                events.c.project == project,
+                func.coalesce(events.c.stream_time, events.c.recorded_at) <= cutoff,
+                events.c.status != FORGOTTEN,  # erased content is not part of any past either
+            )
             .order_by(events.c.stream_seq)
         )
         fold = Fold.of((validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows)

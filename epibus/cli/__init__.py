@@ -34,6 +34,7 @@ app.command("briefing")(state.briefing_command)
 app.command("vocab-report")(state.vocab_report_command)
 app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
+app.command("forget")(recall.forget_command)
 
 
 def main() -> None:

@@ -255,7 +255,7 @@ def events(
                     r.kind,
                     r.artifact_id[:13],
                     r.actor_id,
-                    r.event().body.content_text()[:80],
+                    ("[forgotten]" if r.status == "forgotten" else r.event().body.content_text()[:80]),
                 ]
                 for r in rows
             ],

@@ -1,13 +1,16 @@
-"""`epibus recall` and `epibus audit-recall`: ask every node's mirror by meaning, merged by event id."""
+"""`epibus recall` and `epibus audit-recall` (every node's mirror by meaning, merged by event id) and `epibus
+forget` (the privacy delete, proven by reading every store back)."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from bus.client import connect
-from bus.recall import RecallAnswer
+from bus.recall import ForgetProof, RecallAnswer
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -107,3 +110,60 @@ def audit_recall_command(
             return await client.audit_recall(query, project, k=k, kinds=kind, timeout_s=timeout)
 
     _show(run(ask()), "audit recall", as_json)
+
+
+@handles_errors
+def forget_command(
+    artifact_id: Annotated[str, typer.Argument(help="The artifact whose content must go.")],
+    project: ProjectOpt,
+    reason: Annotated[str, typer.Option("--reason", help="Why (kept in the audit trail).")],
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every store.")] = 30.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Privacy delete: erase the artifact's messages from the stream, redact its journal rows (an audit row
+    each is kept) and delete its points from every mirror, then read every store back and report what was
+    verified. Exit code 1 if any store still holds the content when the time is up."""
+    proof = run(_forget(artifact_id, project, reason, timeout, nats, agent, home))
+    if as_json:
+        emit_json({"ok": proof.clean, **proof.as_dict()})
+    else:
+        rows = [
+            [
+                "stream",
+                f"{len(proof.erased_seqs)} of {len(proof.report.messages)} messages erased",
+                "yes" if proof.stream_clean else "NO",
+            ]
+        ]
+        for node, answer in proof.nodes.items():
+            detail = answer.get("error") or (
+                f"journal rows redacted {answer['journal_rows'] - answer['journal_content_left']}/"
+                f"{answer['journal_rows']}, projection rows {answer['projection_rows']}, "
+                f"mirror points {answer['mirror_points']}"
+            )
+            rows.append([f"node {node}", detail, "yes" if proof.node_clean(node) else "NO"])
+        console.print(table(f"forget {artifact_id}: read back from every store", ["store", "found", "clean"], rows))
+    if not proof.clean:
+        raise typer.Exit(1)
+
+
+async def _forget(
+    artifact_id: str,
+    project: str,
+    reason: str,
+    timeout_s: float,
+    nats: str | None,
+    agent: str | None,
+    home: Path | None,
+) -> ForgetProof:
+    async with connect(nats, agent=agent, home=home, outbox=False) as client:
+        report = await client.forget(project, artifact_id, reason=reason)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        proof = await client.prove_forgotten(report)
+        while not proof.clean and loop.time() < deadline:  # observers apply the forget asynchronously
+            await asyncio.sleep(0.5)
+            proof = await client.prove_forgotten(report)
+        return proof

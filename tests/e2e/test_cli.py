@@ -392,3 +392,19 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
     assert audit["hits"][0]["artifact_id"] == cold and audit["hits"][0]["state"]["resolution"] == "retracted"
     empty = epibus(home, "recall", "   ", "-p", "rc", check=False)
     assert empty.returncode == 1 and "query" in empty.stderr
+
+
+def test_forget_from_the_cli_reports_every_store_clean(running_node):
+    home, _, _ = running_node
+    out = epibus(home, "publish", "finding", "-p", "fg", "--text", "the api key is sk-123", "--impact", "0.5",
+                 "--confidence", "0.5", "--subject", "secrets", "--wait", "journaled", "--json")
+    artifact = as_json(out)["artifact_id"]
+    proof = as_json(epibus(home, "forget", artifact, "-p", "fg", "--reason", "leaked secret", "--json"))
+    assert proof["ok"] is True and proof["clean"] is True
+    assert proof["stream"] == {"messages": 1, "erased": 1, "clean": True}
+    (node,) = proof["nodes"].values()
+    assert node["journal_content_left"] == 0 and node["mirror_points"] == 0 and node["projection_rows"] == 0
+    rows = as_json(epibus(home, "events", "-p", "fg", "--json"))
+    assert all("sk-123" not in json.dumps(r) for r in rows)
+    unknown = epibus(home, "forget", "nope", "-p", "fg", "--reason", "r", check=False)
+    assert unknown.returncode == 1 and "not found" in unknown.stderr
