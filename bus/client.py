@@ -35,7 +35,7 @@ from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import PROVE_FORGOTTEN, STREAM, event_subject
+from bus.subjects import PROVE_FORGOTTEN, STREAM, VERIFY, event_subject
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
@@ -499,6 +499,17 @@ class EpibusClient:
         }
         answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
         return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
+
+    async def verify_nodes(
+        self, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
+    ) -> list[dict[str, Any]]:
+        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked).
+        Raises Unavailable when no node answered."""
+        request = {"project": project, "repair": repair}
+        answers = await fan_out(self._require_nc(), VERIFY, request, timeout_s=timeout_s)
+        if not answers:
+            raise Unavailable("verify", f"no node answered within {timeout_s}s; is `epibus up` running?")
+        return answers
 
     async def recall(
         self,

@@ -119,12 +119,14 @@ async def fan_out(nc: NatsClient, subject: str, request: dict[str, Any], *, time
 
     subscription = await nc.subscribe(inbox, cb=collect)
     answers: list[dict[str, Any]] = []
+    first_s = 0.0
     try:
         await nc.publish(subject, json.dumps(request).encode(), reply=inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
-            wait_s = deadline - loop.time() if not answers else min(SETTLE_S, deadline - loop.time())
+            # After the first answer the others get SETTLE_S more (slow work: as long as the first took).
+            wait_s = deadline - loop.time() if not answers else min(max(SETTLE_S, first_s), deadline - loop.time())
             try:
                 msg = await asyncio.wait_for(replies.get(), timeout=max(0.0, wait_s))
             except TimeoutError:
@@ -133,6 +135,8 @@ async def fan_out(nc: NatsClient, subject: str, request: dict[str, Any], *, time
                 if (msg.headers or {}).get("Status") == "503" and not answers:
                     break
                 continue
+            if not answers:
+                first_s = timeout_s - (deadline - loop.time())
             answers.append(json.loads(msg.data))
     except NATS_UNAVAILABLE as e:
         raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e

@@ -24,6 +24,8 @@ JOURNAL_LOOKUP = "epibus.journal.has"
 RECALL = "epibus.recall"
 # Core NATS request every node answers: "is this artifact gone from your journal and mirror?"
 PROVE_FORGOTTEN = "epibus.forget.prove"
+# Core NATS request every node answers with its reconciliation of stream, journal and mirror.
+VERIFY = "epibus.verify"
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")

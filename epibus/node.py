@@ -27,13 +27,14 @@ from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
-from bus.subjects import PROVE_FORGOTTEN, RECALL
+from bus.subjects import PROVE_FORGOTTEN, RECALL, VERIFY
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.store import VectorStore
 from observers.recall import audit_recall, recall
+from observers.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Node:
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
         await self.nc.subscribe(PROVE_FORGOTTEN, cb=self._prove_forgotten)
+        await self.nc.subscribe(VERIFY, cb=self._verify)
         await self.observer.serve_lookups(self.nc)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
@@ -168,6 +170,21 @@ class Node:
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
         await self.nc.subscribe(RECALL, cb=self._answer_recall)
+
+    async def _verify(self, msg: Msg) -> None:
+        """Reconcile this node's journal and mirror against the stream (and repair, when asked)."""
+        assert self.journal is not None
+        assert self.js is not None
+        node = self.config.agent
+        try:
+            request = json.loads(msg.data)
+            report = await verify(
+                self.js, self.journal, self.mirror, project=request.get("project"), repair=bool(request.get("repair"))
+            )
+            reply: dict[str, Any] = {"node": node} | report.as_dict()
+        except (EpibusError, ValueError, KeyError) as e:
+            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
+        await msg.respond(json.dumps(reply).encode())
 
     async def _prove_forgotten(self, msg: Msg) -> None:
         """Read this node's journal and mirror back for a forgotten artifact."""

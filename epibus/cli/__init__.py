@@ -35,6 +35,7 @@ app.command("vocab-report")(state.vocab_report_command)
 app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
 app.command("forget")(recall.forget_command)
+app.command("verify")(recall.verify_command)
 
 
 def main() -> None:

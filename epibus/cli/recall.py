@@ -167,3 +167,47 @@ async def _forget(
             await asyncio.sleep(0.5)
             proof = await client.prove_forgotten(report)
         return proof
+
+
+@handles_errors
+def verify_command(
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Only this project.")] = None,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Make the journal and mirror agree with the stream.")
+    ] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0)] = 120.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reconcile the stream, every node's journal and every node's mirror by event id: missing, extra and
+    stale-payload counts per store (--repair to fix them). Exit code 1 unless every store is clean."""
+
+    async def ask() -> list[dict[str, object]]:
+        async with connect(nats, agent=agent, home=home, outbox=False) as client:
+            return await client.verify_nodes(project, repair=repair, timeout_s=timeout)
+
+    answers = run(ask())
+    clean = all(bool(a.get("clean")) for a in answers)
+    if as_json:
+        emit_json({"ok": clean, "nodes": answers})
+    else:
+        rows = []
+        for a in answers:
+            if "error" in a:
+                rows.append([a["node"], "-", "error", a["error"], "", ""])
+                continue
+            for store in ("journal", "mirror"):
+                part = a.get(store)
+                if isinstance(part, dict):
+                    rows.append([a["node"], a["stream_events"], store, part["missing"], part["extra"], part["stale"]])
+        console.print(
+            table(
+                "verify" + (" (after repair)" if repair else ""),
+                ["node", "stream events", "store", "missing", "extra", "stale payload"],
+                rows,
+            )
+        )
+    if not clean:
+        raise typer.Exit(1)

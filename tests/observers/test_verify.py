@@ -1,0 +1,48 @@
+"""Reconciling stream, journal and mirror by event id, and repairing them (DESIGN §2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import text
+
+from bus.client import connect
+from bus.ids import point_id
+from bus.vocab import ReceiptLevel
+from epibus.node import Node, NodeConfig
+from observers.mirror.store import Filter
+from tests.conftest import finding
+from tests.support import eventually, journal_event_ids
+
+
+async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(nats_server, tmp_path: Path, project):
+    config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, agent="node-a",
+                        journal_url=f"sqlite:///{tmp_path / 'j.db'}")
+    async with Node(config) as node:
+        assert node.journal is not None and node.store is not None and node.mirror is not None
+        async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
+            events = [alice.event("finding", finding(i), project=project) for i in range(6)]
+            await alice.publish_many(events, wait_for=ReceiptLevel.journaled)
+            await eventually(lambda: node.mirror.indexed == 6, timeout_s=30)
+            (clean,) = await alice.verify_nodes(project)
+            assert clean["clean"] is True and clean["stream_events"] == 6
+
+            # Damage each store behind the observers' backs.
+            with node.journal.engine.begin() as conn:
+                conn.execute(text("DELETE FROM events WHERE event_id = :e"), {"e": str(events[0].event_id)})
+            await node.store.delete([point_id(events[1].event_id)])
+            await node.store.set_payload(Filter(equals={"artifact_id": events[2].artifact_id}), {"trust": "verified"})
+
+            (found,) = await alice.verify_nodes(project)
+            assert (found["journal"]["missing"], found["journal"]["sample_missing"]) == (1, [str(events[0].event_id)])
+            assert found["mirror"]["missing"] == 1 and found["mirror"]["sample_missing"] == [str(events[1].event_id)]
+            assert found["mirror"]["sample_stale"] == [str(events[2].event_id)]
+            assert found["clean"] is False
+
+            (repaired,) = await alice.verify_nodes(project, repair=True)
+            assert repaired["repaired"] is True and repaired["clean"] is True
+        assert sorted(journal_event_ids(node.journal.url, project)) == sorted(str(e.event_id) for e in events)
+        (restored,) = await node.store.retrieve([point_id(events[1].event_id)])
+        assert restored.payload["artifact_id"] == events[1].artifact_id
+        (fixed,) = await node.store.retrieve([point_id(events[2].event_id)])
+        assert fixed.payload["trust"] == "unverified"
