@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -35,7 +37,7 @@ from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import PROVE_FORGOTTEN, STREAM, VERIFY, event_subject
+from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, event_subject
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
@@ -509,6 +511,28 @@ class EpibusClient:
         answers = await fan_out(self._require_nc(), VERIFY, request, timeout_s=timeout_s)
         if not answers:
             raise Unavailable("verify", f"no node answered within {timeout_s}s; is `epibus up` running?")
+        return answers
+
+    async def reindex_nodes(
+        self, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
+    ) -> list[dict[str, Any]]:
+        """Ask every node to rebuild its mirror from the stream into a new collection and swap it in.
+        `progress(node, done_seq, last_seq)` is called as they go. Raises Unavailable if no node answered."""
+        nc = self._require_nc()
+        inbox = nc.new_inbox()
+
+        async def on_progress(msg: Msg) -> None:
+            if progress is not None:
+                update = json.loads(msg.data)
+                progress(str(update["node"]), int(update["done"]), int(update["total"]))
+
+        subscription = await nc.subscribe(inbox, cb=on_progress)
+        try:
+            answers = await fan_out(nc, REINDEX, {"progress": inbox}, timeout_s=timeout_s)
+        finally:
+            await subscription.unsubscribe()
+        if not answers:
+            raise Unavailable("reindex", f"no node answered within {timeout_s}s; is `epibus up` running?")
         return answers
 
     async def recall(

@@ -105,6 +105,7 @@ class ConsumerRunner:
         ack_wait_s: float = 30.0,
         redelivery_delays_s: Sequence[float] = (0.5, 2.0, 5.0, 15.0),
         registry: AgentRegistry | None = None,
+        start_seq: int | None = None,
     ) -> None:
         if not CONSUMER_PATTERN.match(observer.name):
             raise ValueError(f"observer name {observer.name!r} must match {CONSUMER_PATTERN.pattern}")
@@ -118,6 +119,7 @@ class ConsumerRunner:
         self.ack_wait_s = ack_wait_s
         self.redelivery_delays_s = tuple(redelivery_delays_s)
         self.registry = registry or AgentRegistry(self.js)
+        self.start_seq = start_seq  # a new durable starts here (a rebuilt mirror already holds what is before)
         self.stats = RunnerStats()
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
         self._stepping = asyncio.Lock()  # two fetches on one pull subscription would steal each other's replies
@@ -126,7 +128,8 @@ class ConsumerRunner:
         return ConsumerConfig(
             durable_name=self.observer.name,
             ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
+            deliver_policy=DeliverPolicy.ALL if self.start_seq is None else DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.start_seq,
             filter_subject=self.filter_subject,
             # -1: the server never stops redelivering; the runner enforces max_deliver itself, so a message
             # whose last allowed attempt ends in a nak (say the DLQ did not answer) comes back, not vanishes.

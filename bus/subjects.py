@@ -26,6 +26,9 @@ RECALL = "epibus.recall"
 PROVE_FORGOTTEN = "epibus.forget.prove"
 # Core NATS request every node answers with its reconciliation of stream, journal and mirror.
 VERIFY = "epibus.verify"
+# Core NATS request: rebuild a node's mirror into a new collection and swap it in (progress on the request's
+# `progress` inbox).
+REINDEX = "epibus.reindex"
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")

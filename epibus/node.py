@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,12 +24,13 @@ from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
 from bus.ids import point_id
-from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
+from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
+from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
-from bus.subjects import PROVE_FORGOTTEN, RECALL, VERIFY
+from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -68,6 +71,9 @@ class Node:
         self.store: VectorStore | None = None
         self.mirror: MirrorObserver | None = None
         self.mirror_runner: ConsumerRunner | None = None
+        self._mirror_task: asyncio.Task[None] | None = None
+        self._group: asyncio.TaskGroup | None = None
+        self._reindexing = asyncio.Lock()
         self.js: JetStreamContext | None = None
         self._streams_ready = False
         self.server_restarts = 0
@@ -117,6 +123,7 @@ class Node:
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
         await self.nc.subscribe(PROVE_FORGOTTEN, cb=self._prove_forgotten)
         await self.nc.subscribe(VERIFY, cb=self._verify)
+        await self.nc.subscribe(REINDEX, cb=self._answer_reindex)
         await self.observer.serve_lookups(self.nc)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
@@ -128,8 +135,10 @@ class Node:
 
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks = [group.create_task(self.runner.run()), group.create_task(self.forwarder.run())]
+        self._group = group
         if self.mirror_runner is not None:
-            self._tasks.append(group.create_task(self.mirror_runner.run()))
+            self._mirror_task = group.create_task(self.mirror_runner.run())
+            self._tasks.append(self._mirror_task)
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
         if self.config.record:
@@ -163,13 +172,87 @@ class Node:
         else:
             raise ConfigError("mirror", "'server' needs QDRANT_URL (or --qdrant-url)")
         self.store = await open_store(self.config.mirror, location, self.embedder.model_id, self.embedder.dimension)
-        self._stack.push_async_callback(self.store.close)
+        self._stack.push_async_callback(self._close_store)
         info = await self.store.describe()
         self.mirror = MirrorObserver(
             self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
         await self.nc.subscribe(RECALL, cb=self._answer_recall)
+
+    async def _close_store(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+
+    async def _answer_reindex(self, msg: Msg) -> None:
+        node = self.config.agent
+        try:
+            progress_subject = json.loads(msg.data).get("progress")
+
+            async def progress(done: int, total: int) -> None:
+                if progress_subject and self.nc is not None:
+                    update = {"node": node, "done": done, "total": total}
+                    await self.nc.publish(progress_subject, json.dumps(update).encode())
+
+            reply: dict[str, Any] = {"node": node} | await self.reindex_mirror(progress)
+        except (EpibusError, ValueError, OSError) as e:
+            log.error("reindex failed: %s", e)
+            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
+        await msg.respond(json.dumps(reply).encode())
+
+    async def reindex_mirror(self, progress: Callable[[int, int], Awaitable[None]] | None = None) -> dict[str, Any]:
+        """Rebuild the edge mirror from the stream into a new directory while the old one keeps answering,
+        then swap the directories and continue with a new durable consumer right after the rebuilt part."""
+        if self.config.mirror != "edge" or self.embedder is None or self.js is None or self.nc is None:
+            raise ConfigError(
+                "reindex",
+                "only a node's edge mirror is rebuilt here (a server collection swap by alias is not built yet)",
+            )
+        async with self._reindexing:
+            home = self.config.home
+            fresh_path, live_path = home / "mirror.new", home / "mirror"
+            if fresh_path.exists():
+                shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
+            fresh = await open_store("edge", fresh_path, self.embedder.model_id, self.embedder.dimension)
+            info = await fresh.describe()
+            rebuilder = MirrorObserver(fresh, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent)
+            loop = asyncio.get_running_loop()
+            pending: list[asyncio.Future[None]] = []
+
+            def report_progress(done: int, total: int) -> None:
+                if progress is not None:
+                    pending.append(asyncio.ensure_future(progress(done, total), loop=loop))
+
+            replayed = await replay(self.js, rebuilder, progress=report_progress)
+            await asyncio.gather(*pending)
+            count = (await fresh.describe()).count
+            await fresh.close()
+            old_name = self.mirror.name if self.mirror else None
+            if self._mirror_task is not None:
+                self._mirror_task.cancel()
+                await asyncio.gather(self._mirror_task, return_exceptions=True)
+            await self._close_store()
+            backup = home / f"mirror.old-{datetime.now(UTC):%Y%m%dT%H%M%S}"
+            live_path.rename(backup)
+            fresh_path.rename(live_path)
+            self.store = await open_store("edge", live_path, self.embedder.model_id, self.embedder.dimension)
+            self.mirror = MirrorObserver(self.store, self.embedder, name=rebuilder.name, node=self.config.agent)
+            self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=replayed.last_seq + 1)
+            assert self._group is not None
+            self._mirror_task = self._group.create_task(self.mirror_runner.run())
+            self._tasks.append(self._mirror_task)
+            if old_name:
+                try:
+                    await self.js.delete_consumer(STREAM, old_name)
+                except NATS_OR_API_ERROR as e:  # the old consumer only wastes server memory; say so
+                    log.warning("old mirror consumer %s not deleted: %s", old_name, e)
+            shutil.rmtree(backup)
+            return {
+                "points": count,
+                "last_seq": replayed.last_seq,
+                "rejected": len(replayed.rejected),
+                "store": str(live_path),
+            }
 
     async def _verify(self, msg: Msg) -> None:
         """Reconcile this node's journal and mirror against the stream (and repair, when asked)."""

@@ -36,6 +36,7 @@ app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
 app.command("forget")(recall.forget_command)
 app.command("verify")(recall.verify_command)
+app.command("reindex")(recall.reindex_command)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from bus.client import connect
 from bus.recall import ForgetProof, RecallAnswer
@@ -210,4 +211,44 @@ def verify_command(
             )
         )
     if not clean:
+        raise typer.Exit(1)
+
+
+@handles_errors
+def reindex_command(
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0)] = 1800.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rebuild every node's mirror from the stream into a new collection and swap it in (after a model
+    change, or to start clean); the old mirror keeps answering until the swap."""
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err_console, disable=as_json
+    ) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def advance(node: str, done: int, total: int) -> None:
+            if node not in tasks:
+                tasks[node] = bar.add_task(f"reindexing on {node}", total=total)
+            bar.update(tasks[node], completed=done, total=total)
+
+        async def ask() -> list[dict[str, object]]:
+            async with connect(nats, agent=agent, home=home, outbox=False) as client:
+                return await client.reindex_nodes(advance, timeout_s=timeout)
+
+        answers = run(ask())
+    ok = all("error" not in a for a in answers)
+    if as_json:
+        emit_json({"ok": ok, "nodes": answers})
+    else:
+        console.print(
+            table(
+                "reindex",
+                ["node", "points", "up to stream seq", "error"],
+                [[a["node"], a.get("points"), a.get("last_seq"), a.get("error")] for a in answers],
+            )
+        )
+    if not ok:
         raise typer.Exit(1)

@@ -97,3 +97,6 @@ class VectorStore(Protocol):
 
     async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
         """Every point id matching `where` (all when None): reconciliation and lookups by payload."""
+
+    async def close(self) -> None:
+        """Flush and release the store; idempotent. Any later call raises Unavailable."""

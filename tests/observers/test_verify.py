@@ -46,3 +46,28 @@ async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(na
         assert restored.payload["artifact_id"] == events[1].artifact_id
         (fixed,) = await node.store.retrieve([point_id(events[2].event_id)])
         assert fixed.payload["trust"] == "unverified"
+
+
+async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_events(nats_server, tmp_path, project):
+    config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, agent="node-a",
+                        journal_url=f"sqlite:///{tmp_path / 'j.db'}")
+    async with Node(config) as node:
+        assert node.store is not None and node.mirror is not None
+        async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
+            before = [alice.event("finding", finding(i), project=project) for i in range(8)]
+            await alice.publish_many(before, wait_for=ReceiptLevel.journaled)
+            await eventually(lambda: node.mirror.indexed == 8, timeout_s=30)
+            old_store_id = (await node.store.describe()).store_id
+            seen: list[tuple[str, int, int]] = []
+            (answer,) = await alice.reindex_nodes(lambda n, d, t: seen.append((n, d, t)))
+            assert answer["points"] == 8 and "error" not in answer
+            assert seen and seen[-1][0] == "node-a" and seen[-1][1] == seen[-1][2]
+            assert (await node.store.describe()).store_id != old_store_id  # the swapped-in collection
+            after = alice.event("finding", finding(100, text="published after the swap"), project=project)
+            await alice.publish(after)
+            await eventually(lambda: node.mirror is not None and node.mirror.indexed >= 1, timeout_s=30)
+            (report,) = await alice.verify_nodes(project)
+        assert report["clean"] is True
+        found = await node.store.retrieve([point_id(e.event_id) for e in [*before, after]])
+        assert len(found) == 9
+        assert not (tmp_path / "node" / "mirror.new").exists()
