@@ -40,6 +40,7 @@ from observers.recall import audit_recall, recall
 from observers.verify import verify
 
 log = logging.getLogger(__name__)
+HNSW_AT_POINTS = 10_000  # below this, exact search on qdrant-edge answers in about a millisecond
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,9 @@ class Node:
             fresh_path, live_path = home / "mirror.new", home / "mirror"
             if fresh_path.exists():
                 shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
-            fresh = await open_store("edge", fresh_path, self.embedder.model_id, self.embedder.dimension)
+            from observers.mirror.edge import EdgeVectorStore  # only edge mirrors are rebuilt here
+
+            fresh = await EdgeVectorStore.open(fresh_path, self.embedder.model_id, self.embedder.dimension)
             info = await fresh.describe()
             rebuilder = MirrorObserver(fresh, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent)
             loop = asyncio.get_running_loop()
@@ -226,6 +229,9 @@ class Node:
             replayed = await replay(self.js, rebuilder, progress=report_progress)
             await asyncio.gather(*pending)
             count = (await fresh.describe()).count
+            if count >= HNSW_AT_POINTS:
+                # HNSW is built here, off the hot path: qdrant-edge holds the GIL for seconds while it builds.
+                await fresh.optimize()
             await fresh.close()
             old_name = self.mirror.name if self.mirror else None
             if self._mirror_task is not None:

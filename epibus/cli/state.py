@@ -13,6 +13,7 @@ from bus.client import connect
 from bus.event import Evidence
 from bus.home import epibus_home, resolve_journal_url
 from bus.publish import Receipt
+from bus.recall import RecallAnswer
 from bus.state import TRUST_TRANSITIONS
 from bus.vocab import ResolutionKind, Trust, describe
 from epibus.cli.common import (
@@ -248,18 +249,24 @@ def audit(
 def briefing_command(
     project: ProjectOpt,
     goal: Annotated[str | None, typer.Option("--goal", help="Goal id: adds what was recorded under it.")] = None,
+    goal_text: Annotated[
+        str | None, typer.Option("--goal-text", help="The goal in words: adds what the mirrors recall for it.")
+    ] = None,
     as_of: AsOfOpt = None,
     limit: Annotated[int, typer.Option("--limit", min=1)] = 10,
     journal: JournalOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
-    superseded items and confidence flags."""
+    superseded items and confidence flags; with --goal-text, what the mirrors recall for the goal."""
     cutoff = parse_time(as_of, "--as-of")
     brief = _read(journal, home, lambda j: briefing(j, project, goal, as_of=cutoff, limit=limit))
+    semantic = run(_recall_goal(goal_text, project, limit, cutoff, nats, agent, home)) if goal_text else None
     if as_json:
-        emit_json(brief.as_dict())
+        emit_json(brief.as_dict() | {"semantic": semantic.as_dict() if semantic else None})
         return
     for title, views in (
         ("top artifacts", brief.top),
@@ -272,6 +279,16 @@ def briefing_command(
     ):
         if views is not None:
             console.print(table(f"{title} ({len(views)})", COLUMNS, _artifact_rows(views)))
+    if semantic is not None:
+        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"][:13], h["content"][:70]] for h in semantic.hits]
+        console.print(table(f"recalled for the goal ({len(rows)})", ["score", "kind", "artifact", "content"], rows))
+
+
+async def _recall_goal(
+    goal_text: str, project: str, limit: int, as_of: Any, nats: str | None, agent: str | None, home: Path | None
+) -> RecallAnswer:
+    async with connect(nats, agent=agent, home=home, outbox=False) as client:
+        return await client.recall(goal_text, project, k=limit, as_of=as_of)
 
 
 @handles_errors

@@ -388,6 +388,10 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
         return cold not in [h["artifact_id"] for h in hits]
 
     eventually_sync(hidden, timeout_s=30)
+    brief = as_json(epibus(home, "briefing", "-p", "rc", "--goal-text", "keep deploys from emptying caches", "--json"))
+    assert [h["artifact_id"] for h in brief["semantic"]["hits"]] != [] and cold not in [
+        h["artifact_id"] for h in brief["semantic"]["hits"]
+    ]
     audit = as_json(epibus(home, "audit-recall", "a deployment leaves the cache empty", "-p", "rc", "--json"))
     assert audit["hits"][0]["artifact_id"] == cold and audit["hits"][0]["state"]["resolution"] == "retracted"
     empty = epibus(home, "recall", "   ", "-p", "rc", check=False)
