@@ -8,9 +8,7 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +25,6 @@ from bus.ids import point_id
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
-from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
@@ -35,12 +32,12 @@ from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
+from observers.mirror.reindex import Progress, rebuild
 from observers.mirror.store import VectorStore
 from observers.recall import audit_recall, recall
 from observers.verify import verify
 
 log = logging.getLogger(__name__)
-HNSW_AT_POINTS = 10_000  # below this, exact search on qdrant-edge answers in about a millisecond
 
 
 @dataclass(frozen=True)
@@ -201,64 +198,37 @@ class Node:
             reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
         await msg.respond(json.dumps(reply).encode())
 
-    async def reindex_mirror(self, progress: Callable[[int, int], Awaitable[None]] | None = None) -> dict[str, Any]:
-        """Rebuild the edge mirror from the stream into a new directory while the old one keeps answering,
-        then swap the directories and continue with a new durable consumer right after the rebuilt part."""
-        if self.config.mirror != "edge" or self.embedder is None or self.js is None or self.nc is None:
-            raise ConfigError(
-                "reindex",
-                "only a node's edge mirror is rebuilt here (a server collection swap by alias is not built yet)",
-            )
+    async def reindex_mirror(self, progress: Progress | None = None) -> dict[str, Any]:
+        """Rebuild the mirror from the stream into a new collection while the old one keeps answering, swap
+        it in, and continue with a new durable consumer right after the rebuilt part."""
+        if self.store is None or self.embedder is None or self.js is None or self.nc is None:
+            raise ConfigError("reindex", "this node runs no mirror (started with --mirror off)")
         async with self._reindexing:
-            home = self.config.home
-            fresh_path, live_path = home / "mirror.new", home / "mirror"
-            if fresh_path.exists():
-                shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
-            from observers.mirror.edge import EdgeVectorStore  # only edge mirrors are rebuilt here
-
-            fresh = await EdgeVectorStore.open(fresh_path, self.embedder.model_id, self.embedder.dimension)
-            info = await fresh.describe()
-            rebuilder = MirrorObserver(fresh, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent)
-            loop = asyncio.get_running_loop()
-            pending: list[asyncio.Future[None]] = []
-
-            def report_progress(done: int, total: int) -> None:
-                if progress is not None:
-                    pending.append(asyncio.ensure_future(progress(done, total), loop=loop))
-
-            replayed = await replay(self.js, rebuilder, progress=report_progress)
-            await asyncio.gather(*pending)
-            count = (await fresh.describe()).count
-            if count >= HNSW_AT_POINTS:
-                # HNSW is built here, off the hot path: qdrant-edge holds the GIL for seconds while it builds.
-                await fresh.optimize()
-            await fresh.close()
+            rebuilt = await rebuild(
+                self.config.mirror,
+                self.store,
+                self.js,
+                self.embedder,
+                home=self.config.home,
+                node=self.config.agent,
+                progress=progress,
+            )
             old_name = self.mirror.name if self.mirror else None
             if self._mirror_task is not None:
                 self._mirror_task.cancel()
                 await asyncio.gather(self._mirror_task, return_exceptions=True)
-            await self._close_store()
-            backup = home / f"mirror.old-{datetime.now(UTC):%Y%m%dT%H%M%S}"
-            live_path.rename(backup)
-            fresh_path.rename(live_path)
-            self.store = await open_store("edge", live_path, self.embedder.model_id, self.embedder.dimension)
-            self.mirror = MirrorObserver(self.store, self.embedder, name=rebuilder.name, node=self.config.agent)
-            self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=replayed.last_seq + 1)
+            self.store = await rebuilt.swap()
+            self.mirror = MirrorObserver(self.store, self.embedder, name=rebuilt.consumer_name, node=self.config.agent)
+            self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1)
             assert self._group is not None
             self._mirror_task = self._group.create_task(self.mirror_runner.run())
             self._tasks.append(self._mirror_task)
-            if old_name:
+            if old_name and old_name != rebuilt.consumer_name:
                 try:
                     await self.js.delete_consumer(STREAM, old_name)
                 except NATS_OR_API_ERROR as e:  # the old consumer only wastes server memory; say so
                     log.warning("old mirror consumer %s not deleted: %s", old_name, e)
-            shutil.rmtree(backup)
-            return {
-                "points": count,
-                "last_seq": replayed.last_seq,
-                "rejected": len(replayed.rejected),
-                "store": str(live_path),
-            }
+            return {"points": rebuilt.points, "last_seq": rebuilt.last_seq, "rejected": rebuilt.rejected}
 
     async def _verify(self, msg: Msg) -> None:
         """Reconcile this node's journal and mirror against the stream (and repair, when asked)."""

@@ -62,6 +62,8 @@ class ServerVectorStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-qdrant")
         self._client: QdrantClient | None = None
         self.store_id = ""
+        self.real_collection = collection
+        self._shared = False  # a sibling borrows its parent's client and thread, and closes neither
 
     @classmethod
     async def open(
@@ -104,25 +106,63 @@ class ServerVectorStore:
             self._client = QdrantClient(url=self.location, prefer_grpc=self.location.startswith("grpc://"), timeout=10)
         else:
             self._client = QdrantClient(path=self.location)
-        if self.client.collection_exists(self.collection):
+        # `collection` is an alias onto a real collection, so a reindex can swap a rebuilt one in atomically.
+        aliases = {a.alias_name: a.collection_name for a in self.client.get_aliases().aliases}
+        if self.collection in aliases or self.client.collection_exists(self.collection):
             meta = self.client.get_collection(self.collection).config.metadata or {}
             found = (meta.get("model_id"), meta.get("dimension"))
             if found != (self.model_id, self.dimension):
                 raise ModelMismatch(f"{found[0]} ({found[1]}-d)", f"{self.model_id} ({self.dimension}-d)")
             self.store_id = str(meta.get("store_id", self.collection))
+            self.real_collection = aliases.get(self.collection, self.collection)
             return
+        self.real_collection = self._create_real()
+        self.client.update_collection_aliases(
+            change_aliases_operations=[
+                models.CreateAliasOperation(
+                    create_alias=models.CreateAlias(collection_name=self.real_collection, alias_name=self.collection)
+                )
+            ]
+        )
+
+    def _create_real(self) -> str:
+        """A new real collection for this model, named after its store id."""
         self.store_id = str(uuid.uuid4())
+        name = f"{DEFAULT_COLLECTION}-{self.store_id[:8]}"
         self.client.create_collection(
-            self.collection,
+            name,
             vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
             metadata={"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id},
         )
-        if not self.location.startswith(("http://", "https://", "grpc://")):
-            return  # local mode has no payload indexes (it scans); a server gets them
-        for key in INDEXED_KEYWORDS:
-            self.client.create_payload_index(self.collection, key, field_schema=models.PayloadSchemaType.KEYWORD)
-        for key in INDEXED_FLOATS:
-            self.client.create_payload_index(self.collection, key, field_schema=models.PayloadSchemaType.FLOAT)
+        if self.location.startswith(("http://", "https://", "grpc://")):  # local mode scans; a server indexes
+            for key in INDEXED_KEYWORDS:
+                self.client.create_payload_index(name, key, field_schema=models.PayloadSchemaType.KEYWORD)
+            for key in INDEXED_FLOATS:
+                self.client.create_payload_index(name, key, field_schema=models.PayloadSchemaType.FLOAT)
+        return name
+
+    async def sibling(self) -> ServerVectorStore:
+        """A new, empty real collection on the same client (local mode allows one client per path), for a
+        rebuild; `swap_in` makes it the one this store's alias names."""
+        other = ServerVectorStore(self.location, self.model_id, self.dimension)
+        other._client, other._executor, other._shared = self._client, self._executor, True
+        other.collection = other.real_collection = await self._call(other._create_real)
+        return other
+
+    async def swap_in(self, rebuilt: ServerVectorStore) -> None:
+        """Point this store's alias at the rebuilt collection in one operation, then drop the old one."""
+        old = self.real_collection
+        await self._call(
+            self.client.update_collection_aliases,
+            change_aliases_operations=[
+                models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name=self.collection)),
+                models.CreateAliasOperation(
+                    create_alias=models.CreateAlias(collection_name=rebuilt.real_collection, alias_name=self.collection)
+                ),
+            ],
+        )
+        self.real_collection, self.store_id = rebuilt.real_collection, rebuilt.store_id
+        await self._call(self.client.delete_collection, old)
 
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
@@ -193,6 +233,9 @@ class ServerVectorStore:
                 return found
 
     async def close(self) -> None:
+        if self._shared:
+            self._client = None
+            return
         if self._client is not None:
             await self._call(self._client.close)
             self._client = None

@@ -368,8 +368,22 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
     assert status["mirror"].startswith("edge") and status["embedding_model"]
 
     def publish(text: str) -> str:
-        out = epibus(home, "publish", "finding", "-p", "rc", "--text", text, "--impact", "0.6", "--confidence", "0.7",
-                     "--subject", "ops", "--json")
+        out = epibus(
+            home,
+            "publish",
+            "finding",
+            "-p",
+            "rc",
+            "--text",
+            text,
+            "--impact",
+            "0.6",
+            "--confidence",
+            "0.7",
+            "--subject",
+            "ops",
+            "--json",
+        )
         return as_json(out)["artifact_id"]
 
     cold = publish("the cache is cold after every deploy")
@@ -400,8 +414,24 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
 
 def test_forget_from_the_cli_reports_every_store_clean(running_node):
     home, _, _ = running_node
-    out = epibus(home, "publish", "finding", "-p", "fg", "--text", "the api key is sk-123", "--impact", "0.5",
-                 "--confidence", "0.5", "--subject", "secrets", "--wait", "journaled", "--json")
+    out = epibus(
+        home,
+        "publish",
+        "finding",
+        "-p",
+        "fg",
+        "--text",
+        "the api key is sk-123",
+        "--impact",
+        "0.5",
+        "--confidence",
+        "0.5",
+        "--subject",
+        "secrets",
+        "--wait",
+        "journaled",
+        "--json",
+    )
     artifact = as_json(out)["artifact_id"]
     proof = as_json(epibus(home, "forget", artifact, "-p", "fg", "--reason", "leaked secret", "--json"))
     assert proof["ok"] is True and proof["clean"] is True

@@ -21,8 +21,9 @@ from tests.support import eventually
 
 
 async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_server, tmp_path: Path, project):
-    config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, agent="node-a",
-                        journal_url=f"sqlite:///{tmp_path / 'j.db'}")
+    config = NodeConfig(
+        home=tmp_path / "node", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
+    )
     async with Node(config) as node:
         assert node.journal is not None and node.store is not None and node.mirror is not None
         async with (
@@ -32,8 +33,9 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
             secret = alice.event("finding", finding(text="the customer's password is hunter2"), project=project)
             kept = alice.event("finding", finding(text="the login page is slow"), project=project)
             await alice.publish_many([secret, kept], wait_for=ReceiptLevel.journaled)
-            await bob.transition("verified", {"note": "saw hunter2 in the log"}, project=project,
-                                 artifact_id=secret.artifact_id)
+            await bob.transition(
+                "verified", {"note": "saw hunter2 in the log"}, project=project, artifact_id=secret.artifact_id
+            )
             await eventually(lambda: node.mirror.indexed == 2, timeout_s=30)
 
             report = await alice.forget(project, secret.artifact_id, reason="personal data")
@@ -55,10 +57,15 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
         assert await node.store.retrieve([point_id(secret.event_id)]) == []
         assert [p.id for p in await node.store.retrieve([point_id(kept.event_id)])] == [point_id(kept.event_id)]
         with node.journal.engine.connect() as conn:
-            rows = conn.execute(text("SELECT status, envelope FROM events WHERE artifact_id = :a AND kind != 'forgotten'"),
-                                {"a": secret.artifact_id}).all()
-            notes = conn.execute(text("SELECT note FROM verifications WHERE artifact_id = :a"),
-                                 {"a": secret.artifact_id}).scalars().all()
+            rows = conn.execute(
+                text("SELECT status, envelope FROM events WHERE artifact_id = :a AND kind != 'forgotten'"),
+                {"a": secret.artifact_id},
+            ).all()
+            notes = (
+                conn.execute(text("SELECT note FROM verifications WHERE artifact_id = :a"), {"a": secret.artifact_id})
+                .scalars()
+                .all()
+            )
         assert {r.status for r in rows} == {"forgotten"} and len(rows) == 2
         assert all("hunter2" not in r.envelope and json.loads(r.envelope)["redacted"] for r in rows)
         assert notes == [None]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sqlalchemy import text
 
 from bus.client import connect
@@ -16,8 +18,9 @@ from tests.support import eventually, journal_event_ids
 
 
 async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(nats_server, tmp_path: Path, project):
-    config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, agent="node-a",
-                        journal_url=f"sqlite:///{tmp_path / 'j.db'}")
+    config = NodeConfig(
+        home=tmp_path / "node", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
+    )
     async with Node(config) as node:
         assert node.journal is not None and node.store is not None and node.mirror is not None
         async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
@@ -48,9 +51,18 @@ async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(na
         assert fixed.payload["trust"] == "unverified"
 
 
-async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_events(nats_server, tmp_path, project):
-    config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, agent="node-a",
-                        journal_url=f"sqlite:///{tmp_path / 'j.db'}")
+@pytest.mark.parametrize("mirror", ["edge", "server"])
+async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_events(
+    nats_server, tmp_path, project, mirror
+):
+    config = NodeConfig(
+        home=tmp_path / "node",
+        nats_url=nats_server.url,
+        agent="node-a",
+        journal_url=f"sqlite:///{tmp_path / 'j.db'}",
+        mirror=mirror,
+        qdrant_url=str(tmp_path / "qdrant") if mirror == "server" else None,
+    )
     async with Node(config) as node:
         assert node.store is not None and node.mirror is not None
         async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
@@ -71,3 +83,8 @@ async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_ev
         found = await node.store.retrieve([point_id(e.event_id) for e in [*before, after]])
         assert len(found) == 9
         assert not (tmp_path / "node" / "mirror.new").exists()
+        if mirror == "server":  # the alias now names the rebuilt collection, and the old one is gone
+            client = node.store.client
+            (alias,) = [a for a in client.get_aliases().aliases if a.alias_name == "epibus"]
+            assert alias.collection_name == node.store.real_collection
+            assert [c.name for c in client.get_collections().collections] == [node.store.real_collection]
