@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands, recall, state
+from epibus.cli import commands, recall, state, verify
 from epibus.cli.publish import publish_app, register_publish_commands
 
 app = typer.Typer(
@@ -26,7 +26,7 @@ app.command()(commands.events)
 app.command("replay")(commands.replay_command)
 app.command()(commands.stats)
 app.command()(state.resolve)
-for command in (state.verify, state.contradict, state.rollback):
+for command in (verify.verify, state.contradict, state.rollback):
     app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)
 app.command("artifacts")(state.artifacts_command)
 app.command()(state.audit)
@@ -35,7 +35,6 @@ app.command("vocab-report")(state.vocab_report_command)
 app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
 app.command("forget")(recall.forget_command)
-app.command("verify")(recall.verify_command)
 app.command("reindex")(recall.reindex_command)
 
 

@@ -127,6 +127,12 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
     tailed = epibus(home, "tail", "--from-start", "--count", "2", "--json").stdout.strip().splitlines()
     assert [json.loads(line)["event_id"] for line in tailed] == [published["event_id"], decision["event_id"]]
 
+    reconciled = as_json(epibus(home, "verify", "--json"))  # no artifact: reconcile the stores
+    assert reconciled["ok"] is True
+    (report,) = reconciled["nodes"]
+    assert report["stream_events"] == 2 and report["journal"]["clean"] and report["mirror"]["clean"]
+    mixed = epibus(home, "verify", "--repair", published["artifact_id"], "-p", "demo", check=False)
+    assert mixed.returncode == 1 and "--repair reconciles the stores" in mixed.stderr
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 2
     (journal_consumer,) = [c for name, c in stats["streams"]["EPI"]["consumers"].items() if name.startswith("journal-")]
