@@ -27,16 +27,11 @@ from bus.runner import Delivery
 from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
-from observers.schema import artifacts, events, journal_identity, migrate, tombstones
+from observers.schema import artifacts, as_utc, events, journal_identity, migrate, tombstones
 
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
 PROJECTION_LOCK_ID = 7_031_816
-
-
-def _utc(value: datetime) -> datetime:
-    # SQLite hands datetimes back naive; everything the journal stores is UTC.
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def make_engine(url: str) -> Engine:
@@ -284,8 +279,8 @@ class Journal:
             kind=m["kind"],
             artifact_id=m["artifact_id"],
             actor_id=m["actor_id"],
-            recorded_at=_utc(m["recorded_at"]),
-            received_at=_utc(m["received_at"]),
+            recorded_at=as_utc(m["recorded_at"]),
+            received_at=as_utc(m["received_at"]),
             signature_status=m["signature_status"],
             envelope=json.loads(m["envelope"]),
             status=m["status"],

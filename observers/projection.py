@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, select, tuple_, update
@@ -21,18 +20,12 @@ from bus.event import Envelope, validate_event
 from bus.runner import Delivery
 from bus.state import ArtifactState, Change, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from observers.schema import artifacts, events, projection_cursor, tombstones, verifications
+from observers.schema import artifacts, as_utc, events, projection_cursor, tombstones, verifications
 
 log = logging.getLogger(__name__)
 CURSOR = "state"
 FORGOTTEN = "forgotten"  # events.status of a redacted event: its content is gone, its audit row stays
 REBUILD_CHUNK = 2_000
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def state_to_row(s: ArtifactState) -> dict[str, Any]:
@@ -64,8 +57,7 @@ def state_to_row(s: ArtifactState) -> dict[str, Any]:
 
 
 def row_to_state(m: Any) -> ArtifactState:
-    created_at = _utc(m["created_at"])
-    assert created_at is not None
+    created_at = as_utc(m["created_at"])
     return ArtifactState(
         project=m["project"],
         artifact_id=m["artifact_id"],
@@ -89,7 +81,7 @@ def row_to_state(m: Any) -> ArtifactState:
         forgotten=bool(m["forgotten"]),
         flags=frozenset(m["flags"].split(",")) if m["flags"] else frozenset(),
         last_seq=m["last_seq"],
-        updated_at=_utc(m["updated_at"]),
+        updated_at=as_utc(m["updated_at"]) if m["updated_at"] is not None else None,
     )
 
 

@@ -26,7 +26,7 @@ from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
 from observers.projection import FORGOTTEN, row_to_state
 from observers.schema import artifacts as artifacts_table
-from observers.schema import events, verifications
+from observers.schema import as_utc, events, verifications
 
 RECENT = timedelta(days=14)
 
@@ -90,7 +90,7 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
                 select(verifications).where(verifications.c.project == project).order_by(verifications.c.stream_seq)
             )
             log = tuple(
-                Verification(r.event_id, r.artifact_id, r.verifier, _utc(r.recorded_at), r.stream_seq, r.note)
+                Verification(r.event_id, r.artifact_id, r.verifier, as_utc(r.recorded_at), r.stream_seq, r.note)
                 for r in found
             )
             return Snapshot(project, datetime.now(UTC), states, log)
@@ -107,10 +107,6 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
         )
         fold = Fold.of((validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows)
     return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
 
 
 def _ranked(views: list[ArtifactView], limit: int) -> list[ArtifactView]:

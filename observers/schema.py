@@ -29,6 +29,13 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 metadata = MetaData()
 
+
+def as_utc(value: datetime) -> datetime:
+    """A datetime read back from the journal, in UTC: SQLite hands datetimes back naive, and everything the
+    journal stores is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 schema_versions = Table(
     "epibus_schema",
     metadata,
