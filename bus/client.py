@@ -38,6 +38,7 @@ from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
 from bus.state import decide
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, event_subject
+from bus.tasks import cancel_and_wait
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,7 @@ class EpibusClient:
 
     async def close(self) -> None:
         self._closing = True
-        for task in self._tasks:
-            task.cancel()
+        await cancel_and_wait(self._tasks)
         try:
             if self.nc is not None and not self.nc.is_closed:
                 await self.nc.close()

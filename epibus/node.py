@@ -28,6 +28,7 @@ from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
+from bus.tasks import cancel_and_wait
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -215,8 +216,7 @@ class Node:
             )
             old_name = self.mirror.name if self.mirror else None
             if self._mirror_task is not None:
-                self._mirror_task.cancel()
-                await asyncio.gather(self._mirror_task, return_exceptions=True)
+                await cancel_and_wait([self._mirror_task])
             self.store = await rebuilt.swap()
             self.mirror = MirrorObserver(self.store, self.embedder, name=rebuilt.consumer_name, node=self.config.agent)
             self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1)
@@ -330,8 +330,7 @@ class Node:
         self._streams_ready = True
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        await cancel_and_wait(self._tasks)
         await self._stack.aclose()
 
     async def run_forever(self) -> None:

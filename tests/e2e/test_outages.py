@@ -69,7 +69,20 @@ def start_node_process(home: Path, nats_url: str, journal_url: str, log: Path) -
     env = {**os.environ, "EPIBUS_HOME": str(home), "EPIBUS_LOG_LEVEL": "INFO"}
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "epibus", "up", "--nats", nats_url, "--journal", journal_url, "--json"],
+            # The journal is under test; the mirror is off so it does not compete for the 2 cores.
+            [
+                sys.executable,
+                "-m",
+                "epibus",
+                "up",
+                "--nats",
+                nats_url,
+                "--journal",
+                journal_url,
+                "--mirror",
+                "off",
+                "--json",
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=out,
