@@ -8,36 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from bus.errors import ConfigError, InvalidEvent, NotFound, Unavailable
+from bus.changes import StateChanges
+from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
+from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
 from bus.ids import new_event_id
-from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry, ensure_streams, open_nats
-from bus.knowledge import ProjectView, TombstoneRegistry, cas_headers, load_project, prepublish_flags
+from bus.jetstream import AgentRegistry, ensure_streams, open_nats
+from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
-from bus.recall import ForgetProof, ForgetReport, RecallAnswer, ask_all, fan_out, recall_request
 from bus.receipts import await_acks, journaled_receipt, wait_journaled
-from bus.rollback import RollbackPlan, plan_rollback
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, event_subject
+from bus.subjects import event_subject
 from bus.tasks import cancel_and_wait
 from bus.vocab import EpistemicSource, ReceiptLevel
 
@@ -45,7 +41,7 @@ log = logging.getLogger(__name__)
 TOMBSTONE_CHECK_TIMEOUT_S = 2.0
 
 
-class EpibusClient:
+class EpibusClient(StateChanges, FleetRequests):
     """One agent's connection to the bus. Use as `async with`; see `connect()`."""
 
     def __init__(
@@ -335,55 +331,6 @@ class EpibusClient:
 
     # -- state changes ---------------------------------------------------------------------------------
 
-    async def project_view(self, project: str) -> ProjectView:
-        """The project folded from the stream now (the client's view for validating state changes)."""
-        self._registry = self._registry or AgentRegistry(self.js)
-        return await load_project(self.js, project, self._registry)
-
-    async def transition(
-        self,
-        kind: str,
-        body: Body | dict[str, Any],
-        *,
-        project: str,
-        artifact_id: str,
-        view: ProjectView | None = None,
-        timeout_s: float | None = None,
-    ) -> Receipt:
-        """Validate a state change against the artifact's current state, then publish it so that JetStream
-        refuses it if any other event landed on the artifact since (Conflict). Raises IllegalTransition
-        (nothing written), Conflict (re-read and retry deliberately) or Unavailable."""
-        view = view or await self.project_view(project)
-        event = self.event(kind, body, project=project, artifact_id=artifact_id)
-        change = decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, view.fold.tombstones.__contains__)
-        expected = view.subject_seq.get(artifact_id, 0)
-        receipt = await self.publish_expecting(
-            event, expected_headers=cas_headers(project, artifact_id, expected), timeout_s=timeout_s
-        )
-        view.fold.absorb(change)
-        if receipt.stream_seq is not None:
-            view.subject_seq[artifact_id] = receipt.stream_seq
-        return receipt
-
-    async def plan_rollback(self, project: str, artifact_id: str, *, cascade: bool = False) -> RollbackPlan:
-        """What a rollback of artifact_id would do; writes nothing. Raises IllegalTransition."""
-        view = await self.project_view(project)
-        return plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
-
-    async def rollback(
-        self, project: str, artifact_id: str, *, reason: str, cascade: bool = False
-    ) -> tuple[RollbackPlan, list[Receipt]]:
-        """Plan, then roll back every artifact in the plan, each with its own compare-and-set. A Conflict
-        stops the run; the receipts say what was rolled back before it."""
-        view = await self.project_view(project)
-        plan = plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
-        receipts = []
-        for target in plan.to_roll_back:
-            receipts.append(
-                await self.transition("rolled_back", {"reason": reason}, project=project, artifact_id=target, view=view)
-            )
-        return plan, receipts
-
     async def _publish_through_outbox(self, rows: list[OutboxRow], timeout_s: float) -> list[Receipt]:
         assert self.outbox is not None
         assert self.forwarder is not None
@@ -464,101 +411,6 @@ class EpibusClient:
         """Return once a journal observer confirms every event id, with what the state projection made of
         each (status, reason, flags). Raises Unavailable naming what is missing."""
         return await wait_journaled(lambda: self.nc if self.connected else None, event_ids, timeout_s=timeout_s)
-
-    async def forget(self, project: str, artifact_id: str, *, reason: str) -> ForgetReport:
-        """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
-        mirror deletes the points), then erase every message on the artifact's subjects from the stream.
-        Raises NotFound for an unknown artifact. Prove it with `prove_forgotten`."""
-        view = await self.project_view(project)
-        if artifact_id not in view.fold.artifacts:
-            raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
-        messages = list(view.messages.get(artifact_id, []))
-        receipt = await self.transition(
-            "forgotten", {"reason": reason}, project=project, artifact_id=artifact_id, view=view
-        )
-        for seq, _ in messages:
-            try:
-                async with asyncio.timeout(self.publish_timeout_s):
-                    await self.js.delete_msg(STREAM, seq)  # erases: the server overwrites the stored bytes
-            except nats.js.errors.NotFoundError:
-                continue  # already gone
-            except NATS_OR_API_ERROR as e:
-                raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
-        return ForgetReport(project, artifact_id, str(receipt.event_id), messages)
-
-    async def prove_forgotten(self, report: ForgetReport, *, timeout_s: float = 3.0) -> ForgetProof:
-        """Read every store back: the stream by sequence, and each node's journal and mirror by event id."""
-        erased = []
-        for seq, _ in report.messages:
-            try:
-                await self.js.get_msg(STREAM, seq)
-            except nats.js.errors.NotFoundError:
-                erased.append(seq)
-        request = {
-            "project": report.project,
-            "artifact_id": report.artifact_id,
-            "event_ids": [e for _, e in report.messages if e],
-        }
-        answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
-        return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
-
-    async def verify_nodes(
-        self, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
-    ) -> list[dict[str, Any]]:
-        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked).
-        Raises Unavailable when no node answered."""
-        request = {"project": project, "repair": repair}
-        answers = await fan_out(self._require_nc(), VERIFY, request, timeout_s=timeout_s)
-        if not answers:
-            raise Unavailable("verify", f"no node answered within {timeout_s}s; is `epibus up` running?")
-        return answers
-
-    async def reindex_nodes(
-        self, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
-    ) -> list[dict[str, Any]]:
-        """Ask every node to rebuild its mirror from the stream into a new collection and swap it in.
-        `progress(node, done_seq, last_seq)` is called as they go. Raises Unavailable if no node answered."""
-        nc = self._require_nc()
-        inbox = nc.new_inbox()
-
-        async def on_progress(msg: Msg) -> None:
-            if progress is not None:
-                update = json.loads(msg.data)
-                progress(str(update["node"]), int(update["done"]), int(update["total"]))
-
-        subscription = await nc.subscribe(inbox, cb=on_progress)
-        try:
-            answers = await fan_out(nc, REINDEX, {"progress": inbox}, timeout_s=timeout_s)
-        finally:
-            await subscription.unsubscribe()
-        if not answers:
-            raise Unavailable("reindex", f"no node answered within {timeout_s}s; is `epibus up` running?")
-        return answers
-
-    async def recall(
-        self,
-        query: str,
-        project: str,
-        *,
-        k: int = 10,
-        kinds: list[str] | None = None,
-        include_resolved: bool = False,
-        as_of: datetime | None = None,
-        timeout_s: float = 3.0,
-    ) -> RecallAnswer:
-        """The safe door across every node's mirror: never contradicted, rolled back, retracted or mistyped
-        items. Raises Unavailable when no mirror answered (never an empty list that means "broken")."""
-        request = recall_request(
-            query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, audit=False
-        )
-        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
-
-    async def audit_recall(
-        self, query: str, project: str, *, k: int = 10, kinds: list[str] | None = None, timeout_s: float = 3.0
-    ) -> RecallAnswer:
-        """The audit door: every mirrored item whatever its state, with that state."""
-        request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
-        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
 
     def _require_nc(self) -> NatsClient:
         if self.nc is None or not self.connected:

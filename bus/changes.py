@@ -1,0 +1,99 @@
+"""State changes from the client (DESIGN §4): the project as the stream has it, transitions validated against
+it and published with per-artifact compare-and-set, rollback planning and applying. A mixin of EpibusClient."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from nats.js import JetStreamContext
+
+from bus.event import Body, Envelope
+from bus.jetstream import AgentRegistry
+from bus.knowledge import ProjectView, cas_headers, load_project
+from bus.publish import Receipt
+from bus.rollback import RollbackPlan, plan_rollback
+from bus.state import decide
+
+
+class ChangesCore(Protocol):
+    """What the mixin needs of the client it is mixed into."""
+
+    _registry: AgentRegistry | None
+
+    @property
+    def js(self) -> JetStreamContext: ...
+
+    def event(
+        self, kind: str, body: Body | dict[str, Any], *, project: str, artifact_id: str | None = None
+    ) -> Envelope: ...
+
+    async def publish_expecting(
+        self, event: Envelope, *, expected_headers: dict[str, str], timeout_s: float | None = None
+    ) -> Receipt: ...
+
+    async def project_view(self, project: str) -> ProjectView: ...
+
+    async def transition(
+        self,
+        kind: str,
+        body: Body | dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str,
+        view: ProjectView | None = None,
+        timeout_s: float | None = None,
+    ) -> Receipt: ...
+
+
+class StateChanges:
+    _registry: AgentRegistry | None  # the client's agent-key registry, made on first use
+    async def project_view(self: ChangesCore, project: str) -> ProjectView:
+        """The project folded from the stream now (the client's view for validating state changes)."""
+        self._registry = self._registry or AgentRegistry(self.js)
+        return await load_project(self.js, project, self._registry)
+
+    async def transition(
+        self: ChangesCore,
+        kind: str,
+        body: Body | dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str,
+        view: ProjectView | None = None,
+        timeout_s: float | None = None,
+    ) -> Receipt:
+        """Validate a state change against the artifact's current state, then publish it so that JetStream
+        refuses it if any other event landed on the artifact since (Conflict). Raises IllegalTransition
+        (nothing written), Conflict (re-read and retry deliberately) or Unavailable."""
+        view = view or await self.project_view(project)
+        event = self.event(kind, body, project=project, artifact_id=artifact_id)
+        change = decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, view.fold.tombstones.__contains__)
+        expected = view.subject_seq.get(artifact_id, 0)
+        receipt = await self.publish_expecting(
+            event, expected_headers=cas_headers(project, artifact_id, expected), timeout_s=timeout_s
+        )
+        view.fold.absorb(change)
+        if receipt.stream_seq is not None:
+            view.subject_seq[artifact_id] = receipt.stream_seq
+        return receipt
+
+    async def plan_rollback(
+        self: ChangesCore, project: str, artifact_id: str, *, cascade: bool = False
+    ) -> RollbackPlan:
+        """What a rollback of artifact_id would do; writes nothing. Raises IllegalTransition."""
+        view = await self.project_view(project)
+        return plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
+
+    async def rollback(
+        self: ChangesCore, project: str, artifact_id: str, *, reason: str, cascade: bool = False
+    ) -> tuple[RollbackPlan, list[Receipt]]:
+        """Plan, then roll back every artifact in the plan, each with its own compare-and-set. A Conflict
+        stops the run; the receipts say what was rolled back before it."""
+        view = await self.project_view(project)
+        plan = plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
+        receipts = []
+        for target in plan.to_roll_back:
+            receipts.append(
+                await self.transition("rolled_back", {"reason": reason}, project=project, artifact_id=target, view=view)
+            )
+        return plan, receipts

@@ -1,0 +1,150 @@
+"""What a client asks of every node at once, over core NATS request subjects: recall by meaning, forget with
+proof, reconciliation and reindexing. A mixin of EpibusClient, kept apart so the client module stays about
+connecting and publishing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Protocol
+
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.errors import NotFound, Unavailable
+from bus.jetstream import NATS_OR_API_ERROR
+from bus.knowledge import ProjectView
+from bus.publish import Receipt
+from bus.recall import ForgetProof, ForgetReport, RecallAnswer, ask_all, fan_out, recall_request
+from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
+
+
+class FleetCore(Protocol):
+    """What the mixin needs of the client it is mixed into."""
+
+    publish_timeout_s: float
+
+    @property
+    def js(self) -> JetStreamContext: ...
+
+    def _require_nc(self) -> NatsClient: ...
+
+    async def project_view(self, project: str) -> ProjectView: ...
+
+    async def transition(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str,
+        view: ProjectView | None = None,
+        timeout_s: float | None = None,
+    ) -> Receipt: ...
+
+
+class FleetRequests:
+    async def forget(self: FleetCore, project: str, artifact_id: str, *, reason: str) -> ForgetReport:
+        """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
+        mirror deletes the points), then erase every message on the artifact's subjects from the stream.
+        Raises NotFound for an unknown artifact. Prove it with `prove_forgotten`."""
+        view = await self.project_view(project)
+        if artifact_id not in view.fold.artifacts:
+            raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
+        messages = list(view.messages.get(artifact_id, []))
+        receipt = await self.transition(
+            "forgotten", {"reason": reason}, project=project, artifact_id=artifact_id, view=view
+        )
+        for seq, _ in messages:
+            try:
+                async with asyncio.timeout(self.publish_timeout_s):
+                    await self.js.delete_msg(STREAM, seq)  # erases: the server overwrites the stored bytes
+            except nats.js.errors.NotFoundError:
+                continue  # already gone
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
+        return ForgetReport(project, artifact_id, str(receipt.event_id), messages)
+
+    async def prove_forgotten(self: FleetCore, report: ForgetReport, *, timeout_s: float = 3.0) -> ForgetProof:
+        """Read every store back: the stream by sequence, and each node's journal and mirror by event id."""
+        erased = []
+        for seq, _ in report.messages:
+            try:
+                await self.js.get_msg(STREAM, seq)
+            except nats.js.errors.NotFoundError:
+                erased.append(seq)
+        request = {
+            "project": report.project,
+            "artifact_id": report.artifact_id,
+            "event_ids": [e for _, e in report.messages if e],
+        }
+        answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
+        return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
+
+    async def verify_nodes(
+        self: FleetCore, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
+    ) -> list[dict[str, Any]]:
+        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked).
+        Raises Unavailable when no node answered."""
+        request = {"project": project, "repair": repair}
+        answers = await fan_out(self._require_nc(), VERIFY, request, timeout_s=timeout_s)
+        if not answers:
+            raise Unavailable("verify", f"no node answered within {timeout_s}s; is `epibus up` running?")
+        return answers
+
+    async def reindex_nodes(
+        self: FleetCore, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
+    ) -> list[dict[str, Any]]:
+        """Ask every node to rebuild its mirror from the stream into a new collection and swap it in.
+        `progress(node, done_seq, last_seq)` is called as they go. Raises Unavailable if no node answered."""
+        nc = self._require_nc()
+        inbox = nc.new_inbox()
+
+        async def on_progress(msg: Msg) -> None:
+            if progress is not None:
+                update = json.loads(msg.data)
+                progress(str(update["node"]), int(update["done"]), int(update["total"]))
+
+        subscription = await nc.subscribe(inbox, cb=on_progress)
+        try:
+            answers = await fan_out(nc, REINDEX, {"progress": inbox}, timeout_s=timeout_s)
+        finally:
+            await subscription.unsubscribe()
+        if not answers:
+            raise Unavailable("reindex", f"no node answered within {timeout_s}s; is `epibus up` running?")
+        return answers
+
+    async def recall(
+        self: FleetCore,
+        query: str,
+        project: str,
+        *,
+        k: int = 10,
+        kinds: list[str] | None = None,
+        include_resolved: bool = False,
+        as_of: datetime | None = None,
+        timeout_s: float = 3.0,
+    ) -> RecallAnswer:
+        """The safe door across every node's mirror: never contradicted, rolled back, retracted or mistyped
+        items. Raises Unavailable when no mirror answered (never an empty list that means "broken")."""
+        request = recall_request(
+            query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, audit=False
+        )
+        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+
+    async def audit_recall(
+        self: FleetCore,
+        query: str,
+        project: str,
+        *,
+        k: int = 10,
+        kinds: list[str] | None = None,
+        timeout_s: float = 3.0,
+    ) -> RecallAnswer:
+        """The audit door: every mirrored item whatever its state, with that state."""
+        request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
+        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
