@@ -4,31 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import decode_event
-from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url, resolve_nats_url
-from bus.jetstream import NATS_OR_API_ERROR, open_nats
+from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url
+from bus.jetstream import NATS_OR_API_ERROR
 from bus.outbox import Outbox
-from bus.reader import dead_letters, replay, stream_figures
-from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT
+from bus.reader import replay, stream_figures
 from bus.server import MIN_SERVER_VERSION
-from bus.subjects import DLQ_STREAM, dlq_filter, events_filter
+from bus.subjects import events_filter
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
     JournalOpt,
     JsonOpt,
     NatsOpt,
+    Target,
     console,
     emit_json,
     err_console,
@@ -39,24 +36,6 @@ from epibus.cli.common import (
 )
 from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
-
-dlq_app = typer.Typer(
-    help="Dead letters: events a consumer gave up on or refused, with the reason.", no_args_is_help=True
-)
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a command connects and as whom (the agent names the NATS connection)."""
-
-    nats: str | None
-    home: Path | None
-    agent: str | None
-
-    async def connect(self) -> NatsClient:
-        servers = resolve_nats_url(self.nats, epibus_home(self.home)).split(",")
-        return await open_nats(servers, name=f"epibus-cli:{self.agent or default_agent()}", timeout_s=5)
-
 
 # -- up ---------------------------------------------------------------------------------------------------
 
@@ -322,101 +301,6 @@ async def _replay(from_seq: int, rebuild_state: bool, journal: str | None, targe
     console.print(table("replay", ["what", "count"], [[k, v] for k, v in summary.items() if k != "ok"]))
     for seq, reason, error in report.rejected[:20]:
         console.print(f"  rejected seq {seq}: {reason}: {error}", highlight=False)
-
-
-# -- dlq --------------------------------------------------------------------------------------------------
-
-
-def _dlq_row(msg: Msg) -> dict[str, Any]:
-    headers = msg.headers or {}
-    return {
-        "dlq_seq": msg.metadata.sequence.stream,
-        "reason": headers.get(DLQ_REASON),
-        "consumer": headers.get(DLQ_CONSUMER),
-        "subject": headers.get(DLQ_SUBJECT),
-        "stream_seq": int(headers[DLQ_STREAM_SEQ]) if DLQ_STREAM_SEQ in headers else None,
-        "error": headers.get(DLQ_ERROR),
-        "bytes": len(msg.data),
-    }
-
-
-@dlq_app.command("list")
-@handles_errors
-def dlq_list(
-    consumer: Annotated[str | None, typer.Option("--consumer", help="Only this consumer's dead letters.")] = None,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """List dead letters with their reasons."""
-    rows = run(_dlq_list(consumer, Target(nats, home, agent)))
-    if as_json:
-        emit_json(rows)
-        return
-    console.print(
-        table(
-            f"{len(rows)} dead letter(s)",
-            ["dlq_seq", "reason", "consumer", "subject", "stream_seq", "error"],
-            [[r["dlq_seq"], r["reason"], r["consumer"], r["subject"], r["stream_seq"], r["error"]] for r in rows],
-        )
-    )
-
-
-async def _dlq_list(consumer: str | None, target: Target) -> list[dict[str, Any]]:
-    nc = await target.connect()
-    try:
-        return [_dlq_row(m) for m in await dead_letters(nc.jetstream(), filter_subject=dlq_filter(consumer))]
-    finally:
-        await nc.close()
-
-
-@dlq_app.command("replay")
-@handles_errors
-def dlq_replay(
-    seq: Annotated[list[int] | None, typer.Option("--seq", help="DLQ sequence to replay (repeatable).")] = None,
-    all_: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
-    keep: Annotated[bool, typer.Option("--keep", help="Leave replayed messages in the DLQ.")] = False,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Publish dead letters again on their original subjects (every consumer sees them again; sinks dedupe by
-    event id), then remove them from the DLQ."""
-    if not seq and not all_:
-        raise ConfigError("dlq replay", "name dead letters with --seq N (repeatable) or pass --all")
-    replayed = run(_dlq_replay(set(seq or []), all_, keep, Target(nats, home, agent)))
-    if as_json:
-        emit_json({"ok": True, "replayed": replayed})
-    else:
-        console.print(f"replayed {len(replayed)} dead letter(s): {replayed}")
-
-
-async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, target: Target) -> list[int]:
-    nc = await target.connect()
-    js = nc.jetstream()
-    replayed: list[int] = []
-    try:
-        letters = [m for m in await dead_letters(js) if all_ or m.metadata.sequence.stream in seqs]
-        missing = seqs - {m.metadata.sequence.stream for m in letters}
-        if missing:
-            raise ConfigError("--seq", f"no dead letter with sequence {sorted(missing)}; see `epibus dlq list`")
-        for msg in letters:
-            row = _dlq_row(msg)
-            if not row["subject"]:
-                raise InvalidEvent(f"dead letter {row['dlq_seq']}", "has no original subject header")
-            headers = {"Nats-Msg-Id": f"dlq-replay:{row['consumer']}:{row['stream_seq']}:{row['dlq_seq']}"}
-            try:
-                await js.publish(row["subject"], msg.data, headers=headers, timeout=10)
-                if not keep:
-                    await js.delete_msg(DLQ_STREAM, row["dlq_seq"])
-            except NATS_OR_API_ERROR as e:
-                raise Unavailable("nats", f"replaying dead letter {row['dlq_seq']}: {type(e).__name__} {e}") from e
-            replayed.append(row["dlq_seq"])
-    finally:
-        await nc.close()
-    return replayed
 
 
 # -- stats ------------------------------------------------------------------------------------------------

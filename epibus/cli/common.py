@@ -8,16 +8,20 @@ import json
 import re
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from nats.aio.client import Client as NatsClient
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from bus.errors import ConfigError, EpibusError
+from bus.home import default_agent, epibus_home, resolve_nats_url
+from bus.jetstream import open_nats
 
 T = TypeVar("T")
 
@@ -100,3 +104,16 @@ def parse_time(value: str | None, option: str) -> datetime | None:
 
 def stdout_is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a command connects and as whom (the agent names the NATS connection)."""
+
+    nats: str | None
+    home: Path | None
+    agent: str | None
+
+    async def connect(self) -> NatsClient:
+        servers = resolve_nats_url(self.nats, epibus_home(self.home)).split(",")
+        return await open_nats(servers, name=f"epibus-cli:{self.agent or default_agent()}", timeout_s=5)
