@@ -47,6 +47,7 @@ class ChangesCore(Protocol):
 
 class StateChanges:
     _registry: AgentRegistry | None  # the client's agent-key registry, made on first use
+
     async def project_view(self: ChangesCore, project: str) -> ProjectView:
         """The project folded from the stream now (the client's view for validating state changes)."""
         self._registry = self._registry or AgentRegistry(self.js)

@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import Generator, Sequence
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +207,11 @@ class EpibusClient(StateChanges, FleetRequests):
         artifact_id: str | None = None,
         source: EpistemicSource | str | None = None,
         goal_id: str | None = None,
+        event_id: uuid.UUID | None = None,
+        recorded_at: datetime | None = None,
     ) -> Envelope:
-        """A new event by this agent, validated and signed. Raises InvalidEvent naming the field."""
+        """A new event by this agent, validated and signed. Raises InvalidEvent naming the field. Passing the
+        same event_id and recorded_at again rebuilds the same signed bytes (ed25519 is deterministic)."""
         draft = draft_event(
             kind,
             body,
@@ -217,6 +221,8 @@ class EpibusClient(StateChanges, FleetRequests):
             artifact_id=artifact_id,
             goal_id=goal_id or self.goal_id,
             source=source,
+            event_id=event_id,
+            recorded_at=recorded_at,
         )
         return self.key.sign(draft)
 

@@ -31,12 +31,23 @@ class InvalidEvent(EpibusError, ValueError):
 class IllegalTransition(EpibusError):
     """A state change that the transition table does not allow."""
 
-    def __init__(self, artifact_id: str, current: str, requested: str, reason: str) -> None:
+    def __init__(self, artifact_id: str, current: str, requested: str, reason: str, *, what: str = "artifact") -> None:
         self.artifact_id = artifact_id
         self.current = current
         self.requested = requested
         self.reason = reason
-        super().__init__(f"artifact {artifact_id}: {current} -> {requested} is illegal: {reason}")
+        super().__init__(f"{what} {artifact_id}: {current} -> {requested} is illegal: {reason}")
+
+
+class Forbidden(EpibusError, PermissionError):
+    """The acting agent is not one that may do this (e.g. a decision by an agent that is not a coordinator)."""
+
+    def __init__(self, agent: str, action: str, target: str, rule: str) -> None:
+        self.agent = agent
+        self.action = action
+        self.target = target
+        self.rule = rule
+        super().__init__(f"agent {agent!r} may not {action} {target}: {rule}")
 
 
 class Conflict(EpibusError):

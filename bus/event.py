@@ -62,6 +62,8 @@ class Body(Model):
 
     kind: ClassVar[str]
     transition: ClassVar[bool] = False
+    # False for kinds a subsystem records itself (the mesh's task steps): no hand-publishing command.
+    hand_published: ClassVar[bool] = True
 
     def content_text(self) -> str:
         """The claim in words: what is embedded, hashed for tombstones, shown in a table."""
@@ -345,12 +347,15 @@ def draft_event(
     source: EpistemicSource | str | None = None,
     valid_from: datetime | None = None,
     valid_until: datetime | None = None,
+    event_id: uuid.UUID | None = None,
+    recorded_at: datetime | None = None,
 ) -> Envelope:
-    """A new, unsigned event. A new artifact gets its id from the event id; a transition must name one."""
+    """A new, unsigned event. A new artifact gets its id from the event id; a transition must name one.
+    `event_id` and `recorded_at` are for callers that rebuild one event on a retry (same id, same bytes)."""
     spec = require_kind(kind)
     if spec.transition and artifact_id is None:
         raise InvalidEvent("artifact_id", f"is required for transition kind {kind!r}")
-    event_id = new_event_id()
+    event_id = event_id or new_event_id()
     return validate_event(
         {
             "event_id": event_id,
@@ -360,7 +365,7 @@ def draft_event(
             "actor": actor,
             "session_id": session_id,
             "goal_id": goal_id,
-            "recorded_at": datetime.now(UTC),
+            "recorded_at": recorded_at or datetime.now(UTC),
             "valid_from": valid_from,
             "valid_until": valid_until,
             "source": source,

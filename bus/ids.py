@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -44,3 +45,12 @@ def event_id_time(event_id: uuid.UUID) -> datetime:
 def point_id(event_id: uuid.UUID) -> uuid.UUID:
     """The Qdrant point id of an event. Writer, deleter, reconciler and tests all call this one function."""
     return uuid.uuid5(EPIBUS_NAMESPACE, str(event_id))
+
+
+def derived_event_id(base: uuid.UUID, label: str) -> uuid.UUID:
+    """A second UUIDv7 made from `base` deterministically: same time and counter bits, random bits from a
+    hash of (base, label). For one message that makes two events, so a retry makes the same two ids."""
+    if base.version != 7:
+        raise ValueError(f"event id {base} is UUID version {base.version}, expected 7")
+    digest = int.from_bytes(hashlib.sha256(f"{base}:{label}".encode()).digest()[:8], "big") & ((1 << 62) - 1)
+    return uuid.UUID(int=(base.int >> 64 << 64) | (0b10 << 62) | digest)

@@ -37,15 +37,17 @@ async def read_stream(
     filter_subject: str | None = None,
     start_seq: int = 1,
     batch_size: int = 500,
+    last_per_subject: bool = False,
 ) -> AsyncIterator[list[Msg]]:
-    """Batches of messages from start_seq up to the stream's last sequence when the read began."""
+    """Batches of messages from start_seq up to the stream's last sequence when the read began; with
+    last_per_subject, only the newest message of each subject (a KV bucket's current values)."""
     end = await last_sequence(js, stream)
     if end < start_seq:
         return
     config = ConsumerConfig(
         ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=start_seq,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=None if last_per_subject else start_seq,
         filter_subject=filter_subject,
         inactive_threshold=30.0,
         mem_storage=True,
@@ -65,7 +67,8 @@ async def read_stream(
                     return
                 continue
             yield messages
-            if messages[-1].metadata.sequence.stream >= end:
+            last = messages[-1].metadata
+            if last.sequence.stream >= end or last.num_pending == 0:
                 return
     finally:
         await subscription.unsubscribe()

@@ -30,6 +30,10 @@ VERIFY = "epibus.verify"
 # `progress` inbox).
 REINDEX = "epibus.reindex"
 
+# Mesh state (DESIGN §8): one KV bucket; keys are built only by the functions below.
+MESH_BUCKET = "epibus_mesh"
+MESH_STREAM = f"KV_{MESH_BUCKET}"
+
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 ARTIFACT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -80,3 +84,28 @@ def dlq_subject(consumer: str, reason: str) -> str:
 
 def dlq_filter(consumer: str | None = None) -> str:
     return f"epidlq.{consumer}.*" if consumer else "epidlq.>"
+
+
+def task_key(project: str, task_id: str) -> str:
+    """The mesh bucket key of one task."""
+    return f"task.{project}.{task_id}"
+
+
+def tasks_key_filter(project: str | None = None) -> str:
+    """The KV stream subject filter for every task of a project (every project when None)."""
+    return f"$KV.{MESH_BUCKET}.task.{project or '*'}.*"
+
+
+def roster_key(project: str) -> str:
+    """The mesh bucket key holding a project's coordinators."""
+    return f"roster.{project}"
+
+
+def capabilities_key(agent_id: str) -> str:
+    """The mesh bucket key holding the capabilities an agent advertises."""
+    return f"agent.{agent_id}"
+
+
+def kv_subject_key(subject: str) -> str:
+    """The key of a mesh KV stream message subject (`$KV.<bucket>.<key>`)."""
+    return subject.removeprefix(f"$KV.{MESH_BUCKET}.")

@@ -29,6 +29,7 @@ from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from bus.tasks import cancel_and_wait
+from mesh import events as mesh_events
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -39,6 +40,8 @@ from observers.recall import audit_recall, recall
 from observers.verify import verify
 
 log = logging.getLogger(__name__)
+# Importing mesh.events registered these kinds, so this node's observers admit the mesh's events.
+MESH_KINDS = (mesh_events.TASK_KIND, mesh_events.COORDINATORS_KIND)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections import Counter
 from typing import Annotated, Any
 
 import typer
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.errors import ConfigError, InvalidEvent, NotFound, Unavailable
 from bus.event import decode_event
 from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url
 from bus.jetstream import NATS_OR_API_ERROR
@@ -19,6 +21,7 @@ from bus.outbox import Outbox
 from bus.reader import replay, stream_figures
 from bus.server import MIN_SERVER_VERSION
 from bus.subjects import events_filter
+from bus.vocab import TaskState
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -35,6 +38,7 @@ from epibus.cli.common import (
     table,
 )
 from epibus.node import Node, NodeConfig
+from mesh.store import MeshStore
 from observers.journal import EventQuery, Journal, JournalObserver
 
 # -- up ---------------------------------------------------------------------------------------------------
@@ -321,7 +325,10 @@ def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as
         ["DLQ depth", dlq and dlq["messages"]],
         ["outbox depth", figures["outbox_depth"]],
         ["outbox parked", figures["outbox_parked"]],
+        ["mesh pending acks", sum(figures["mesh_pending"].values())],
     ]
+    for project, n in sorted(figures["mesh_pending"].items()):
+        rows.append([f"mesh pending in {project}", n])
     for name, c in (epi or {}).get("consumers", {}).items():
         rows.append(
             [
@@ -337,6 +344,7 @@ async def _stats(target: Target) -> dict[str, Any]:
     nc = await target.connect()
     try:
         streams = await stream_figures(nc.jetstream())
+        pending = await _mesh_pending(nc.jetstream())
         v = nc.connected_server_version
         version = f"{v.major}.{v.minor}.{v.patch}"
     finally:
@@ -348,4 +356,19 @@ async def _stats(target: Target) -> dict[str, Any]:
             depth, parked = await outbox.depth(), len(await outbox.parked())
         finally:
             await outbox.close()
-    return {"server_version": version, "streams": streams, "outbox_depth": depth, "outbox_parked": parked}
+    return {
+        "server_version": version,
+        "streams": streams,
+        "outbox_depth": depth,
+        "outbox_parked": parked,
+        "mesh_pending": pending,
+    }
+
+
+async def _mesh_pending(js: JetStreamContext) -> dict[str, int]:
+    """Completed-but-unacknowledged mesh tasks per project (open handshakes)."""
+    try:
+        entries = await MeshStore(js, create=False).tasks()
+    except NotFound:
+        return {}
+    return dict(Counter(e.record.proposal.project for e in entries if e.record.state is TaskState.completed))

@@ -205,8 +205,9 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
 
 
 def register_publish_commands() -> None:
-    """Artifact kinds only: state changes go through resolve/verify/contradict/rollback, which validate them
+    """Artifact kinds only (not those a subsystem records, like the mesh's): state changes go through resolve/verify/contradict/rollback, which validate them
     against the artifact's current state and publish with compare-and-set."""
     for kind in kind_names():
-        if not require_kind(kind).transition:
+        body = require_kind(kind).body
+        if not body.transition and body.hand_published:
             publish_app.command(name=kind.replace("_", "-"))(_make_command(kind))

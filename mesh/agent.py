@@ -1,0 +1,424 @@
+"""One agent's handle on the mesh: every protocol message (propose, decide, start, complete, fail, cancel,
+acknowledge, expire), the coordinator roster and advertised capabilities.
+
+Each message is read → `advance` → compare-and-set on the task's KV revision → one event on the bus. A lost
+race re-reads and re-decides (so of two coordinators deciding one proposal exactly one wins, the other gets an
+IllegalTransition naming the winner's state). A message id already applied returns the recorded outcome and
+re-sends the same event id (deduplicated by the stream and the journal): retries are idempotent."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from bus.client import EpibusClient
+from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
+from bus.event import Evidence, raise_for_validation
+from bus.ids import derived_event_id, new_event_id
+from bus.publish import Receipt
+from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
+from mesh.events import COORDINATORS_KIND, TASK_KIND, CoordinatorsEventBody, task_event_body
+from mesh.protocol import (
+    Message,
+    Step,
+    Targets,
+    TaskRecord,
+    advance,
+    child_task_id,
+    parse_message,
+)
+from mesh.store import AgentCapabilities, MeshStore, Roster, TaskEntry, retry_on_conflict, utc_now
+
+KEEP_APPLIED_IDS = 256  # roster message ids remembered for idempotency
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a message did: the task after it, the step it made, and whether it was a replay."""
+
+    record: TaskRecord
+    revision: int
+    step: Step
+    duplicate: bool
+    receipts: tuple[Receipt, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "task_id": self.record.task_id,
+            "project": self.record.proposal.project,
+            "state": self.record.state.value,
+            "revision": self.revision,
+            "action": self.step.action.value,
+            "message_id": str(self.step.message_id),
+            "duplicate": self.duplicate,
+            "events": [{"event_id": str(r.event_id), "level": r.level.value} for r in self.receipts],
+        }
+
+
+class MeshAgent:
+    """The mesh as one agent (the client's agent) sees it. Use while the client is connected."""
+
+    def __init__(self, client: EpibusClient, *, clock: Callable[[], datetime] = utc_now) -> None:
+        self.client = client
+        self.clock = clock
+        self._store: MeshStore | None = None
+
+    @property
+    def agent(self) -> str:
+        return self.client.key.agent_id
+
+    @property
+    def store(self) -> MeshStore:
+        if self._store is None or self._store.js is not self.client.js:
+            self._store = MeshStore(self.client.js, replicas=self.client.replicas or 1)
+        return self._store
+
+    # -- messages --------------------------------------------------------------------------------------
+
+    async def send(self, message: Message) -> Outcome:
+        """Apply one message. Raises NotFound (no such task or project), IllegalTransition, Forbidden,
+        InvalidEvent (nothing written in every case), Conflict (a message id reused for something else)."""
+        if message.sender != self.agent:
+            raise Forbidden(self.agent, f"send {message.action}", f"as {message.sender}", "an agent sends as itself")
+
+        async def attempt() -> Outcome:
+            entry = await self.store.get_task(message.project, message.task_id)
+            if entry is not None and (step := entry.record.step_for(message.message_id)) is not None:
+                return await self._replay(entry, step, message)
+            if entry is None and message.action is not TaskAction.propose:
+                raise NotFound("task", message.task_id, f"project {message.project} has no such task")
+            roster = (await self.store.get_roster(message.project)).roster
+            if message.action is TaskAction.propose and not roster.coordinators:
+                raise NotFound(
+                    "project",
+                    message.project,
+                    "it has no coordinators, so nobody could decide the proposal; add one with "
+                    f"`epibus mesh coordinators add --project {message.project} AGENT`",
+                )
+            current = entry.record if entry is not None else None
+            record = advance(current, message, coordinators=frozenset(roster.coordinators), now=self.clock())
+            revision = await self.store.write_task(record, last=entry.revision if entry is not None else 0)
+            return await self._follow_up(TaskEntry(record, revision), len(record.steps) - 1, duplicate=False)
+
+        return await retry_on_conflict(attempt, what=f"task {message.task_id}")
+
+    async def _replay(self, entry: TaskEntry, step: Step, message: Message) -> Outcome:
+        if (step.action, step.actor) != (message.action, message.sender):
+            raise Conflict(
+                f"message {message.message_id}",
+                f"it was already applied to task {message.task_id} as {step.action} by {step.actor}",
+                fix="send a new message id for a new message",
+            )
+        return await self._follow_up(entry, entry.record.steps.index(step), duplicate=True)
+
+    async def _follow_up(self, entry: TaskEntry, index: int, *, duplicate: bool) -> Outcome:
+        """What a step entails beyond its KV write, done again on a replay (each part is idempotent): the
+        counter-proposal task of a change, and the events."""
+        record, step = entry.record, entry.record.steps[index]
+        receipts = [await self._publish_step(record, index)]
+        if step.action is TaskAction.change:
+            child = await self._ensure_counter_task(record, step)
+            receipts.append(await self._publish_step(child, 0))
+        return Outcome(record, entry.revision, step, duplicate, tuple(receipts))
+
+    async def _ensure_counter_task(self, parent: TaskRecord, step: Step) -> TaskRecord:
+        assert step.counter is not None
+        child = TaskRecord(
+            proposal=step.counter,
+            state=TaskState.proposed,
+            steps=(
+                Step(
+                    message_id=derived_event_id(step.message_id, "counter-proposal"),
+                    action=TaskAction.propose,
+                    actor=step.actor,
+                    roles=(MeshRole.coordinator,),
+                    from_state=None,
+                    to_state=TaskState.proposed,
+                    at=step.at,
+                    reason=step.reason,
+                    policy=step.policy,
+                ),
+            ),
+        )
+        try:
+            await self.store.write_task(child, last=0)
+        except Conflict:
+            existing = await self.store.get_task(child.proposal.project, child.task_id)
+            if existing is None or existing.record.steps[0].message_id != child.steps[0].message_id:
+                raise
+            return existing.record
+        return child
+
+    async def _publish_step(self, record: TaskRecord, index: int) -> Receipt:
+        step = record.steps[index]
+        event = self.client.event(
+            TASK_KIND,
+            task_event_body(record, index),
+            project=record.proposal.project,
+            event_id=step.message_id,
+            recorded_at=step.at,
+        )
+        return await self.client.publish(event)
+
+    def message(self, action: TaskAction, project: str, task_id: str, **fields: Any) -> Message:
+        """A validated message from this agent; InvalidEvent names the task and the field."""
+        raw = {
+            "message_id": fields.pop("message_id", None) or new_event_id(),
+            "action": action,
+            "project": project,
+            "task_id": task_id,
+            "sender": self.agent,
+            **{k: v for k, v in fields.items() if v is not None},
+        }
+        return parse_message(raw)
+
+    async def locate(self, task_id: str, project: str | None = None) -> TaskEntry:
+        """The task, in the given project or whichever holds it. Raises NotFound."""
+        entry = (
+            await self.store.get_task(project, task_id) if project is not None else await self.store.find_task(task_id)
+        )
+        if entry is None:
+            where = f"in project {project}" if project else "in any project"
+            raise NotFound("task", task_id, f"no task with this id {where}; list them with `epibus mesh outbox`")
+        return entry
+
+    async def propose(
+        self,
+        project: str,
+        title: str,
+        summary: str,
+        *,
+        category: ActionCategory | str,
+        agents: Sequence[str] = (),
+        capabilities: Sequence[str] = (),
+        deadline: datetime | None = None,
+        parent_id: str | None = None,
+        payload: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        message_id: uuid.UUID | None = None,
+    ) -> Outcome:
+        message_id = message_id or new_event_id()
+        task_id = task_id or str(message_id)
+        proposal = {
+            "task_id": task_id,
+            "project": project,
+            "title": title,
+            "summary": summary,
+            "proposer": self.agent,
+            "targets": {"agents": list(agents), "capabilities": list(capabilities)},
+            "category": category,
+            "deadline": deadline,
+            "parent_id": parent_id,
+            "payload": payload or {},
+        }
+        return await self.send(
+            self.message(TaskAction.propose, project, task_id, proposal=proposal, message_id=message_id)
+        )
+
+    async def _act(self, action: TaskAction, task_id: str, project: str | None, **fields: Any) -> Outcome:
+        if project is None:
+            project = (await self.locate(task_id)).record.proposal.project
+        return await self.send(self.message(action, project, task_id, **fields))
+
+    async def accept(
+        self,
+        task_id: str,
+        *,
+        assignee: str | None = None,
+        project: str | None = None,
+        policy: str = "manual",
+        message_id: uuid.UUID | None = None,
+    ) -> Outcome:
+        return await self._act(
+            TaskAction.accept, task_id, project, assignee=assignee, policy=policy, message_id=message_id
+        )
+
+    async def decline(
+        self,
+        task_id: str,
+        reason: str,
+        *,
+        project: str | None = None,
+        policy: str = "manual",
+        message_id: uuid.UUID | None = None,
+    ) -> Outcome:
+        return await self._act(
+            TaskAction.decline, task_id, project, reason=reason, policy=policy, message_id=message_id
+        )
+
+    async def change(
+        self,
+        task_id: str,
+        *,
+        project: str | None = None,
+        reason: str | None = None,
+        policy: str = "manual",
+        message_id: uuid.UUID | None = None,
+        **counter: Any,
+    ) -> Outcome:
+        """Counter-propose: the task becomes `changed` and a new proposal, linked to it by parent_id and
+        owned by the same proposer, takes its place. `counter` overrides the parent's proposal fields
+        (title, summary, category, agents, capabilities, deadline, payload)."""
+        parent = (await self.locate(task_id, project)).record.proposal
+        message_id = message_id or new_event_id()
+        agents = counter.pop("agents", None)
+        capabilities = counter.pop("capabilities", None)
+        unknown = set(counter) - {"title", "summary", "category", "deadline", "payload"}
+        if unknown:
+            raise InvalidEvent(f"task {task_id} change.{sorted(unknown)[0]}", "is not a proposal field one can change")
+        targets = Targets(
+            agents=tuple(agents) if agents is not None else parent.targets.agents,
+            capabilities=tuple(capabilities) if capabilities is not None else parent.targets.capabilities,
+        )
+        proposal = parent.model_dump(mode="json") | {
+            "task_id": child_task_id(message_id),
+            "parent_id": parent.task_id,
+            "targets": targets.model_dump(mode="json"),
+            **{k: v for k, v in counter.items() if v is not None},
+        }
+        return await self.send(
+            self.message(
+                TaskAction.change,
+                parent.project,
+                task_id,
+                proposal=proposal,
+                reason=reason,
+                policy=policy,
+                message_id=message_id,
+            )
+        )
+
+    async def start(self, task_id: str, *, project: str | None = None, message_id: uuid.UUID | None = None) -> Outcome:
+        return await self._act(TaskAction.start, task_id, project, message_id=message_id)
+
+    async def complete(
+        self,
+        task_id: str,
+        sha: str,
+        *,
+        evidence: Sequence[Evidence | dict[str, Any]] = (),
+        note: str | None = None,
+        project: str | None = None,
+        message_id: uuid.UUID | None = None,
+    ) -> Outcome:
+        completion = {"sha": sha, "evidence": list(evidence), "note": note}
+        return await self._act(TaskAction.complete, task_id, project, completion=completion, message_id=message_id)
+
+    async def fail(
+        self, task_id: str, reason: str, *, project: str | None = None, message_id: uuid.UUID | None = None
+    ) -> Outcome:
+        return await self._act(TaskAction.fail, task_id, project, reason=reason, message_id=message_id)
+
+    async def cancel(
+        self,
+        task_id: str,
+        *,
+        reason: str | None = None,
+        project: str | None = None,
+        message_id: uuid.UUID | None = None,
+    ) -> Outcome:
+        return await self._act(TaskAction.cancel, task_id, project, reason=reason, message_id=message_id)
+
+    async def acknowledge(
+        self, task_id: str, *, project: str | None = None, message_id: uuid.UUID | None = None
+    ) -> Outcome:
+        return await self._act(TaskAction.acknowledge, task_id, project, message_id=message_id)
+
+    async def expire(self, task_id: str, *, project: str | None = None, message_id: uuid.UUID | None = None) -> Outcome:
+        entry = await self.locate(task_id, project)
+        deadline = entry.record.proposal.deadline
+        reason = f"deadline {deadline.isoformat()} passed in state {entry.record.state}" if deadline else None
+        return await self._act(
+            TaskAction.expire, task_id, entry.record.proposal.project, reason=reason, message_id=message_id
+        )
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    async def tasks(self, project: str | None = None) -> list[TaskEntry]:
+        return await self.store.tasks(project)
+
+    async def pending(self, project: str | None = None) -> list[TaskEntry]:
+        """Completed but not yet acknowledged: handshakes still open."""
+        return [e for e in await self.store.tasks(project) if e.record.state is TaskState.completed]
+
+    async def outbox(self, project: str | None = None) -> list[TaskEntry]:
+        """Tasks this agent proposed."""
+        return [e for e in await self.store.tasks(project) if e.record.proposal.proposer == self.agent]
+
+    # -- coordinators and capabilities -----------------------------------------------------------------
+
+    async def coordinators(self, project: str) -> tuple[str, ...]:
+        return (await self.store.get_roster(project)).roster.coordinators
+
+    async def add_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
+        """Add a coordinator. The first coordinator of a project may be added by anyone; after that only a
+        coordinator may. Adding one already there changes nothing. Raises Forbidden."""
+        return await self._change_roster(project, agent, "add", message_id or new_event_id())
+
+    async def remove_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
+        """Remove a coordinator (only a coordinator may; the last one stays). Raises Forbidden, NotFound."""
+        return await self._change_roster(project, agent, "remove", message_id or new_event_id())
+
+    async def _change_roster(
+        self, project: str, agent: str, change: Literal["add", "remove"], message_id: uuid.UUID
+    ) -> Roster:
+        async def attempt() -> Roster:
+            entry = await self.store.get_roster(project)
+            roster = entry.roster
+            if message_id in roster.applied:
+                await self._publish_roster(roster, agent, change, message_id)
+                return roster
+            current = set(roster.coordinators)
+            if current and self.agent not in current:
+                raise Forbidden(
+                    self.agent,
+                    f"{change} a coordinator of",
+                    f"project {project}",
+                    f"only its coordinators ({', '.join(sorted(current))}) may",
+                )
+            if change == "add":
+                if agent in current:
+                    return roster
+                current.add(agent)
+            else:
+                if agent not in current:
+                    raise NotFound("coordinator", agent, f"project {project} has {sorted(current) or 'none'}")
+                if current == {agent}:
+                    raise Forbidden(
+                        self.agent, "remove", f"the last coordinator of project {project}", "add another one first"
+                    )
+                current.discard(agent)
+            new = Roster(
+                project=project,
+                coordinators=tuple(sorted(current)),
+                applied=(*roster.applied, message_id)[-KEEP_APPLIED_IDS:],
+            )
+            await self.store.write_roster(new, last=entry.revision)
+            await self._publish_roster(new, agent, change, message_id)
+            return new
+
+        return await retry_on_conflict(attempt, what=f"coordinators of {project}")
+
+    async def _publish_roster(
+        self, roster: Roster, agent: str, change: Literal["add", "remove"], message_id: uuid.UUID
+    ) -> Receipt:
+        body = CoordinatorsEventBody(change=change, agent=agent, coordinators=roster.coordinators)
+        return await self.client.publish(
+            self.client.event(COORDINATORS_KIND, body, project=roster.project, event_id=message_id)
+        )
+
+    async def advertise(self, capabilities: Sequence[str]) -> AgentCapabilities:
+        """Say what this agent can do (the capability-match policy assigns by it)."""
+        try:
+            advertised = AgentCapabilities.model_validate(
+                {"agent": self.agent, "capabilities": sorted(set(capabilities)), "updated_at": self.clock()}
+            )
+        except ValidationError as e:
+            raise raise_for_validation(e) from e
+        await self.store.set_capabilities(advertised)
+        return advertised

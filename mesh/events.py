@@ -1,0 +1,94 @@
+"""The mesh's event kinds: every task transition and every change of a project's coordinators is also an
+event on the bus (journaled, recallable, visible in `tail`). Each event is its own artifact; its event id is
+the message id, so a retried message is deduplicated by the stream and the journal."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from bus.event import AgentId, Body, Evidence, ShortText, Text, register_kind
+from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
+from mesh.protocol import CommitSha, TaskId, TaskRecord
+
+TASK_KIND = "task"
+COORDINATORS_KIND = "coordinators"
+
+
+class TaskEventBody(Body):
+    kind: ClassVar[str] = TASK_KIND
+    hand_published: ClassVar[bool] = False  # written by MeshAgent after the KV compare-and-set, never by hand
+    task_id: TaskId
+    step: int  # position in the task's history, 1 for the proposal
+    action: TaskAction
+    from_state: TaskState | None
+    to_state: TaskState
+    roles: tuple[MeshRole, ...]
+    title: ShortText
+    summary: Text
+    category: ActionCategory
+    proposer: AgentId
+    assignee: AgentId | None = None
+    parent_id: TaskId | None = None
+    child_id: TaskId | None = None
+    policy: ShortText | None = None
+    reason: Text | None = None
+    sha: CommitSha | None = None
+    evidence: tuple[Evidence, ...] = ()
+    note: Text | None = None
+
+    def content_text(self) -> str:
+        moved = f"{self.from_state} -> {self.to_state}" if self.from_state else str(self.to_state)
+        parts = [f"task {self.title!r} ({self.category}): {self.action} ({moved}). {self.summary}"]
+        for label, value in (
+            ("assignee", self.assignee),
+            ("reason", self.reason),
+            ("commit", self.sha),
+            ("note", self.note),
+            ("counter-proposal", self.child_id),
+        ):
+            if value:
+                parts.append(f"{label}: {value}")
+        return " ".join(parts)
+
+
+class CoordinatorsEventBody(Body):
+    kind: ClassVar[str] = COORDINATORS_KIND
+    hand_published: ClassVar[bool] = False
+    change: Literal["add", "remove"]
+    agent: AgentId
+    coordinators: tuple[AgentId, ...]  # the project's coordinators after the change
+
+    def content_text(self) -> str:
+        verb = "added to" if self.change == "add" else "removed from"
+        return f"{self.agent} {verb} the coordinators; now: {', '.join(self.coordinators) or 'none'}"
+
+
+register_kind(TaskEventBody)
+register_kind(CoordinatorsEventBody)
+
+
+def task_event_body(record: TaskRecord, index: int) -> TaskEventBody:
+    """The event of the record's step at `index` (0-based), rebuilt identically on every call."""
+    step = record.steps[index]
+    proposal = record.proposal
+    completion = step.completion
+    return TaskEventBody(
+        task_id=proposal.task_id,
+        step=index + 1,
+        action=step.action,
+        from_state=step.from_state,
+        to_state=step.to_state,
+        roles=step.roles,
+        title=proposal.title,
+        summary=proposal.summary,
+        category=proposal.category,
+        proposer=proposal.proposer,
+        assignee=step.assignee,
+        parent_id=proposal.parent_id,
+        child_id=step.child_id,
+        policy=step.policy,
+        reason=step.reason,
+        sha=completion.sha if completion else None,
+        evidence=completion.evidence if completion else (),
+        note=completion.note if completion else None,
+    )

@@ -1,0 +1,214 @@
+"""The peer side: an agent's inbox (proposals for it, work assigned to it, decisions on its proposals), the
+notification log that doubles as the inbox's cursor, and the check that a completion's SHA is a commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bus.errors import ConfigError, InvalidEvent
+from bus.vocab import TaskAction, TaskState
+from mesh.agent import MeshAgent
+from mesh.protocol import TaskRecord
+from mesh.store import TaskEntry
+from mesh.watch import Cursor, TaskWatcher
+
+CONTEXT_REFRESH_S = 5.0  # how often an inbox re-reads the rosters and the agent's capabilities
+GIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One task revision that concerns an agent, and why."""
+
+    revision: int
+    project: str
+    task_id: str
+    title: str
+    state: TaskState
+    action: TaskAction
+    actor: str
+    why: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision,
+            "project": self.project,
+            "task_id": self.task_id,
+            "title": self.title,
+            "state": self.state.value,
+            "action": self.action.value,
+            "actor": self.actor,
+            "why": self.why,
+        }
+
+
+def concern(agent: str, record: TaskRecord, *, coordinates: bool, capabilities: frozenset[str]) -> str | None:
+    """Why the record's latest step concerns `agent`, or None. Nothing an agent did itself is news to it."""
+    step = record.last_step
+    proposal = record.proposal
+    if step.actor == agent and step.action is not TaskAction.propose:
+        return None
+    if record.state is TaskState.proposed and step.action is TaskAction.propose:
+        if coordinates:
+            return "awaiting your decision (you coordinate this project)"
+        if step.actor == agent:
+            return None
+        targeted = agent in proposal.targets.agents
+        needed = frozenset(proposal.targets.capabilities)
+        if targeted or (needed and needed <= capabilities):
+            return "proposed to you; act on it only once a coordinator accepts it"
+        if proposal.proposer == agent:
+            return f"counter-proposal by {step.actor} replacing {proposal.parent_id}"
+        return None
+    if step.action is TaskAction.accept and record.assignee == agent:
+        return "assigned to you: start it"
+    if proposal.proposer == agent:
+        if step.action is TaskAction.complete:
+            return "completed: check the commit and acknowledge it"
+        return f"on your proposal: {step.action} by {step.actor}"
+    if record.assignee == agent and step.action in (TaskAction.cancel, TaskAction.expire):
+        return f"your assignment was {step.to_state}: stop work on it"
+    return None
+
+
+class Inbox:
+    """Follows the mesh for one agent and calls `notify` once per revision that concerns it."""
+
+    def __init__(
+        self,
+        mesh: MeshAgent,
+        notify: Callable[[Notification], Awaitable[None]],
+        *,
+        project: str | None = None,
+        cursor: Cursor | None = None,
+        poll_timeout_s: float = 1.0,
+    ) -> None:
+        self.mesh = mesh
+        self.notify = notify
+        self.watcher = TaskWatcher(
+            lambda: mesh.client.js,
+            self._handle,
+            project=project,
+            cursor=cursor,
+            poll_timeout_s=poll_timeout_s,
+            name=f"inbox:{mesh.agent}",
+        )
+        self._coordinated: dict[str, bool] = {}
+        self._capabilities: frozenset[str] = frozenset()
+        self._context_at = 0.0
+
+    async def run(self) -> None:
+        await self.watcher.run()
+
+    async def _context(self, project: str) -> tuple[bool, frozenset[str]]:
+        if time.monotonic() - self._context_at > CONTEXT_REFRESH_S:
+            self._coordinated.clear()
+            advertised = await self.mesh.store.get_capabilities(self.mesh.agent)
+            self._capabilities = frozenset(advertised.capabilities) if advertised else frozenset()
+            self._context_at = time.monotonic()
+        if project not in self._coordinated:
+            self._coordinated[project] = self.mesh.agent in await self.mesh.coordinators(project)
+        return self._coordinated[project], self._capabilities
+
+    async def _handle(self, entry: TaskEntry) -> None:
+        record = entry.record
+        coordinates, capabilities = await self._context(record.proposal.project)
+        why = concern(self.mesh.agent, record, coordinates=coordinates, capabilities=capabilities)
+        if why is not None:
+            await self.notify(notification(entry, why))
+
+
+def notification(entry: TaskEntry, why: str) -> Notification:
+    record, step = entry.record, entry.record.last_step
+    return Notification(
+        entry.revision,
+        record.proposal.project,
+        record.task_id,
+        record.proposal.title,
+        record.state,
+        step.action,
+        step.actor,
+        why,
+    )
+
+
+class NotificationLog:
+    """Notifications appended to a JSON-lines file, one write per line, fsynced: the file is both what the
+    agent was told and the inbox's cursor (its last complete line's revision), so a watcher killed at any
+    moment and restarted neither misses nor repeats a notification. A torn last line (a crash mid-write)
+    does not count as told and is written again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._revision = self._last_revision()
+
+    def _last_revision(self) -> int:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        lines = data.split(b"\n")
+        complete, torn = lines[:-1], lines[-1]
+        if torn:
+            with open(self.path, "r+b") as f:  # drop the torn tail so the next line starts clean
+                f.truncate(len(data) - len(torn))
+        for line in reversed(complete):
+            if line.strip():
+                try:
+                    return int(json.loads(line)["revision"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InvalidEvent(f"notification log {self.path}", f"last line is not a notification: {e}") from e
+        return 0
+
+    def load(self) -> int:
+        return self._revision
+
+    def save(self, revision: int) -> None:
+        # The line written by append() already records the revision; revisions that concern nobody advance
+        # only the in-memory cursor, so a restart re-reads them and they concern nobody again.
+        self._revision = max(self._revision, revision)
+
+    def append(self, note: Notification) -> None:
+        line = (json.dumps(note.as_json(), sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._revision = note.revision
+
+
+def require_commit(repo: Path, sha: str, *, task: str) -> None:
+    """Raise InvalidEvent unless `sha` names a commit in the git repository at `repo` (ConfigError when
+    `repo` is not a git repository)."""
+    try:
+        probe = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--git-dir"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError as e:
+        raise ConfigError("--repo", "git is not installed; install git or complete without --repo") from e
+    if probe.returncode != 0:
+        raise ConfigError("--repo", f"{repo} is not a git repository ({probe.stderr.strip()})")
+    found = subprocess.run(
+        ["git", "-C", str(repo), "cat-file", "-e", f"{sha}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        timeout=GIT_TIMEOUT_S,
+        check=False,
+    )
+    if found.returncode != 0:
+        raise InvalidEvent(
+            f"task {task} complete.sha={sha!r}", f"is not a commit in {repo}; push or fetch it, or check the SHA"
+        )

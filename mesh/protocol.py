@@ -1,0 +1,356 @@
+"""The mesh work protocol (DESIGN §8): proposals, messages, the task record, the explicit transition table and
+`advance`, the one pure function that decides what a message does to a task.
+
+`advance` is the only place the rules live: the agent API calls it before every compare-and-set write, the
+tests drive the full matrix through it, and the CLI's errors come from it."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
+
+from bus.errors import Forbidden, IllegalTransition, InvalidEvent
+from bus.event import AgentId, Evidence, Model, ProjectSlug, ShortText, Text, raise_for_validation
+from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
+
+TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TaskId = Annotated[str, StringConstraints(pattern=TASK_ID_PATTERN.pattern)]
+Capability = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.:-]{0,63}$")]
+# A git object id: SHA-1 (40) or SHA-256 (64), lowercase hex, as `git rev-parse` prints it.
+CommitSha = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")]
+SHA_RULE = "must be a commit SHA: 40 or 64 lowercase hex characters"
+MAX_PAYLOAD_KEYS = 64
+
+
+class Targets(Model):
+    """Who the work is for: named agents and/or the capabilities the assignee must have. Both empty means
+    the coordinator chooses."""
+
+    agents: tuple[AgentId, ...] = ()
+    capabilities: tuple[Capability, ...] = ()
+
+
+class Proposal(Model):
+    task_id: TaskId
+    project: ProjectSlug
+    title: ShortText
+    summary: Text
+    proposer: AgentId
+    targets: Targets = Targets()
+    category: ActionCategory
+    deadline: AwareDatetime | None = None
+    parent_id: TaskId | None = None
+    payload: dict[str, JsonValue] = Field(default_factory=dict, max_length=MAX_PAYLOAD_KEYS)
+
+    @field_validator("deadline")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return None if value is None else value.astimezone(UTC)
+
+
+class Completion(Model):
+    sha: CommitSha
+    evidence: tuple[Evidence, ...] = ()
+    note: Text | None = None
+
+
+class Message(Model):
+    """One protocol message. `message_id` (a UUIDv7) makes retries idempotent: the same id twice gives the
+    same outcome and one event."""
+
+    message_id: uuid.UUID
+    action: TaskAction
+    project: ProjectSlug
+    task_id: TaskId
+    sender: AgentId
+    proposal: Proposal | None = None  # propose: the proposal; change: the counter-proposal
+    assignee: AgentId | None = None  # accept
+    reason: Text | None = None  # decline, fail, cancel, expire
+    completion: Completion | None = None  # complete
+    policy: ShortText | None = None  # a decision: which policy made it ("manual" for a person)
+
+    @field_validator("message_id")
+    @classmethod
+    def _uuid7(cls, value: uuid.UUID) -> uuid.UUID:
+        if value.version != 7:
+            raise ValueError(f"must be a UUIDv7, got version {value.version}")
+        return value
+
+
+class Step(Model):
+    """One applied message, kept in the task's history: the audit of who did what, when, and why."""
+
+    message_id: uuid.UUID
+    action: TaskAction
+    actor: AgentId
+    roles: tuple[MeshRole, ...]
+    from_state: TaskState | None
+    to_state: TaskState
+    at: AwareDatetime
+    assignee: AgentId | None = None
+    reason: Text | None = None
+    completion: Completion | None = None
+    policy: ShortText | None = None
+    child_id: TaskId | None = None
+    counter: Proposal | None = None  # change: the counter-proposal the child task carries
+
+
+class TaskRecord(Model):
+    """A task as the mesh bucket holds it: the proposal, where it stands, and every step that got it there."""
+
+    proposal: Proposal
+    state: TaskState
+    assignee: AgentId | None = None
+    decided_by: AgentId | None = None
+    decided_policy: ShortText | None = None
+    completion: Completion | None = None
+    reason: Text | None = None
+    child_id: TaskId | None = None
+    steps: tuple[Step, ...]
+
+    @property
+    def task_id(self) -> str:
+        return self.proposal.task_id
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def step_for(self, message_id: uuid.UUID) -> Step | None:
+        return next((s for s in self.steps if s.message_id == message_id), None)
+
+    @property
+    def last_step(self) -> Step:
+        return self.steps[-1]
+
+
+@dataclass(frozen=True)
+class Move:
+    sources: frozenset[TaskState]
+    target: TaskState
+    roles: frozenset[MeshRole]  # any one of these may send it
+
+
+_OPEN = frozenset({TaskState.proposed, TaskState.accepted, TaskState.working})
+# The explicit transition table. `propose` has no source: it creates the task.
+TRANSITIONS: dict[TaskAction, Move] = {
+    TaskAction.propose: Move(frozenset(), TaskState.proposed, frozenset({MeshRole.proposer})),
+    TaskAction.accept: Move(frozenset({TaskState.proposed}), TaskState.accepted, frozenset({MeshRole.coordinator})),
+    TaskAction.decline: Move(frozenset({TaskState.proposed}), TaskState.declined, frozenset({MeshRole.coordinator})),
+    TaskAction.change: Move(frozenset({TaskState.proposed}), TaskState.changed, frozenset({MeshRole.coordinator})),
+    TaskAction.start: Move(frozenset({TaskState.accepted}), TaskState.working, frozenset({MeshRole.assignee})),
+    TaskAction.complete: Move(frozenset({TaskState.working}), TaskState.completed, frozenset({MeshRole.assignee})),
+    TaskAction.fail: Move(
+        frozenset({TaskState.accepted, TaskState.working}), TaskState.failed, frozenset({MeshRole.assignee})
+    ),
+    TaskAction.cancel: Move(_OPEN, TaskState.canceled, frozenset({MeshRole.proposer, MeshRole.coordinator})),
+    TaskAction.acknowledge: Move(
+        frozenset({TaskState.completed}), TaskState.acknowledged, frozenset({MeshRole.proposer})
+    ),
+    TaskAction.expire: Move(_OPEN, TaskState.expired, frozenset({MeshRole.coordinator})),
+}
+TERMINAL = frozenset(s for s in TaskState if not any(s in move.sources for move in TRANSITIONS.values()))
+DECISIONS = frozenset({TaskAction.accept, TaskAction.decline, TaskAction.change})
+REASON_REQUIRED = frozenset({TaskAction.decline, TaskAction.fail})
+
+# Mesh states onto A2A task states (A2A has no acceptance, acknowledgement or deadline states):
+# accepted is work taken on (A2A `working` from the proposer's view), acknowledged is a completed task whose
+# proposer confirmed it, changed is a rejection that names its replacement, expired is canceled by the clock.
+A2A_STATE: dict[TaskState, str] = {
+    TaskState.proposed: "submitted",
+    TaskState.accepted: "working",
+    TaskState.working: "working",
+    TaskState.completed: "completed",
+    TaskState.acknowledged: "completed",
+    TaskState.declined: "rejected",
+    TaskState.changed: "rejected",
+    TaskState.failed: "failed",
+    TaskState.canceled: "canceled",
+    TaskState.expired: "canceled",
+}
+
+
+def allowed_actions(state: TaskState) -> list[str]:
+    return [a.value for a, move in TRANSITIONS.items() if state in move.sources]
+
+
+def roles_of(
+    agent: str, record: TaskRecord | None, proposal: Proposal | None, coordinators: frozenset[str]
+) -> set[MeshRole]:
+    roles: set[MeshRole] = set()
+    proposer = record.proposal.proposer if record is not None else (proposal.proposer if proposal else None)
+    if agent == proposer:
+        roles.add(MeshRole.proposer)
+    if agent in coordinators:
+        roles.add(MeshRole.coordinator)
+    if record is not None and agent == record.assignee:
+        roles.add(MeshRole.assignee)
+    return roles
+
+
+def child_task_id(message_id: uuid.UUID) -> str:
+    """The id of the counter-proposal a `change` message creates: derived from the message, so a retried
+    change creates the same child, never a second one."""
+    return str(uuid.uuid5(uuid.UUID(int=message_id.int), "epibus.mesh.change"))
+
+
+def advance(record: TaskRecord | None, message: Message, *, coordinators: frozenset[str], now: datetime) -> TaskRecord:
+    """The task after `message`, or an error naming the task, its state and what is allowed; writes nothing.
+
+    Raises IllegalTransition (not in the table, out of a terminal state, deadline passed), Forbidden (the
+    sender lacks the role: e.g. a decision by an agent that is not a coordinator), InvalidEvent (a field the
+    action needs is missing or malformed), NotFound is the caller's (no record for a non-propose action)."""
+    action = message.action
+    move = TRANSITIONS[action]
+    current = record.state if record is not None else None
+    label = current.value if current is not None else "absent"
+    if action is TaskAction.propose:
+        if record is not None:
+            raise IllegalTransition(message.task_id, label, action, "a task with this id already exists", what="task")
+    elif record is None or current not in move.sources:
+        allowed = allowed_actions(current) if current is not None else ["propose"]
+        terminal = " (a terminal state: it has no exit)" if current in TERMINAL else ""
+        raise IllegalTransition(
+            message.task_id,
+            f"{label}{terminal}",
+            action,
+            f"allowed from {label}: {', '.join(allowed) or 'nothing'}",
+            what="task",
+        )
+    roles = roles_of(message.sender, record, message.proposal, coordinators)
+    if not roles & move.roles:
+        raise Forbidden(
+            message.sender,
+            action.value,
+            f"task {message.task_id} ({label})",
+            _who_may(move, record, coordinators, message.project),
+        )
+    _require_fields(message, label)
+    if record is not None:
+        _check_deadline(record, message, now)
+    if action is TaskAction.change:
+        assert record is not None
+        _check_counter(record, message)
+    step = Step(
+        message_id=message.message_id,
+        action=action,
+        actor=message.sender,
+        roles=tuple(sorted(roles & move.roles)),
+        from_state=current,
+        to_state=move.target,
+        at=now,
+        assignee=_assignee(record, message) if action is TaskAction.accept else None,
+        reason=message.reason,
+        completion=message.completion,
+        policy=message.policy if action in DECISIONS else None,
+        child_id=child_task_id(message.message_id) if action is TaskAction.change else None,
+        counter=message.proposal if action is TaskAction.change else None,
+    )
+    if record is None:
+        assert message.proposal is not None
+        return TaskRecord(proposal=message.proposal, state=move.target, steps=(step,))
+    changes: dict[str, Any] = {"state": move.target, "steps": (*record.steps, step)}
+    if action in DECISIONS:
+        changes |= {"decided_by": message.sender, "decided_policy": step.policy}
+    if action is TaskAction.accept:
+        changes["assignee"] = step.assignee
+    if action is TaskAction.complete:
+        changes["completion"] = message.completion
+    if action is TaskAction.change:
+        changes["child_id"] = step.child_id
+    if message.reason is not None:
+        changes["reason"] = message.reason
+    return record.model_copy(update=changes)
+
+
+def _who_may(move: Move, record: TaskRecord | None, coordinators: frozenset[str], project: str) -> str:
+    names = {
+        MeshRole.coordinator: f"the coordinators of project {project} ({', '.join(sorted(coordinators)) or 'none'})",
+        MeshRole.proposer: f"its proposer ({record.proposal.proposer})" if record else "the agent named as proposer",
+        MeshRole.assignee: f"its assignee ({record.assignee if record and record.assignee else 'none yet'})",
+    }
+    return "only " + " or ".join(names[r] for r in sorted(move.roles)) + " may"
+
+
+def _require_fields(message: Message, state: str) -> None:
+    action = message.action
+    where = f"task {message.task_id} ({state}) {action.value}"
+    needs_proposal = action in (TaskAction.propose, TaskAction.change)
+    if needs_proposal and message.proposal is None:
+        raise InvalidEvent(f"{where}.proposal", "is required")
+    if action is TaskAction.propose:
+        assert message.proposal is not None
+        if (message.proposal.task_id, message.proposal.project) != (message.task_id, message.project):
+            raise InvalidEvent(f"{where}.proposal", "must carry the message's task_id and project")
+        if message.proposal.proposer != message.sender:
+            raise InvalidEvent(f"{where}.proposal.proposer", f"must be the sender {message.sender!r}")
+    if action in REASON_REQUIRED and not message.reason:
+        raise InvalidEvent(f"{where}.reason", "is required")
+    if action is TaskAction.complete and message.completion is None:
+        raise InvalidEvent(f"{where}.sha", f"is required: {SHA_RULE}")
+
+
+def _check_counter(record: TaskRecord, message: Message) -> None:
+    counter = message.proposal
+    assert counter is not None
+    where = f"task {message.task_id} ({record.state}) change.proposal"
+    expected = {
+        "task_id": child_task_id(message.message_id),
+        "project": record.proposal.project,
+        "proposer": record.proposal.proposer,
+        "parent_id": record.task_id,
+    }
+    for field, value in expected.items():
+        if getattr(counter, field) != value:
+            raise InvalidEvent(f"{where}.{field}={getattr(counter, field)!r}", f"must be {value!r}")
+
+
+def _assignee(record: TaskRecord | None, message: Message) -> str:
+    assert record is not None
+    targets = record.proposal.targets
+    where = f"task {message.task_id} ({record.state}) accept.assignee"
+    if message.assignee is None:
+        if len(targets.agents) == 1:
+            return targets.agents[0]
+        named = f"it targets agents {list(targets.agents)}" if targets.agents else "it names no single agent"
+        raise InvalidEvent(where, f"is required: {named}; name the agent that does the work")
+    if targets.agents and message.assignee not in targets.agents:
+        raise InvalidEvent(f"{where}={message.assignee!r}", "is not a targeted agent", allowed=targets.agents)
+    return message.assignee
+
+
+def _check_deadline(record: TaskRecord, message: Message, now: datetime) -> None:
+    deadline = record.proposal.deadline
+    passed = deadline is not None and now >= deadline
+    if message.action is TaskAction.expire and not passed:
+        shown = deadline.isoformat() if deadline else "none"
+        raise IllegalTransition(
+            message.task_id, record.state, "expire", f"its deadline ({shown}) has not passed", what="task"
+        )
+    if passed and message.action not in (TaskAction.expire, TaskAction.cancel) and record.state in _OPEN:
+        assert deadline is not None
+        raise IllegalTransition(
+            message.task_id,
+            record.state,
+            message.action,
+            f"its deadline passed at {deadline.isoformat()}; it can only expire or be canceled",
+            what="task",
+        )
+
+
+def parse_message(raw: dict[str, Any]) -> Message:
+    """A message from untrusted input; raises InvalidEvent naming the task and field."""
+    try:
+        return Message.model_validate(raw)
+    except ValidationError as e:
+        error = raise_for_validation(e)
+        task = raw.get("task_id", "?")
+        action = raw.get("action", "?")
+        field = error.field.replace("completion.sha", "sha")
+        problem = SHA_RULE if field.startswith("sha") else error.problem
+        raise InvalidEvent(f"task {task} {action}.{field}", problem, allowed=error.allowed) from e

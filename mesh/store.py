@@ -1,0 +1,233 @@
+"""Mesh state in one JetStream KV bucket (DESIGN §5, §8): tasks, each project's coordinators and the
+capabilities agents advertise. Every write is compare-and-set on the key's revision, so two coordinators (or a
+retried message) cannot both apply a decision. The one choke point from nats-py KV errors to epibus errors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TypeVar
+
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import StorageType
+from nats.js.kv import KeyValue
+from pydantic import AwareDatetime, BaseModel, ValidationError
+
+from bus.errors import Conflict, InvalidEvent, NotFound, Unavailable
+from bus.event import AgentId, Model, ProjectSlug
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.reader import read_stream
+from bus.subjects import (
+    MESH_BUCKET,
+    MESH_STREAM,
+    capabilities_key,
+    kv_subject_key,
+    roster_key,
+    task_key,
+    tasks_key_filter,
+)
+from mesh.protocol import Capability, TaskRecord
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+# KV keeps this many revisions per key: every step of a task stays readable by a watcher that was away.
+MESH_HISTORY = 64
+KV_OPERATION = "KV-Operation"
+
+
+class Roster(Model):
+    """A project's coordinators and the message ids that changed them (so a retried change applies once)."""
+
+    project: ProjectSlug
+    coordinators: tuple[AgentId, ...] = ()
+    applied: tuple[uuid.UUID, ...] = ()
+
+
+class AgentCapabilities(Model):
+    agent: AgentId
+    capabilities: tuple[Capability, ...]
+    updated_at: AwareDatetime
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """A task record and the KV revision (stream sequence) that holds it."""
+
+    record: TaskRecord
+    revision: int
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    roster: Roster
+    revision: int  # 0: no roster written yet
+
+
+def decode_record(data: bytes, key: str) -> TaskRecord:
+    return _decode(TaskRecord, data, key)
+
+
+def _decode(model: type[M], data: bytes, key: str) -> M:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        raise InvalidEvent(f"mesh key {key}", f"holds no valid {model.__name__}: {e.errors()[0]['msg']}") from e
+
+
+def is_value(msg: Msg) -> bool:
+    """False for KV delete/purge markers."""
+    return not (msg.headers and msg.headers.get(KV_OPERATION) in ("DEL", "PURGE"))
+
+
+class MeshStore:
+    """The mesh bucket, created on first use (history 64, file storage)."""
+
+    def __init__(
+        self, js: JetStreamContext, *, replicas: int = 1, timeout_s: float = JS_TIMEOUT_S, create: bool = True
+    ) -> None:
+        self.js = js
+        self.replicas = replicas
+        self.create = create  # False: a reader that must not create the bucket (NotFound instead)
+        self.timeout_s = timeout_s
+        self._kv: KeyValue | None = None
+
+    @asynccontextmanager
+    async def _answering(self, what: str) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                yield
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"mesh bucket, {what}: {type(e).__name__} {e}".strip()) from e
+
+    async def bucket(self) -> KeyValue:
+        if self._kv is None:
+            async with self._answering("open"):
+                try:
+                    self._kv = await self.js.key_value(MESH_BUCKET)
+                except nats.js.errors.BucketNotFoundError:
+                    if not self.create:
+                        raise NotFound("mesh bucket", MESH_BUCKET, "nobody has used the mesh on this bus yet") from None
+                    self._kv = await self.js.create_key_value(
+                        bucket=MESH_BUCKET,
+                        history=MESH_HISTORY,
+                        storage=StorageType.FILE,
+                        replicas=self.replicas,
+                        description="epibus mesh: tasks, coordinators, capabilities",
+                    )
+        return self._kv
+
+    async def _get(self, key: str) -> tuple[bytes, int] | None:
+        kv = await self.bucket()
+        async with self._answering(f"get {key}"):
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+        return entry.value or b"", entry.revision or 0
+
+    async def _write(self, key: str, value: bytes, *, last: int) -> int:
+        """Compare-and-set: `last=0` creates. Raises Conflict when another write got there first."""
+        kv = await self.bucket()
+        async with self._answering(f"write {key}"):
+            try:
+                return await kv.update(key, value, last=last)
+            except nats.js.errors.KeyWrongLastSequenceError as e:
+                raise Conflict(f"mesh key {key}", f"revision {last} is no longer current ({e.description})") from e
+
+    # -- tasks -----------------------------------------------------------------------------------------
+
+    async def get_task(self, project: str, task_id: str) -> TaskEntry | None:
+        key = task_key(project, task_id)
+        found = await self._get(key)
+        return None if found is None else TaskEntry(decode_record(found[0], key), found[1])
+
+    async def write_task(self, record: TaskRecord, *, last: int) -> int:
+        key = task_key(record.proposal.project, record.task_id)
+        return await self._write(key, record.model_dump_json().encode(), last=last)
+
+    async def find_task(self, task_id: str) -> TaskEntry | None:
+        """A task by id in whatever project holds it."""
+        await self.bucket()
+        subject = tasks_key_filter().removesuffix("*") + task_id
+        async with self._answering(f"find task {task_id}"):
+            try:
+                # The stream API (not direct get) takes a wildcard in last_by_subj.
+                msg = await self.js.get_msg(MESH_STREAM, subject=subject, direct=False)
+            except nats.js.errors.NotFoundError:
+                return None
+        key = kv_subject_key(msg.subject or subject)
+        return TaskEntry(decode_record(msg.data or b"", key), msg.seq or 0)
+
+    async def tasks(self, project: str | None = None) -> list[TaskEntry]:
+        """The current record of every task (of one project, or all)."""
+        await self.bucket()
+        entries: list[TaskEntry] = []
+        async with self._answering("list tasks"):
+            async for batch in read_stream(
+                self.js, MESH_STREAM, filter_subject=tasks_key_filter(project), last_per_subject=True
+            ):
+                for msg in batch:
+                    if is_value(msg):
+                        record = decode_record(msg.data, kv_subject_key(msg.subject))
+                        entries.append(TaskEntry(record, msg.metadata.sequence.stream))
+        return entries
+
+    # -- coordinators and capabilities -----------------------------------------------------------------
+
+    async def get_roster(self, project: str) -> RosterEntry:
+        key = roster_key(project)
+        found = await self._get(key)
+        if found is None:
+            return RosterEntry(Roster(project=project), 0)
+        return RosterEntry(_decode(Roster, found[0], key), found[1])
+
+    async def write_roster(self, roster: Roster, *, last: int) -> int:
+        return await self._write(roster_key(roster.project), roster.model_dump_json().encode(), last=last)
+
+    async def get_capabilities(self, agent: str) -> AgentCapabilities | None:
+        key = capabilities_key(agent)
+        found = await self._get(key)
+        return None if found is None else _decode(AgentCapabilities, found[0], key)
+
+    async def set_capabilities(self, advertised: AgentCapabilities) -> None:
+        kv = await self.bucket()
+        key = capabilities_key(advertised.agent)
+        async with self._answering(f"put {key}"):
+            await kv.put(key, advertised.model_dump_json().encode())
+
+    async def all_capabilities(self) -> dict[str, tuple[str, ...]]:
+        await self.bucket()
+        found: dict[str, tuple[str, ...]] = {}
+        async with self._answering("list capabilities"):
+            async for batch in read_stream(
+                self.js, MESH_STREAM, filter_subject=f"$KV.{MESH_BUCKET}.{capabilities_key('*')}", last_per_subject=True
+            ):
+                for msg in batch:
+                    if is_value(msg):
+                        advertised = _decode(AgentCapabilities, msg.data, kv_subject_key(msg.subject))
+                        found[advertised.agent] = advertised.capabilities
+        return found
+
+
+async def retry_on_conflict(attempt: Callable[[], Awaitable[T]], *, what: str, attempts: int = 8) -> T:
+    """Re-run a read-decide-write `attempt` when its compare-and-set lost a race: each run re-reads, so the
+    loser re-decides against the winner's state (never a blind retry of the same write)."""
+    for _ in range(attempts - 1):
+        try:
+            return await attempt()
+        except Conflict:
+            await asyncio.sleep(0)
+    try:
+        return await attempt()
+    except Conflict as e:
+        raise Conflict(what, f"still contended after {attempts} attempts ({e.detail})") from e
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)

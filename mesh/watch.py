@@ -1,0 +1,200 @@
+"""Following task revisions in the mesh bucket from a cursor (DESIGN §10.10: a listener that hits errors says
+so loudly and keeps its state; an empty poll never resets what was seen).
+
+The watcher reads the bucket's stream in revision order from `last_seen + 1` with an ephemeral consumer. It
+hands each revision to its handler once, then advances (and saves) the cursor; a revision at or below the
+cursor is never handed over again. A lost connection, a restarted server or a vanished consumer makes it
+re-subscribe from the cursor, so nothing is missed: the bucket keeps every revision of a task (history 64)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus.errors import InvalidEvent, Unavailable
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
+from mesh.store import MeshStore, TaskEntry, decode_record, is_value
+
+log = logging.getLogger(__name__)
+RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
+CONSUMER_CHECK_S = 5.0  # an idle watcher confirms its consumer still exists this often
+
+
+class Cursor(Protocol):
+    """Where a watcher keeps the last revision it handled."""
+
+    def load(self) -> int:
+        """The last handled revision; 0 when nothing was handled yet."""
+
+    def save(self, revision: int) -> None:
+        """Durably record a handled revision (called after the handler returned)."""
+
+
+class MemoryCursor:
+    def __init__(self, revision: int = 0) -> None:
+        self.revision = revision
+
+    def load(self) -> int:
+        return self.revision
+
+    def save(self, revision: int) -> None:
+        self.revision = revision
+
+
+class FileCursor:
+    """A cursor in a small file, replaced atomically (write, fsync, rename) so a crash leaves the old or the
+    new value, never a torn one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> int:
+        try:
+            text = self.path.read_text().strip()
+        except FileNotFoundError:
+            return 0
+        if not text.isdigit():
+            raise InvalidEvent(f"cursor file {self.path}", f"holds {text[:40]!r}, expected a revision number")
+        return int(text)
+
+    def save(self, revision: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{revision}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+@dataclass
+class WatchStats:
+    handled: int = 0
+    skipped_seen: int = 0  # revisions at or below the cursor that a new consumer delivered again
+    empty_polls: int = 0
+    errors: int = 0
+    invalid: int = 0
+    resubscribed: int = 0
+    last_error: str | None = None
+
+
+Handler = Callable[[TaskEntry], Awaitable[None]]
+
+
+class TaskWatcher:
+    """Hands every task revision after the cursor to `handler`, in revision order, once."""
+
+    def __init__(
+        self,
+        js: Callable[[], JetStreamContext],
+        handler: Handler,
+        *,
+        project: str | None = None,
+        cursor: Cursor | None = None,
+        batch_size: int = 256,
+        poll_timeout_s: float = 1.0,
+        name: str = "mesh-watch",
+    ) -> None:
+        self._js = js
+        self.handler = handler
+        self.project = project
+        self.cursor = cursor or MemoryCursor()
+        self.last_seen = self.cursor.load()
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.name = name
+        self.stats = WatchStats()
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._checked_at = time.monotonic()
+
+    async def run(self) -> None:
+        backoff_s = 0.0
+        while True:
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
+            try:
+                await self.step()
+                backoff_s = 0.0
+            except RETRYABLE as e:
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(e).__name__}: {e}"
+                log.warning("%s: %s; resuming after revision %d", self.name, self.stats.last_error, self.last_seen)
+                await self._drop_subscription()
+                backoff_s = min(5.0, max(0.2, backoff_s * 2))
+
+    async def step(self) -> int:
+        """One poll: hand over what arrived. Returns how many revisions were handled (0 = nothing new)."""
+        subscription = await self._subscribe()
+        try:
+            messages = await subscription.fetch(self.batch_size, timeout=self.poll_timeout_s)
+        except TimeoutError:
+            # nats.errors.TimeoutError or asyncio's (nats-py 2.16): nothing new. The cursor stays.
+            self.stats.empty_polls += 1
+            await self._confirm_consumer(subscription)
+            return 0
+        handled = 0
+        for msg in messages:
+            revision = msg.metadata.sequence.stream
+            if revision <= self.last_seen:
+                self.stats.skipped_seen += 1
+                continue
+            if is_value(msg):
+                try:
+                    record = decode_record(msg.data, kv_subject_key(msg.subject))
+                except InvalidEvent as e:
+                    self.stats.invalid += 1  # left in the bucket for inspection; counted and logged
+                    log.error("%s: revision %d is not a task record: %s", self.name, revision, e)
+                else:
+                    await self.handler(TaskEntry(record, revision))
+                    handled += 1
+            self.last_seen = revision
+            self.cursor.save(revision)
+        self.stats.handled += handled
+        self._checked_at = time.monotonic()
+        return handled
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        if self._subscription is None:
+            js = self._js()
+            await MeshStore(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
+            config = ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self.last_seen + 1,
+                filter_subject=tasks_key_filter(self.project),
+                inactive_threshold=60.0,
+                mem_storage=True,
+            )
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                self._subscription = await js.pull_subscribe(
+                    tasks_key_filter(self.project), stream=MESH_STREAM, config=config
+                )
+            self.stats.resubscribed += 1
+        return self._subscription
+
+    async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
+        """An idle ephemeral consumer can vanish with a restarted server while fetches just time out:
+        ask for it now and then, and let the error re-subscribe from the cursor."""
+        if time.monotonic() - self._checked_at < CONSUMER_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            await subscription.consumer_info()
+
+    async def _drop_subscription(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except RETRYABLE as e:  # the connection may be gone with it
+                log.info("%s: dropping the old subscription: %s", self.name, e)
