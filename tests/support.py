@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -61,3 +62,20 @@ def eventually_sync(check: Callable[[], T], *, timeout_s: float = 10.0, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s; last value: {result!r}")
         time.sleep(interval_s)
+
+
+def journal_rows_of_kind(url: str, project: str, kind: str) -> list[tuple[str, dict[str, Any], str, str]]:
+    """(event_id, body, actor, status) of a project's events of one kind, in stream order, by plain SQL."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT event_id, envelope, actor_id, status FROM events "
+                    "WHERE project = :p AND kind = :k ORDER BY stream_seq"
+                ),
+                {"p": project, "k": kind},
+            )
+            return [(r[0], json.loads(r[1])["body"], r[2], r[3]) for r in rows]
+    finally:
+        engine.dispose()
