@@ -27,7 +27,7 @@ from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
 from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
 from bus.ids import new_event_id
-from bus.jetstream import AgentRegistry, ensure_streams, open_nats
+from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
@@ -134,7 +134,10 @@ class EpibusClient(StateChanges, FleetRequests):
         await cancel_and_wait(self._tasks)
         try:
             if self.nc is not None and not self.nc.is_closed:
-                await self.nc.close()
+                try:
+                    await self.nc.close()
+                except NATS_UNAVAILABLE as e:  # the connection was already failing; unsent rows stay in the outbox
+                    log.info("closing a failing NATS connection: %s %s", type(e).__name__, e)
         finally:
             await self._stack.aclose()
 

@@ -132,12 +132,20 @@ async def test_two_coordinators_racing_to_decide_one_proposal_exactly_one_wins(
 
 
 async def test_the_same_message_twice_gives_the_same_outcome_and_one_event(
-    trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str, mesh_as: MeshFactory, node: Node, sqlite_journal_url: str
+    trio: tuple[MeshAgent, MeshAgent, MeshAgent],
+    project: str,
+    mesh_as: MeshFactory,
+    node: Node,
+    sqlite_journal_url: str,
 ) -> None:
     alice, coord, _bob = trio
     message_id = new_event_id()
-    first = await alice.propose(project, "once", "only once", category="operational", agents=["bob"], message_id=message_id)
-    again = await alice.propose(project, "once", "only once", category="operational", agents=["bob"], message_id=message_id)
+    first = await alice.propose(
+        project, "once", "only once", category="operational", agents=["bob"], message_id=message_id
+    )
+    again = await alice.propose(
+        project, "once", "only once", category="operational", agents=["bob"], message_id=message_id
+    )
     assert (again.duplicate, again.revision, again.record) == (True, first.revision, first.record)
     task = first.record.task_id
 
@@ -163,7 +171,9 @@ async def test_a_message_id_reused_for_another_action_is_a_conflict(
 ) -> None:
     alice, coord, _ = trio
     message_id = new_event_id()
-    task = (await alice.propose(project, "t", "s", category="operational", agents=["bob"], message_id=message_id)).record
+    task = (
+        await alice.propose(project, "t", "s", category="operational", agents=["bob"], message_id=message_id)
+    ).record
     with pytest.raises(Exception, match="already applied") as raised:
         await alice.cancel(task.task_id, message_id=message_id)
     assert type(raised.value).__name__ == "Conflict"
@@ -174,7 +184,9 @@ async def test_decline_closes_the_proposal_with_its_reason(
     trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str
 ) -> None:
     alice, coord, bob = trio
-    task = (await alice.propose(project, "buy gpus", "we need them", category="strategic", agents=["bob"])).record.task_id
+    task = (
+        await alice.propose(project, "buy gpus", "we need them", category="strategic", agents=["bob"])
+    ).record.task_id
     declined = await coord.decline(task, "not this quarter")
     assert declined.record.state is TaskState.declined and declined.record.reason == "not this quarter"
     with pytest.raises(IllegalTransition, match="terminal"):
@@ -259,7 +271,9 @@ async def test_only_coordinators_change_the_roster_and_the_last_one_stays(mesh_a
     await coord.remove_coordinator(project, "coord")
     assert await alice.coordinators(project) == ("dana",)
     with pytest.raises(Forbidden):
-        await coord.accept((await alice.propose(project, "t", "s", category="operational", agents=["x"])).record.task_id)
+        await coord.accept(
+            (await alice.propose(project, "t", "s", category="operational", agents=["x"])).record.task_id
+        )
     events = []
     async for batch in read_stream(alice.client.js, STREAM, filter_subject=events_filter(project, "coordinators")):
         events += [decode_event(m.data).body.model_dump() for m in batch]
@@ -322,7 +336,11 @@ async def test_auto_accept_takes_only_its_categories_and_records_the_policy(
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
     accepted = (await alice.locate(routine.task_id)).record
-    assert (accepted.decided_by, accepted.decided_policy, accepted.assignee) == ("coord", "auto-accept:operational", "bob")
+    assert (accepted.decided_by, accepted.decided_policy, accepted.assignee) == (
+        "coord",
+        "auto-accept:operational",
+        "bob",
+    )
     assert (await alice.locate(big.task_id)).record.state is TaskState.proposed  # waits for a person
 
 

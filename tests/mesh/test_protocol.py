@@ -22,7 +22,13 @@ TASK = "task-1"
 
 S, A = TaskState, TaskAction
 EXPECTED: dict[TaskState, dict[TaskAction, TaskState]] = {
-    S.proposed: {A.accept: S.accepted, A.decline: S.declined, A.change: S.changed, A.cancel: S.canceled, A.expire: S.expired},
+    S.proposed: {
+        A.accept: S.accepted,
+        A.decline: S.declined,
+        A.change: S.changed,
+        A.cancel: S.canceled,
+        A.expire: S.expired,
+    },
     S.accepted: {A.start: S.working, A.fail: S.failed, A.cancel: S.canceled, A.expire: S.expired},
     S.working: {A.complete: S.completed, A.fail: S.failed, A.cancel: S.canceled, A.expire: S.expired},
     S.completed: {A.acknowledge: S.acknowledged},

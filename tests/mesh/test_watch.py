@@ -1,0 +1,164 @@
+"""Handshake integrity on the watching side (DESIGN §10.10): an inbox stopped and restarted mid-stream, or
+cut off by a server restart, misses nothing and repeats nothing; an empty or failed poll resets nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+
+from bus.client import connect
+from bus.server import NatsServer
+from mesh.agent import MeshAgent
+from mesh.peer import Inbox, Notification, NotificationLog
+from mesh.store import TaskEntry
+from mesh.watch import RETRYABLE, FileCursor, MemoryCursor, TaskWatcher
+from tests.support import eventually
+
+MeshFactory = Callable[[str], Awaitable[MeshAgent]]
+
+
+@pytest.fixture
+async def mesh_as(nats_server: NatsServer, home: Path) -> AsyncIterator[MeshFactory]:
+    async with AsyncExitStack() as stack:
+
+        async def make(agent: str) -> MeshAgent:
+            client = await stack.enter_async_context(connect(nats_server.url, agent=agent, home=home, outbox=False))
+            return MeshAgent(client)
+
+        yield make
+
+
+def logged(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def run_inbox(bob: MeshAgent, path: Path, project: str) -> asyncio.Task[None]:
+    log = NotificationLog(path)
+
+    async def notify(note: Notification) -> None:
+        log.append(note)
+        await asyncio.sleep(0.01)  # a handler that takes a moment, so a stop can land mid-stream
+
+    inbox = Inbox(bob, notify, project=project, cursor=log, poll_timeout_s=0.2)
+    return asyncio.create_task(inbox.run())
+
+
+async def test_an_inbox_stopped_and_restarted_mid_stream_neither_misses_nor_repeats(
+    mesh_as: MeshFactory, project: str, tmp_path: Path
+) -> None:
+    alice, coord, bob = await mesh_as("alice"), await mesh_as("coord"), await mesh_as("bob")
+    await coord.add_coordinator(project, "coord")
+    path = tmp_path / "bob.jsonl"
+    n = 20
+
+    async def traffic() -> list[str]:
+        ids = []
+        for i in range(n):
+            task = (await alice.propose(project, f"job {i}", "s", category="operational", agents=["bob"])).record
+            await coord.accept(task.task_id)
+            ids.append(task.task_id)
+        return ids
+
+    watching = await run_inbox(bob, path, project)
+    producing = asyncio.create_task(traffic())
+    await eventually(lambda: len(logged(path)) >= 8, timeout_s=20)
+    watching.cancel()  # stopped mid-stream, while traffic goes on
+    await asyncio.gather(watching, return_exceptions=True)
+    stopped_at = len(logged(path))
+    await asyncio.sleep(0.3)
+    watching = await run_inbox(bob, path, project)
+    try:
+        task_ids = await producing
+        await eventually(lambda: len(logged(path)) >= 2 * n, timeout_s=20)
+        await asyncio.sleep(0.5)  # anything repeated would arrive now
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+
+    notes = logged(path)
+    assert stopped_at < 2 * n
+    assert [r for r, c in Counter(note["revision"] for note in notes).items() if c > 1] == []
+    told = Counter((note["task_id"], note["action"]) for note in notes)
+    expected = {(t, a): 1 for t in task_ids for a in ("propose", "accept")}
+    assert dict(told) == expected
+    revisions = [note["revision"] for note in notes]
+    assert revisions == sorted(revisions)
+
+
+async def test_a_watcher_cut_off_by_a_server_restart_resumes_from_its_last_revision(
+    mesh_as: MeshFactory, project: str, nats_server: NatsServer
+) -> None:
+    alice, coord = await mesh_as("alice"), await mesh_as("coord")
+    await coord.add_coordinator(project, "coord")
+    seen: list[int] = []
+
+    async def handle(entry: TaskEntry) -> None:
+        seen.append(entry.revision)
+
+    watcher = TaskWatcher(lambda: coord.client.js, handle, project=project, poll_timeout_s=0.2)
+    running = asyncio.create_task(watcher.run())
+    try:
+        for i in range(5):
+            await alice.propose(project, f"before {i}", "s", category="operational", agents=["bob"])
+        await eventually(lambda: len(seen) == 5)
+        nats_server.kill()
+        await asyncio.sleep(0.5)
+        assert watcher.last_seen == seen[-1]  # failed polls reset nothing
+        nats_server.start()
+        await eventually(lambda: alice.client.connected, timeout_s=15)
+        for i in range(5):
+            await alice.propose(project, f"after {i}", "s", category="operational", agents=["bob"])
+        await eventually(lambda: len(seen) == 10, timeout_s=30)
+        await asyncio.sleep(0.5)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert len(seen) == len(set(seen)) == 10 and seen == sorted(seen)
+    assert watcher.stats.errors >= 1 and watcher.stats.resubscribed >= 2
+
+
+async def test_an_empty_or_failed_poll_never_resets_what_was_seen(
+    mesh_as: MeshFactory, project: str, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    alice, coord = await mesh_as("alice"), await mesh_as("coord")
+    await coord.add_coordinator(project, "coord")
+    await alice.propose(project, "one", "s", category="operational", agents=["bob"])
+    cursor = FileCursor(tmp_path / "cursor")
+    handled: list[int] = []
+
+    async def handle(entry: TaskEntry) -> None:
+        handled.append(entry.revision)
+
+    watcher = TaskWatcher(lambda: alice.client.js, handle, project=project, cursor=cursor, poll_timeout_s=0.2)
+    assert await watcher.step() == 1
+    seen = watcher.last_seen
+    assert await watcher.step() == 0 and watcher.stats.empty_polls == 1
+    nats_server.kill()
+    outcomes = []
+    for _ in range(3):  # while the server is down a poll times out (empty) or raises (failed)
+        try:
+            outcomes.append(await watcher.step())
+        except RETRYABLE as e:
+            outcomes.append(type(e).__name__)
+    assert all(o == 0 or isinstance(o, str) for o in outcomes), outcomes
+    assert watcher.last_seen == seen and cursor.load() == seen and handled == [seen]
+    nats_server.start()
+    again = TaskWatcher(lambda: alice.client.js, handle, project=project, cursor=FileCursor(tmp_path / "cursor"))
+    assert again.last_seen == seen  # a new process starts after what the last one handled
+
+
+def test_a_notification_log_drops_a_torn_last_line_and_resumes_after_the_last_whole_one(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"revision": 7, "task_id": "a"}\n{"revision": 9, "task_')
+    log = NotificationLog(path)
+    assert log.load() == 7
+    assert path.read_text() == '{"revision": 7, "task_id": "a"}\n'
+    assert MemoryCursor(3).load() == 3
