@@ -62,8 +62,9 @@ class Body(Model):
 
     kind: ClassVar[str]
     transition: ClassVar[bool] = False
-    # False for kinds a subsystem records itself (the mesh's task steps): no hand-publishing command.
-    hand_published: ClassVar[bool] = True
+    # True for records a subsystem writes about itself (the mesh's task steps): they are not claims, so no
+    # hand-publishing command and no tombstone check.
+    system_record: ClassVar[bool] = False
 
     def content_text(self) -> str:
         """The claim in words: what is embedded, hashed for tombstones, shown in a table."""

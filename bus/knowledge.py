@@ -118,7 +118,7 @@ async def prepublish_flags(
     """Flags of the claims among `events` before they are published, and the projects whose tombstones
     could not be checked (registry None: not connected). Strict refuses a repeat of a retracted claim
     (InvalidEvent) and an unchecked project (Unavailable)."""
-    claims = [e for e in events if not e.body.transition]
+    claims = [e for e in events if not e.body.transition and not e.body.system_record]
     tombstoned: dict[str, set[str]] = {}
     unchecked: list[str] = []
     for project in sorted({e.project for e in claims}):

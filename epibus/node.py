@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.client import EpibusClient
 from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
@@ -27,9 +28,12 @@ from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
+from bus.signing import AgentKey
 from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from bus.tasks import cancel_and_wait
 from mesh import events as mesh_events
+from mesh.agent import MeshAgent
+from mesh.coordinator import Coordinator, parse_policy
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -55,6 +59,8 @@ class NodeConfig:
     qdrant_url: str | None = None
     batch_size: int = 256
     record: bool = True  # write home/node.json so other commands find this node
+    # (project, policy) pairs: mesh coordinator services run as `agent`, which must coordinate each project
+    coordinate: tuple[tuple[str, str], ...] = ()
 
 
 class Node:
@@ -79,6 +85,7 @@ class Node:
         self.js: JetStreamContext | None = None
         self._streams_ready = False
         self.server_restarts = 0
+        self.coordinators: list[Coordinator] = []
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -143,6 +150,8 @@ class Node:
             self._tasks.append(self._mirror_task)
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
+        if self.config.coordinate:
+            await self._start_coordinators(group, servers)
         if self.config.record:
             self.info = NodeInfo(
                 pid=os.getpid(),
@@ -155,6 +164,21 @@ class Node:
             )
             write_node_info(home, self.info)
             self._stack.callback(remove_node_info, home, os.getpid())
+
+    async def _start_coordinators(self, group: asyncio.TaskGroup, servers: list[str]) -> None:
+        """Mesh coordinator services (DESIGN §8), deciding as the node's agent. A policy that does not exist or
+        an agent that is not a coordinator of the project is a start-up error."""
+        policies = [(project, parse_policy(spec)) for project, spec in self.config.coordinate]
+        key = AgentKey.load_or_create(self.config.home, self.config.agent)
+        client = EpibusClient(servers, key, outbox=None, replicas=self.config.replicas)
+        await client.start()
+        self._stack.push_async_callback(client.close)
+        mesh = MeshAgent(client)
+        for project, policy in policies:
+            service = Coordinator(mesh, project, policy)
+            await service.check()
+            self.coordinators.append(service)
+        self._tasks += [group.create_task(service.run()) for service in self.coordinators]
 
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.nc is not None and self.nc.is_connected else None

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 from bus.errors import ConfigError, Forbidden, IllegalTransition, NotFound
 from bus.ids import derived_event_id
+from bus.tasks import cancel_and_wait
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.protocol import TaskRecord
@@ -175,9 +176,15 @@ class Coordinator:
 
     async def run(self) -> None:
         await self.check()
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self.watcher.run())
-            group.create_task(self._sweep_forever())
+        # Not a TaskGroup: in 3.11 a group cancels its children once, and a child whose cancellation nats-py's
+        # fetch swallowed would run on; cancel_and_wait repeats it until both loops have ended (bus/tasks.py).
+        loops = [asyncio.create_task(self.watcher.run()), asyncio.create_task(self._sweep_forever())]
+        try:
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
+            for loop in done:
+                loop.result()
+        finally:
+            await cancel_and_wait(loops)
 
     async def _on_revision(self, entry: TaskEntry) -> None:
         record = entry.record

@@ -16,7 +16,7 @@ COORDINATORS_KIND = "coordinators"
 
 class TaskEventBody(Body):
     kind: ClassVar[str] = TASK_KIND
-    hand_published: ClassVar[bool] = False  # written by MeshAgent after the KV compare-and-set, never by hand
+    system_record: ClassVar[bool] = True  # written by MeshAgent after the KV compare-and-set, never by hand
     task_id: TaskId
     step: int  # position in the task's history, 1 for the proposal
     action: TaskAction
@@ -53,7 +53,7 @@ class TaskEventBody(Body):
 
 class CoordinatorsEventBody(Body):
     kind: ClassVar[str] = COORDINATORS_KIND
-    hand_published: ClassVar[bool] = False
+    system_record: ClassVar[bool] = True
     change: Literal["add", "remove"]
     agent: AgentId
     coordinators: tuple[AgentId, ...]  # the project's coordinators after the change

@@ -57,14 +57,25 @@ def up(
         typer.Option("--mirror", envvar="EPIBUS_MIRROR", help="edge (embedded Qdrant) | server (--qdrant-url) | off"),
     ] = "edge",
     qdrant_url: Annotated[str | None, typer.Option("--qdrant-url", envvar="QDRANT_URL")] = None,
+    coordinate: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--coordinate",
+            help="PROJECT=POLICY: run a mesh coordinator for PROJECT as --agent (repeatable); POLICY is manual, "
+            "auto-accept:<categories> or capability-match.",
+        ),
+    ] = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, and
-    the vector mirror with its recall service (unless --mirror off)."""
+    """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, the
+    vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
+    pairs = [c.partition("=") for c in coordinate or []]
+    if bad := [p for p, sep, policy in pairs if not (p and sep and policy)]:
+        raise ConfigError("--coordinate", f"{bad[0]!r} must be PROJECT=POLICY, e.g. fleet=auto-accept:operational")
     config = NodeConfig(
         home=epibus_home(home),
         nats_url=nats,
@@ -73,6 +84,7 @@ def up(
         agent=agent or default_agent(),
         mirror=mirror,
         qdrant_url=qdrant_url,
+        coordinate=tuple((project, policy) for project, _, policy in pairs),
     )
     run(_up(config, as_json))
 
@@ -103,6 +115,7 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "mirror": f"{config.mirror} ({node.store.__class__.__name__})" if node.store else "off",
             "embedding_model": node.embedder.model_id if node.embedder else None,
             "server_version": shown,
+            "coordinating": [f"{c.project} ({c.policy.name})" for c in node.coordinators],
         }
         if as_json:
             emit_json(where)

@@ -17,6 +17,7 @@ import typer
 from bus.client import connect
 from bus.errors import ConfigError, InvalidEvent
 from bus.home import default_agent, epibus_home
+from bus.tasks import cancel_and_wait
 from bus.vocab import ActionCategory, TaskState, describe
 from epibus.cli.common import (
     AgentOpt,
@@ -570,9 +571,7 @@ async def _until_stopped(work: Awaitable[None], done: asyncio.Event) -> None:
         if task.done():
             task.result()  # re-raise what ended it
     finally:
-        for t in (task, stopper):
-            t.cancel()
-        await asyncio.gather(task, stopper, return_exceptions=True)
+        await cancel_and_wait([task, stopper])
 
 
 # -- coordinators -----------------------------------------------------------------------------------------

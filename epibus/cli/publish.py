@@ -205,9 +205,10 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
 
 
 def register_publish_commands() -> None:
-    """Artifact kinds only (not those a subsystem records, like the mesh's): state changes go through resolve/verify/contradict/rollback, which validate them
-    against the artifact's current state and publish with compare-and-set."""
+    """Artifact kinds only, not records a subsystem writes (the mesh's). State changes go through
+    resolve/verify/contradict/rollback, which validate them against the artifact's current state and publish
+    with compare-and-set."""
     for kind in kind_names():
         body = require_kind(kind).body
-        if not body.transition and body.hand_published:
+        if not body.transition and not body.system_record:
             publish_app.command(name=kind.replace("_", "-"))(_make_command(kind))

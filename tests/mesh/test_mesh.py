@@ -19,9 +19,10 @@ from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
 from bus.server import NatsServer
+from bus.tasks import cancel_and_wait
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
 from bus.vocab import TaskAction, TaskState
-from epibus.node import Node
+from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.peer import require_commit
@@ -307,8 +308,7 @@ async def test_a_deadline_passing_expires_open_tasks(
 
         await eventually(states, timeout_s=10)
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await cancel_and_wait([running])
     assert (await alice.locate(later.task_id)).record.state is TaskState.proposed
     with pytest.raises(IllegalTransition, match="terminal"):
         await bob.start(accepted.task_id)
@@ -333,8 +333,7 @@ async def test_auto_accept_takes_only_its_categories_and_records_the_policy(
         await eventually(decided)
         await eventually(lambda: service.stats.left_to_person >= 1)
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await cancel_and_wait([running])
     accepted = (await alice.locate(routine.task_id)).record
     assert (accepted.decided_by, accepted.decided_policy, accepted.assignee) == (
         "coord",
@@ -364,8 +363,7 @@ async def test_capability_match_assigns_the_least_loaded_capable_agent_or_declin
 
         await eventually(all_decided)
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await cancel_and_wait([running])
     assert (await alice.locate(db.task_id)).record.assignee == "carol"
     assert (await alice.locate(py1.task_id)).record.assignee == "bob"  # carol already has one open task
     declined = (await alice.locate(gpu.task_id)).record
@@ -415,3 +413,32 @@ async def test_every_revision_of_a_task_stays_in_the_bucket_for_watchers(
     info = await alice.client.js.stream_info(MESH_STREAM)
     assert info.config.max_msgs_per_subject == 64
     assert len(await revisions_of(alice, project, task)) == 3
+
+
+async def test_a_node_runs_the_coordinators_it_is_configured_with(
+    mesh_as: MeshFactory, project: str, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    alice = await mesh_as("alice")
+    config = NodeConfig(
+        home=tmp_path / "node",
+        nats_url=nats_server.url,
+        mirror="off",
+        agent="eco",
+        coordinate=((project, "auto-accept:operational"),),
+    )
+    with pytest.raises(Forbidden, match="not among its coordinators"):
+        async with Node(config):
+            pass
+    await alice.add_coordinator(project, "eco")
+    async with Node(config) as node:
+        assert [c.policy.name for c in node.coordinators] == ["auto-accept:operational"]
+        task = (await alice.propose(project, "restart", "s", category="operational", agents=["bob"])).record.task_id
+
+        async def accepted() -> bool:
+            return (await alice.locate(task)).record.state is TaskState.accepted
+
+        await eventually(accepted)
+    assert (await alice.locate(task)).record.decided_by == "eco"
+    with pytest.raises(Exception, match="allowed: manual"):
+        async with Node(config.__class__(**{**config.__dict__, "coordinate": ((project, "sometimes"),)})):
+            pass

@@ -14,6 +14,7 @@ import pytest
 
 from bus.client import connect
 from bus.server import NatsServer
+from bus.tasks import cancel_and_wait
 from mesh.agent import MeshAgent
 from mesh.peer import Inbox, Notification, NotificationLog
 from mesh.store import TaskEntry
@@ -70,8 +71,7 @@ async def test_an_inbox_stopped_and_restarted_mid_stream_neither_misses_nor_repe
     watching = await run_inbox(bob, path, project)
     producing = asyncio.create_task(traffic())
     await eventually(lambda: len(logged(path)) >= 8, timeout_s=20)
-    watching.cancel()  # stopped mid-stream, while traffic goes on
-    await asyncio.gather(watching, return_exceptions=True)
+    await cancel_and_wait([watching])  # stopped mid-stream, while traffic goes on
     stopped_at = len(logged(path))
     await asyncio.sleep(0.3)
     watching = await run_inbox(bob, path, project)
@@ -80,8 +80,7 @@ async def test_an_inbox_stopped_and_restarted_mid_stream_neither_misses_nor_repe
         await eventually(lambda: len(logged(path)) >= 2 * n, timeout_s=20)
         await asyncio.sleep(0.5)  # anything repeated would arrive now
     finally:
-        watching.cancel()
-        await asyncio.gather(watching, return_exceptions=True)
+        await cancel_and_wait([watching])
 
     notes = logged(path)
     assert stopped_at < 2 * n
@@ -119,8 +118,7 @@ async def test_a_watcher_cut_off_by_a_server_restart_resumes_from_its_last_revis
         await eventually(lambda: len(seen) == 10, timeout_s=30)
         await asyncio.sleep(0.5)
     finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+        await cancel_and_wait([running])
     assert len(seen) == len(set(seen)) == 10 and seen == sorted(seen)
     assert watcher.stats.errors >= 1 and watcher.stats.resubscribed >= 2
 
