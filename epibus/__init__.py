@@ -5,6 +5,7 @@ from bus.errors import (
     ConfigError,
     Conflict,
     EpibusError,
+    Forbidden,
     IllegalTransition,
     InvalidEvent,
     ModelMismatch,
@@ -16,11 +17,15 @@ from bus.publish import Receipt
 from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
 from epibus import sync
 from epibus.node import Node, NodeConfig
+from mesh.agent import MeshAgent, Outcome
+from mesh.coordinator import Coordinator, parse_policy
+from mesh.peer import Inbox, Notification
 from observers import reads
 from observers.journal import EventQuery, Journal, JournalRow
 
 __all__ = [
     "Body",
+    "Coordinator",
     "ConfigError",
     "Conflict",
     "Envelope",
@@ -28,15 +33,20 @@ __all__ = [
     "EpibusError",
     "EpistemicSource",
     "EventQuery",
+    "Forbidden",
     "Evidence",
     "IllegalTransition",
     "InvalidEvent",
     "Journal",
+    "Inbox",
     "JournalRow",
+    "MeshAgent",
     "ModelMismatch",
     "Node",
     "NodeConfig",
     "NotFound",
+    "Notification",
+    "Outcome",
     "Receipt",
     "ReceiptLevel",
     "ResolutionKind",
@@ -44,6 +54,7 @@ __all__ = [
     "Trust",
     "Unavailable",
     "connect",
+    "parse_policy",
     "reads",
     "register_kind",
     "sync",

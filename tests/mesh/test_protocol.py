@@ -233,3 +233,17 @@ def test_a_proposal_must_come_from_its_proposer() -> None:
 def test_a_title_over_200_characters_is_refused_naming_the_field() -> None:
     with pytest.raises(InvalidEvent, match="title"):
         parse_message(message(A.propose, proposal=proposal(title="x" * 201)))
+
+
+def test_the_readme_shows_the_transition_table_the_code_applies() -> None:
+    from pathlib import Path
+
+    from mesh.protocol import TRANSITIONS
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for action, move in TRANSITIONS.items():
+        sources = ", ".join(sorted(s.value for s in move.sources)) or "(none: creates the task)"
+        roles = " or ".join(sorted(r.value for r in move.roles))
+        assert f"| `{action}` | {sources} | {move.target} | {roles} |" in readme
+    for state, a2a in A2A_STATE.items():
+        assert f"| {state} | {a2a} |" in readme
