@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import tempfile
 import time
 import uuid
@@ -37,10 +36,7 @@ from observers.mirror.embed import FastEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.store import Filter, Point
 
-WORDS = (
-    "cache deploy latency queue shard replica index backup certificate timeout retry pool socket lock "
-    "migration schema tenant quota budget alert disk memory thread kernel driver network packet"
-).split()
+WORDS = ["cache", "deploy", "latency", "queue", "shard", "replica", "index", "backup", "certificate", "timeout", "retry", "pool", "socket", "lock", "migration", "schema", "tenant", "quota", "budget", "alert", "disk", "memory", "thread", "kernel", "driver", "network", "packet"]
 
 
 def texts(n: int, seed: int = 7) -> list[str]:
