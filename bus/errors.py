@@ -53,9 +53,12 @@ class Forbidden(EpibusError, PermissionError):
 class Conflict(EpibusError):
     """Another writer got there first (expected sequence or revision); re-read and retry deliberately."""
 
-    def __init__(self, what: str, detail: str, fix: str = "re-read the current state and retry") -> None:
+    def __init__(
+        self, what: str, detail: str, fix: str = "re-read the current state and retry", *, lost_race: bool = False
+    ) -> None:
         self.what = what
         self.detail = detail
+        self.lost_race = lost_race  # a compare-and-set another writer won: re-reading and deciding again is safe
         super().__init__(f"conflict on {what}: {detail}; {fix}")
 
 

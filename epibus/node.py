@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,6 +35,8 @@ from bus.tasks import cancel_and_wait
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
+from mesh.recorder import MeshRecorder
+from mesh.watch import FileCursor
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -63,6 +66,18 @@ class NodeConfig:
     coordinate: tuple[tuple[str, str], ...] = ()
 
 
+async def supervised(name: str, run: Callable[[], Awaitable[None]], *, restart_after_s: float = 5.0) -> None:
+    """Run a service loop; if it fails, log it loudly and start it again, so one service's failure never
+    takes the node's other services (journal, forwarder, mirror) down with it."""
+    while True:
+        try:
+            await run()
+            return
+        except EpibusError as e:
+            log.error("%s failed: %s; restarting in %.0fs", name, e, restart_after_s)
+        await asyncio.sleep(restart_after_s)
+
+
 class Node:
     """`async with Node(config) as node:` runs everything until the block exits (or the task is cancelled)."""
 
@@ -86,6 +101,7 @@ class Node:
         self._streams_ready = False
         self.server_restarts = 0
         self.coordinators: list[Coordinator] = []
+        self.recorder: MeshRecorder | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -150,6 +166,8 @@ class Node:
             self._tasks.append(self._mirror_task)
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
+        self.recorder = MeshRecorder(lambda: self._require_js(), cursor=FileCursor(home / "mesh" / "recorder.cursor"))
+        self._tasks.append(group.create_task(supervised("mesh recorder", self.recorder.run)))
         if self.config.coordinate:
             await self._start_coordinators(group, servers)
         if self.config.record:
@@ -175,10 +193,18 @@ class Node:
         self._stack.push_async_callback(client.close)
         mesh = MeshAgent(client)
         for project, policy in policies:
-            service = Coordinator(mesh, project, policy)
+            cursor = FileCursor(self.config.home / "mesh" / f"coordinator-{self.config.agent}-{project}.cursor")
+            service = Coordinator(mesh, project, policy, cursor=cursor)
             await service.check()
             self.coordinators.append(service)
-        self._tasks += [group.create_task(service.run()) for service in self.coordinators]
+        for service in self.coordinators:
+            name = f"coordinator {self.config.agent} of {service.project}"
+            self._tasks.append(group.create_task(supervised(name, service.run)))
+
+    def _require_js(self) -> JetStreamContext:
+        if self.js is None:
+            raise Unavailable("nats", "the node is not connected")
+        return self.js
 
     def _jetstream_if_connected(self) -> JetStreamContext | None:
         return self.js if self.nc is not None and self.nc.is_connected else None

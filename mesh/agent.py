@@ -19,10 +19,10 @@ from pydantic import ValidationError
 from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Evidence, raise_for_validation
-from bus.ids import derived_event_id, new_event_id
+from bus.ids import new_event_id
 from bus.publish import Receipt
-from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
-from mesh.events import COORDINATORS_KIND, TASK_KIND, CoordinatorsEventBody, task_event_body
+from bus.vocab import ActionCategory, TaskAction, TaskState
+from mesh.events import COORDINATORS_KIND, CoordinatorsEventBody, step_event, unsigned_step_event
 from mesh.protocol import (
     Message,
     Step,
@@ -30,9 +30,19 @@ from mesh.protocol import (
     TaskRecord,
     advance,
     child_task_id,
+    counter_opening,
+    message_digest,
     parse_message,
 )
-from mesh.store import AgentCapabilities, MeshStore, Roster, TaskEntry, retry_on_conflict, utc_now
+from mesh.store import (
+    AgentCapabilities,
+    MeshStore,
+    Roster,
+    TaskEntry,
+    ensure_counter_task,
+    retry_on_conflict,
+    utc_now,
+)
 
 KEEP_APPLIED_IDS = 256  # roster message ids remembered for idempotency
 
@@ -101,69 +111,49 @@ class MeshAgent:
                     f"`epibus mesh coordinators add --project {message.project} AGENT`",
                 )
             current = entry.record if entry is not None else None
-            record = advance(current, message, coordinators=frozenset(roster.coordinators), now=self.clock())
+            record = self._signed(
+                advance(current, message, coordinators=frozenset(roster.coordinators), now=self.clock())
+            )
             revision = await self.store.write_task(record, last=entry.revision if entry is not None else 0)
             return await self._follow_up(TaskEntry(record, revision), len(record.steps) - 1, duplicate=False)
 
         return await retry_on_conflict(attempt, what=f"task {message.task_id}")
 
     async def _replay(self, entry: TaskEntry, step: Step, message: Message) -> Outcome:
-        if (step.action, step.actor) != (message.action, message.sender):
+        same = (step.action, step.actor) == (message.action, message.sender)
+        if not same or (step.digest is not None and step.digest != message_digest(message)):
             raise Conflict(
                 f"message {message.message_id}",
-                f"it was already applied to task {message.task_id} as {step.action} by {step.actor}",
+                f"it was already applied to task {message.task_id} as {step.action} by {step.actor}, "
+                "with other content",
                 fix="send a new message id for a new message",
             )
         return await self._follow_up(entry, entry.record.steps.index(step), duplicate=True)
 
+    def _signed(self, record: TaskRecord) -> TaskRecord:
+        """The record with its newest step signed (and, for a change, the counter-proposal's opening step)."""
+        step = record.last_step
+        if step.action is TaskAction.change and step.counter is not None:
+            opening = TaskRecord(proposal=step.counter, state=TaskState.proposed, steps=(counter_opening(step),))
+            step = step.model_copy(update={"counter_opening": self._signed(opening).steps[0]})
+            record = record.model_copy(update={"steps": (*record.steps[:-1], step)})
+        index = len(record.steps) - 1
+        event = self.client.key.sign(unsigned_step_event(record, index, self.client.key.actor, self.client.session_id))
+        signed = step.model_copy(
+            update={"public_key": event.actor.public_key, "session_id": event.session_id, "signature": event.signature}
+        )
+        return record.model_copy(update={"steps": (*record.steps[:-1], signed)})
+
     async def _follow_up(self, entry: TaskEntry, index: int, *, duplicate: bool) -> Outcome:
-        """What a step entails beyond its KV write, done again on a replay (each part is idempotent): the
-        counter-proposal task of a change, and the events."""
+        """What a step entails beyond its KV write, done again on a replay (each part is idempotent, and the
+        node's MeshRecorder does the same from the bucket if this agent stops first): the step's event, and
+        for a change the counter-proposal task and its event."""
         record, step = entry.record, entry.record.steps[index]
-        receipts = [await self._publish_step(record, index)]
+        receipts = [await self.client.publish(step_event(record, index))]
         if step.action is TaskAction.change:
-            child = await self._ensure_counter_task(record, step)
-            receipts.append(await self._publish_step(child, 0))
+            child = await ensure_counter_task(self.store, step)
+            receipts.append(await self.client.publish(step_event(child, 0)))
         return Outcome(record, entry.revision, step, duplicate, tuple(receipts))
-
-    async def _ensure_counter_task(self, parent: TaskRecord, step: Step) -> TaskRecord:
-        assert step.counter is not None
-        child = TaskRecord(
-            proposal=step.counter,
-            state=TaskState.proposed,
-            steps=(
-                Step(
-                    message_id=derived_event_id(step.message_id, "counter-proposal"),
-                    action=TaskAction.propose,
-                    actor=step.actor,
-                    roles=(MeshRole.coordinator,),
-                    from_state=None,
-                    to_state=TaskState.proposed,
-                    at=step.at,
-                    reason=step.reason,
-                    policy=step.policy,
-                ),
-            ),
-        )
-        try:
-            await self.store.write_task(child, last=0)
-        except Conflict:
-            existing = await self.store.get_task(child.proposal.project, child.task_id)
-            if existing is None or existing.record.steps[0].message_id != child.steps[0].message_id:
-                raise
-            return existing.record
-        return child
-
-    async def _publish_step(self, record: TaskRecord, index: int) -> Receipt:
-        step = record.steps[index]
-        event = self.client.event(
-            TASK_KIND,
-            task_event_body(record, index),
-            project=record.proposal.project,
-            event_id=step.message_id,
-            recorded_at=step.at,
-        )
-        return await self.client.publish(event)
 
     def message(self, action: TaskAction, project: str, task_id: str, **fields: Any) -> Message:
         """A validated message from this agent; InvalidEvent names the task and the field."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from bus.errors import ConfigError, Forbidden, IllegalTransition, NotFound
+from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
 from bus.tasks import cancel_and_wait
 from bus.vocab import ActionCategory, TaskAction, TaskState
@@ -217,9 +217,11 @@ class Coordinator:
             self.stats.lost_races += 1  # another coordinator decided first, or the deadline passed
             log.info("coordinator %s: %s", self.mesh.agent, e)
             return
-        except Forbidden as e:
+        except (Forbidden, Conflict, InvalidEvent, NotFound) as e:
+            # No longer a coordinator, a replayed decision the policy now makes differently, a policy's pick
+            # the protocol refuses: the proposal stays for a person; counted and logged, the service goes on.
             self.stats.refused += 1
-            log.warning("coordinator %s: %s", self.mesh.agent, e)
+            log.warning("coordinator %s: decision on task %s refused: %s", self.mesh.agent, record.task_id, e)
             return
         self.stats.decided[decision.action] += 1
 
@@ -245,6 +247,10 @@ class Coordinator:
                 await self.mesh.expire(entry.record.task_id, project=self.project, message_id=message_id)
             except (IllegalTransition, NotFound) as e:
                 log.info("coordinator %s: %s", self.mesh.agent, e)  # it moved on meanwhile
+                continue
+            except (Forbidden, Conflict, InvalidEvent) as e:
+                self.stats.refused += 1
+                log.warning("coordinator %s: expiring task %s refused: %s", self.mesh.agent, entry.record.task_id, e)
                 continue
             expired += 1
         self.stats.expired += expired

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from bus.event import AgentId, Body, Evidence, ShortText, Text, register_kind
+from bus.errors import InvalidEvent
+from bus.event import Actor, AgentId, Body, Envelope, Evidence, ShortText, Text, register_kind, validate_event
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 from mesh.protocol import CommitSha, TaskId, TaskRecord
 
@@ -91,4 +92,43 @@ def task_event_body(record: TaskRecord, index: int) -> TaskEventBody:
         sha=completion.sha if completion else None,
         evidence=completion.evidence if completion else (),
         note=completion.note if completion else None,
+    )
+
+
+def step_event(record: TaskRecord, index: int) -> Envelope:
+    """The signed event of the record's step at `index`, rebuilt byte for byte from the record: the event id
+    is the step's message id, the signature the one the actor stored with the step. Raises InvalidEvent for a
+    step that carries no signature."""
+    step = record.steps[index]
+    if step.signature is None or step.public_key is None or step.session_id is None:
+        raise InvalidEvent(f"task {record.task_id} step {index + 1}", "carries no signature; it has no event")
+    return validate_event(
+        {
+            "event_id": step.message_id,
+            "project": record.proposal.project,
+            "kind": TASK_KIND,
+            "artifact_id": str(step.message_id),
+            "actor": Actor(agent_id=step.actor, public_key=step.public_key),
+            "session_id": step.session_id,
+            "recorded_at": step.at,
+            "body": task_event_body(record, index),
+            "signature": step.signature,
+        }
+    )
+
+
+def unsigned_step_event(record: TaskRecord, index: int, actor: Actor, session_id: str) -> Envelope:
+    """The step's event before its actor signs it."""
+    step = record.steps[index]
+    return validate_event(
+        {
+            "event_id": step.message_id,
+            "project": record.proposal.project,
+            "kind": TASK_KIND,
+            "artifact_id": str(step.message_id),
+            "actor": actor,
+            "session_id": session_id,
+            "recorded_at": step.at,
+            "body": task_event_body(record, index),
+        }
     )

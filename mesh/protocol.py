@@ -6,6 +6,7 @@ tests drive the full matrix through it, and the CLI's errors come from it."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from dataclasses import dataclass
@@ -15,7 +16,18 @@ from typing import Annotated, Any
 from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
 
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
-from bus.event import AgentId, Evidence, Model, ProjectSlug, ShortText, Text, raise_for_validation
+from bus.event import (
+    AgentId,
+    Evidence,
+    Model,
+    ProjectSlug,
+    PublicKey,
+    ShortText,
+    Text,
+    canonical_json,
+    raise_for_validation,
+)
+from bus.ids import derived_event_id
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -98,6 +110,13 @@ class Step(Model):
     policy: ShortText | None = None
     child_id: TaskId | None = None
     counter: Proposal | None = None  # change: the counter-proposal the child task carries
+    counter_opening: Step | None = None  # change: the child's first step, signed, so anyone can create it
+    # The step's event, signed by its actor (mesh.events.step_event rebuilds it): any node can publish it, and
+    # nobody without the actor's key can forge a step that a recorder would publish.
+    public_key: PublicKey | None = None
+    session_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    signature: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")] | None = None
+    digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None  # of the message
 
 
 class TaskRecord(Model):
@@ -193,6 +212,11 @@ def roles_of(
     return roles
 
 
+def message_digest(message: Message) -> str:
+    """What a retried message must match: the same id with other content is a different message."""
+    return hashlib.sha256(canonical_json(message.model_dump(mode="json"))).hexdigest()
+
+
 def child_task_id(message_id: uuid.UUID) -> str:
     """The id of the counter-proposal a `change` message creates: derived from the message, so a retried
     change creates the same child, never a second one."""
@@ -250,6 +274,7 @@ def advance(record: TaskRecord | None, message: Message, *, coordinators: frozen
         policy=message.policy if action in DECISIONS else None,
         child_id=child_task_id(message.message_id) if action is TaskAction.change else None,
         counter=message.proposal if action is TaskAction.change else None,
+        digest=message_digest(message),
     )
     if record is None:
         assert message.proposal is not None
@@ -266,6 +291,31 @@ def advance(record: TaskRecord | None, message: Message, *, coordinators: frozen
     if message.reason is not None:
         changes["reason"] = message.reason
     return record.model_copy(update=changes)
+
+
+def counter_opening(change: Step) -> Step:
+    """The first (unsigned) step of the counter-proposal a `change` step creates: proposed by the coordinator
+    on the original proposer's behalf, with a message id derived from the change's."""
+    if change.counter is None:
+        raise InvalidEvent(f"step {change.message_id}", "is not a change: it carries no counter-proposal")
+    return Step(
+        message_id=derived_event_id(change.message_id, "counter-proposal"),
+        action=TaskAction.propose,
+        actor=change.actor,
+        roles=(MeshRole.coordinator,),
+        from_state=None,
+        to_state=TaskState.proposed,
+        at=change.at,
+        reason=change.reason,
+        policy=change.policy,
+    )
+
+
+def counter_record(change: Step) -> TaskRecord:
+    """The counter-proposal task of a `change` step, as its signed opening step describes it."""
+    if change.counter is None or change.counter_opening is None:
+        raise InvalidEvent(f"step {change.message_id}", "is not a change with a signed counter-proposal")
+    return TaskRecord(proposal=change.counter, state=TaskState.proposed, steps=(change.counter_opening,))
 
 
 def _who_may(move: Move, record: TaskRecord | None, coordinators: frozenset[str], project: str) -> str:

@@ -32,7 +32,7 @@ from bus.subjects import (
     task_key,
     tasks_key_filter,
 )
-from mesh.protocol import Capability, TaskRecord
+from mesh.protocol import Capability, Step, TaskRecord, counter_record
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -138,7 +138,9 @@ class MeshStore:
             try:
                 return await kv.update(key, value, last=last)
             except nats.js.errors.KeyWrongLastSequenceError as e:
-                raise Conflict(f"mesh key {key}", f"revision {last} is no longer current ({e.description})") from e
+                raise Conflict(
+                    f"mesh key {key}", f"revision {last} is no longer current ({e.description})", lost_race=True
+                ) from e
 
     # -- tasks -----------------------------------------------------------------------------------------
 
@@ -215,17 +217,34 @@ class MeshStore:
         return found
 
 
+async def ensure_counter_task(store: MeshStore, change: Step) -> TaskRecord:
+    """Create the counter-proposal task a `change` step describes, unless it exists (idempotent)."""
+    child = counter_record(change)
+    try:
+        await store.write_task(child, last=0)
+    except Conflict:
+        existing = await store.get_task(child.proposal.project, child.task_id)
+        if existing is None or existing.record.steps[0].message_id != child.steps[0].message_id:
+            raise
+        return existing.record
+    return child
+
+
 async def retry_on_conflict(attempt: Callable[[], Awaitable[T]], *, what: str, attempts: int = 8) -> T:
     """Re-run a read-decide-write `attempt` when its compare-and-set lost a race: each run re-reads, so the
     loser re-decides against the winner's state (never a blind retry of the same write)."""
     for _ in range(attempts - 1):
         try:
             return await attempt()
-        except Conflict:
+        except Conflict as e:
+            if not e.lost_race:
+                raise
             await asyncio.sleep(0)
     try:
         return await attempt()
     except Conflict as e:
+        if not e.lost_race:
+            raise
         raise Conflict(what, f"still contended after {attempts} attempts ({e.detail})") from e
 
 

@@ -596,7 +596,8 @@ def coordinate(
     chosen = parse_policy(policy)
 
     async def work(mesh: MeshAgent) -> None:
-        service = Coordinator(mesh, project, chosen, sweep_interval_s=sweep)
+        cursor = FileCursor(epibus_home(home) / "mesh" / f"coordinator-{mesh.agent}-{project}.cursor")
+        service = Coordinator(mesh, project, chosen, sweep_interval_s=sweep, cursor=cursor)
         await service.check()
         if as_json:
             emit_json(
@@ -610,6 +611,8 @@ def coordinate(
             "left_to_person": service.stats.left_to_person,
             "lost_races": service.stats.lost_races,
             "expired": service.stats.expired,
+            "refused": service.stats.refused,
+            "sweep_errors": service.stats.sweep_errors,
         }
         if as_json:
             emit_json({"ok": True, "status": "stopped", **figures})

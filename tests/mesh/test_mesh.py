@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bus.client import connect
-from bus.errors import Forbidden, IllegalTransition, InvalidEvent, NotFound
+from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
@@ -221,9 +221,12 @@ async def test_change_counter_proposes_a_linked_task_that_then_runs_normally(
     assert change_event["child_id"] == child_id and child_event["parent_id"] == parent.task_id
     assert child_event["actor"] == "coord" and child_event["proposer"] == "alice"
 
-    retried = await coord.change(parent.task_id, message_id=changed.step.message_id, title="rewrite the hot loop")
+    same = {"title": "rewrite the hot loop", "category": "tactical", "reason": "smaller"}
+    retried = await coord.change(parent.task_id, message_id=changed.step.message_id, **same)
     assert retried.duplicate and retried.step.child_id == child_id  # a retried change makes no second child
     assert len([e for e in await task_events(alice, project) if e["action"] == "change"]) == 1
+    with pytest.raises(Conflict, match="with other content"):
+        await coord.change(parent.task_id, message_id=changed.step.message_id, **(same | {"title": "other"}))
 
 
 async def test_bad_input_gets_a_clear_error_and_writes_nothing(

@@ -1,0 +1,97 @@
+"""The node's safety net for the mesh: every task step in the bucket reaches the stream as its event, and every
+change's counter-proposal task exists, even when the agent that wrote the step stopped right after its KV
+write. Steps are signed by their actors (mesh.protocol.Step.signature), so the recorder republishes them
+verbatim and cannot be used to forge one: a step whose signature does not verify, or whose key is not the one
+registered for its agent, is counted and logged, never published."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+
+from bus.errors import Conflict, InvalidEvent
+from bus.event import Envelope, encode_event
+from bus.jetstream import JS_TIMEOUT_S, AgentRegistry, ensure_streams
+from bus.outbox import OutboxRow
+from bus.publish import send_one
+from bus.signing import verify_signature
+from bus.subjects import event_subject
+from bus.vocab import TaskAction
+from mesh.events import step_event
+from mesh.store import MeshStore, TaskEntry, ensure_counter_task
+from mesh.watch import Cursor, TaskWatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecorderStats:
+    published: int = 0
+    duplicates: int = 0  # already on the stream (the agent published it): the usual case
+    children_created: int = 0
+    unsigned: int = 0
+    forged: int = 0
+    refused: int = 0
+
+
+class MeshRecorder:
+    """Follows every task revision from a cursor and publishes the step each revision added."""
+
+    def __init__(self, js: Callable[[], JetStreamContext], *, cursor: Cursor | None = None) -> None:
+        self._js = js
+        self.stats = RecorderStats()
+        self.watcher = TaskWatcher(js, self._on_revision, cursor=cursor, name="mesh-recorder")
+        self._registry: AgentRegistry | None = None
+        self._streams_ready = False
+
+    async def run(self) -> None:
+        await self.watcher.run()
+
+    async def _on_revision(self, entry: TaskEntry) -> None:
+        record = entry.record
+        index = len(record.steps) - 1  # each write adds exactly one step
+        step = record.steps[index]
+        try:
+            event = step_event(record, index)
+            verify_signature(event)
+            await self._registry_for().bind(event.actor)
+        except (InvalidEvent, Conflict) as e:  # unsigned, a bad signature, or a key not the agent's
+            if step.signature is None:
+                self.stats.unsigned += 1
+            else:
+                self.stats.forged += 1
+            log.error("mesh recorder: revision %d of task %s not published: %s", entry.revision, record.task_id, e)
+            return
+        try:
+            await self._publish(event)
+        except InvalidEvent as e:  # JetStream refused it (e.g. over the stream's message size): kept in KV
+            self.stats.refused += 1
+            log.error("mesh recorder: revision %d of task %s refused: %s", entry.revision, record.task_id, e)
+            return
+        if step.action is TaskAction.change and step.child_id is not None:
+            store = MeshStore(self._js())
+            if await store.get_task(record.proposal.project, step.child_id) is None:
+                await ensure_counter_task(store, step)
+                self.stats.children_created += 1
+
+    def _registry_for(self) -> AgentRegistry:
+        if self._registry is None:
+            self._registry = AgentRegistry(self._js())
+        return self._registry
+
+    async def _publish(self, event: Envelope) -> None:
+        """Publish with the event id as Nats-Msg-Id: a step its agent already published is a duplicate."""
+        js = self._js()
+        if not self._streams_ready:
+            await ensure_streams(js)
+            self._streams_ready = True
+        event_id = str(event.event_id)
+        row = OutboxRow(event_id, event_subject(event.project, event.kind, event.artifact_id), encode_event(event))
+        ack = await send_one(js, row, timeout_s=JS_TIMEOUT_S)
+        if ack.duplicate:
+            self.stats.duplicates += 1
+        else:
+            self.stats.published += 1

@@ -1,0 +1,150 @@
+"""The node's mesh recorder: a step written to the bucket reaches the stream even when its agent stopped
+before publishing, a change's counter-proposal is created even when its coordinator stopped first, and a
+step nobody signed (or signed with another agent's key) is never published."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import nkeys
+import pytest
+
+from bus.client import connect
+from bus.errors import Unavailable
+from bus.event import decode_event
+from bus.ids import new_event_id
+from bus.reader import read_stream
+from bus.server import NatsServer
+from bus.signing import AgentKey
+from bus.subjects import STREAM, events_filter
+from bus.vocab import MeshRole, TaskAction, TaskState
+from epibus.node import Node
+from mesh.agent import MeshAgent
+from mesh.events import unsigned_step_event
+from mesh.protocol import Step
+from tests.support import eventually, journal_rows_of_kind
+
+MeshFactory = Callable[[str], Awaitable[MeshAgent]]
+
+
+@pytest.fixture
+async def mesh_as(nats_server: NatsServer, home: Path) -> AsyncIterator[MeshFactory]:
+    async with AsyncExitStack() as stack:
+
+        async def make(agent: str) -> MeshAgent:
+            client = await stack.enter_async_context(connect(nats_server.url, agent=agent, home=home, outbox=False))
+            return MeshAgent(client)
+
+        yield make
+
+
+def stop_after_the_kv_write(mesh: MeshAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's process 'dies' between its KV write and its publish: every publish fails."""
+
+    async def unavailable(*_args: Any, **_kwargs: Any) -> None:
+        raise Unavailable("nats", "the agent stopped before publishing")
+
+    monkeypatch.setattr(mesh.client, "publish", unavailable)
+
+
+async def stream_task_events(mesh: MeshAgent, project: str) -> dict[str, str]:
+    """event id → action, read from the stream."""
+    found: dict[str, str] = {}
+    async for batch in read_stream(mesh.client.js, STREAM, filter_subject=events_filter(project, "task")):
+        for msg in batch:
+            event = decode_event(msg.data)
+            found[str(event.event_id)] = event.body.model_dump()["action"]
+    return found
+
+
+async def test_a_step_its_agent_never_published_reaches_the_stream_and_the_journal(
+    mesh_as: MeshFactory, project: str, node: Node, sqlite_journal_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, coord = await mesh_as("alice"), await mesh_as("coord")
+    await coord.add_coordinator(project, "coord")
+    stop_after_the_kv_write(alice, monkeypatch)
+    message_id = new_event_id()
+    with pytest.raises(Unavailable):
+        await alice.propose(project, "t", "s", category="operational", agents=["bob"], message_id=message_id)
+    entry = await coord.locate(str(message_id), project)  # the KV write happened
+    assert entry.record.state is TaskState.proposed
+
+    async def recorded() -> dict[str, str]:
+        return await stream_task_events(coord, project)
+
+    assert await eventually(recorded) == {str(message_id): "propose"}
+
+    def journaled() -> list[tuple[str, dict[str, Any], str, str]]:
+        return journal_rows_of_kind(sqlite_journal_url, project, "task")
+
+    rows = await eventually(journaled)
+    assert [(r[0], r[2]) for r in rows] == [(str(message_id), "alice")]  # alice's signature, verified by the journal
+    assert node.recorder is not None and node.recorder.stats.forged == 0
+
+
+async def test_a_counter_proposal_its_coordinator_never_created_is_created_by_the_recorder(
+    mesh_as: MeshFactory, project: str, node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, coord = await mesh_as("alice"), await mesh_as("coord")
+    await coord.add_coordinator(project, "coord")
+    parent = (await alice.propose(project, "big", "s", category="strategic", agents=["bob"])).record
+    stop_after_the_kv_write(coord, monkeypatch)
+    with pytest.raises(Unavailable):
+        await coord.change(parent.task_id, title="smaller", reason="too big")
+    changed = (await alice.locate(parent.task_id, project)).record
+    assert changed.state is TaskState.changed and changed.child_id is not None
+
+    async def child_exists() -> bool:
+        return await alice.store.get_task(project, changed.child_id or "") is not None
+
+    await eventually(child_exists)
+    child = (await alice.locate(changed.child_id, project)).record
+    assert (child.proposal.title, child.proposal.proposer, child.proposal.parent_id) == (
+        "smaller",
+        "alice",
+        parent.task_id,
+    )
+    events = await eventually(lambda: _with_n(stream_task_events(alice, project), 3))
+    assert sorted(events.values()) == ["change", "propose", "propose"]
+    assert node.recorder is not None and node.recorder.stats.children_created == 1
+
+
+async def _with_n(found: Awaitable[dict[str, str]], n: int) -> dict[str, str] | None:
+    events = await found
+    return events if len(events) == n else None
+
+
+async def test_a_step_signed_with_another_agents_key_is_never_published(
+    mesh_as: MeshFactory, project: str, node: Node
+) -> None:
+    alice, coord = await mesh_as("alice"), await mesh_as("coord")
+    await coord.add_coordinator(project, "coord")
+    entry = (await alice.propose(project, "t", "s", category="operational", agents=["mallory"])).record
+    # mallory writes an acceptance in coord's name straight into the bucket, signed with her own key
+    mallory = AgentKey("coord", nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))  # coord's name, her key
+    step = Step(
+        message_id=new_event_id(),
+        action=TaskAction.accept,
+        actor="coord",
+        roles=(MeshRole.coordinator,),
+        from_state=TaskState.proposed,
+        to_state=TaskState.accepted,
+        at=entry.steps[0].at,
+        assignee="mallory",
+    )
+    forged = entry.model_copy(
+        update={"state": TaskState.accepted, "assignee": "mallory", "steps": (*entry.steps, step)}
+    )
+    signed = mallory.sign(unsigned_step_event(forged, 1, mallory.actor, "s1"))
+    step = step.model_copy(
+        update={"public_key": mallory.actor.public_key, "session_id": "s1", "signature": signed.signature}
+    )
+    forged = forged.model_copy(update={"steps": (*entry.steps, step)})
+    current = await alice.locate(entry.task_id, project)
+    await alice.store.write_task(forged, last=current.revision)
+    await eventually(lambda: node.recorder is not None and node.recorder.stats.forged == 1)
+    assert str(step.message_id) not in await stream_task_events(alice, project)
