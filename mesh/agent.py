@@ -107,7 +107,8 @@ class MeshAgent:
                 raise NotFound(
                     "project",
                     message.project,
-                    "it has no coordinators, so nobody could decide the proposal; add one with "
+                    f"task {message.task_id} cannot be proposed: the project has no coordinators to decide it; add "
+                    "one with "
                     f"`epibus mesh coordinators add --project {message.project} AGENT`",
                 )
             current = entry.record if entry is not None else None
@@ -213,7 +214,14 @@ class MeshAgent:
     async def _act(self, action: TaskAction, task_id: str, project: str | None, **fields: Any) -> Outcome:
         if project is None:
             project = (await self.locate(task_id)).record.proposal.project
-        return await self.send(self.message(action, project, task_id, **fields))
+        try:
+            message = self.message(action, project, task_id, **fields)
+        except InvalidEvent as e:  # name the task's state too (read only on this error path)
+            entry = await self.store.get_task(project, task_id)
+            state = entry.record.state.value if entry is not None else "absent"
+            where = e.field.replace(f"task {task_id} ", f"task {task_id} ({state}) ", 1)
+            raise InvalidEvent(where, e.problem, allowed=e.allowed) from e
+        return await self.send(message)
 
     async def accept(
         self,

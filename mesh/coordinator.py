@@ -85,14 +85,19 @@ class AutoAcceptPolicy:
 
 
 async def match_assignee(record: TaskRecord, mesh: MeshAgent) -> str | None:
+    """The one targeted agent; else the least-loaded agent that is targeted (if any are) and advertises every
+    capability needed; None when nobody qualifies or there is nothing to match on."""
     targets = record.proposal.targets
     needed = frozenset(targets.capabilities)
-    if not needed:
-        return targets.agents[0] if len(targets.agents) == 1 else None
-    advertised = await mesh.store.all_capabilities()
-    candidates = [a for a, caps in advertised.items() if needed <= frozenset(caps)]
-    if targets.agents:
-        candidates = [a for a in candidates if a in targets.agents]
+    if not needed and len(targets.agents) <= 1:
+        return targets.agents[0] if targets.agents else None
+    if needed:
+        advertised = await mesh.store.all_capabilities()
+        candidates = [a for a, caps in advertised.items() if needed <= frozenset(caps)]
+        if targets.agents:
+            candidates = [a for a in candidates if a in targets.agents]
+    else:
+        candidates = list(targets.agents)
     if not candidates:
         return None
     load = Counter(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.errors import ConfigError, InvalidEvent
+from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.protocol import TaskRecord
@@ -199,15 +199,20 @@ def require_commit(repo: Path, sha: str, *, task: str) -> None:
         )
     except FileNotFoundError as e:
         raise ConfigError("--repo", "git is not installed; install git or complete without --repo") from e
+    except subprocess.TimeoutExpired as e:
+        raise Unavailable("git", f"`git rev-parse` in {repo} took over {GIT_TIMEOUT_S:.0f}s; retry") from e
     if probe.returncode != 0:
         raise ConfigError("--repo", f"{repo} is not a git repository ({probe.stderr.strip()})")
-    found = subprocess.run(
-        ["git", "-C", str(repo), "cat-file", "-e", f"{sha}^{{commit}}"],
-        capture_output=True,
-        text=True,
-        timeout=GIT_TIMEOUT_S,
-        check=False,
-    )
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(repo), "cat-file", "-e", f"{sha}^{{commit}}"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise Unavailable("git", f"`git cat-file` in {repo} took over {GIT_TIMEOUT_S:.0f}s; retry") from e
     if found.returncode != 0:
         raise InvalidEvent(
             f"task {task} complete.sha={sha!r}", f"is not a commit in {repo}; push or fetch it, or check the SHA"

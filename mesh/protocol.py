@@ -228,45 +228,58 @@ def advance(record: TaskRecord | None, message: Message, *, coordinators: frozen
 
     Raises IllegalTransition (not in the table, out of a terminal state, deadline passed), Forbidden (the
     sender lacks the role: e.g. a decision by an agent that is not a coordinator), InvalidEvent (a field the
-    action needs is missing or malformed), NotFound is the caller's (no record for a non-propose action)."""
-    action = message.action
-    move = TRANSITIONS[action]
-    current = record.state if record is not None else None
-    label = current.value if current is not None else "absent"
-    if action is TaskAction.propose:
-        if record is not None:
-            raise IllegalTransition(message.task_id, label, action, "a task with this id already exists", what="task")
-    elif record is None or current not in move.sources:
-        allowed = allowed_actions(current) if current is not None else ["propose"]
-        terminal = " (a terminal state: it has no exit)" if current in TERMINAL else ""
-        raise IllegalTransition(
-            message.task_id,
-            f"{label}{terminal}",
-            action,
-            f"allowed from {label}: {', '.join(allowed) or 'nothing'}",
-            what="task",
-        )
-    roles = roles_of(message.sender, record, message.proposal, coordinators)
-    if not roles & move.roles:
+    action needs is missing or malformed). A missing record for any action but propose is the caller's
+    NotFound."""
+    move = TRANSITIONS[message.action]
+    label = record.state.value if record is not None else "absent"
+    _require_legal(record, message, move, label)
+    roles = roles_of(message.sender, record, message.proposal, coordinators) & move.roles
+    if not roles:
         raise Forbidden(
             message.sender,
-            action.value,
+            message.action.value,
             f"task {message.task_id} ({label})",
             _who_may(move, record, coordinators, message.project),
         )
     _require_fields(message, label)
-    if record is not None:
-        _check_deadline(record, message, now)
-    if action is TaskAction.change:
-        assert record is not None
+    _require_timely(record, message, now)
+    if record is None:
+        if message.proposal is None:
+            raise InvalidEvent(f"task {message.task_id} (absent) propose.proposal", "is required")
+        return TaskRecord(proposal=message.proposal, state=move.target, steps=(_step(None, message, roles, now),))
+    if message.action is TaskAction.change:
         _check_counter(record, message)
-    step = Step(
+    return _applied(record, message, _step(record, message, roles, now))
+
+
+def _require_legal(record: TaskRecord | None, message: Message, move: Move, label: str) -> None:
+    action = message.action
+    if action is TaskAction.propose:
+        if record is not None:
+            raise IllegalTransition(message.task_id, label, action, "a task with this id already exists", what="task")
+        return
+    if record is not None and record.state in move.sources:
+        return
+    allowed = allowed_actions(record.state) if record is not None else ["propose"]
+    terminal = " (a terminal state: it has no exit)" if record is not None and record.terminal else ""
+    raise IllegalTransition(
+        message.task_id,
+        f"{label}{terminal}",
+        action,
+        f"allowed from {label}: {', '.join(allowed) or 'nothing'}",
+        what="task",
+    )
+
+
+def _step(record: TaskRecord | None, message: Message, roles: set[MeshRole], now: datetime) -> Step:
+    action = message.action
+    return Step(
         message_id=message.message_id,
         action=action,
         actor=message.sender,
-        roles=tuple(sorted(roles & move.roles)),
-        from_state=current,
-        to_state=move.target,
+        roles=tuple(sorted(roles)),
+        from_state=record.state if record is not None else None,
+        to_state=TRANSITIONS[action].target,
         at=now,
         assignee=_assignee(record, message) if action is TaskAction.accept else None,
         reason=message.reason,
@@ -276,10 +289,11 @@ def advance(record: TaskRecord | None, message: Message, *, coordinators: frozen
         counter=message.proposal if action is TaskAction.change else None,
         digest=message_digest(message),
     )
-    if record is None:
-        assert message.proposal is not None
-        return TaskRecord(proposal=message.proposal, state=move.target, steps=(step,))
-    changes: dict[str, Any] = {"state": move.target, "steps": (*record.steps, step)}
+
+
+def _applied(record: TaskRecord, message: Message, step: Step) -> TaskRecord:
+    action = message.action
+    changes: dict[str, Any] = {"state": step.to_state, "steps": (*record.steps, step)}
     if action in DECISIONS:
         changes |= {"decided_by": message.sender, "decided_policy": step.policy}
     if action is TaskAction.accept:
@@ -361,7 +375,8 @@ def _check_counter(record: TaskRecord, message: Message) -> None:
 
 
 def _assignee(record: TaskRecord | None, message: Message) -> str:
-    assert record is not None
+    if record is None:
+        raise InvalidEvent(f"task {message.task_id} (absent) accept", "there is no proposal to accept")
     targets = record.proposal.targets
     where = f"task {message.task_id} ({record.state}) accept.assignee"
     if message.assignee is None:
@@ -374,7 +389,16 @@ def _assignee(record: TaskRecord | None, message: Message) -> str:
     return message.assignee
 
 
-def _check_deadline(record: TaskRecord, message: Message, now: datetime) -> None:
+def _require_timely(record: TaskRecord | None, message: Message, now: datetime) -> None:
+    """A proposal's deadline must be ahead; after a deadline an open task may only expire or be canceled."""
+    if record is None:
+        deadline = message.proposal.deadline if message.proposal is not None else None
+        if deadline is not None and deadline <= now:
+            raise InvalidEvent(
+                f"task {message.task_id} (absent) propose.deadline={deadline.isoformat()}",
+                "has passed; a deadline must be in the future",
+            )
+        return
     deadline = record.proposal.deadline
     passed = deadline is not None and now >= deadline
     if message.action is TaskAction.expire and not passed:
@@ -382,8 +406,8 @@ def _check_deadline(record: TaskRecord, message: Message, now: datetime) -> None
         raise IllegalTransition(
             message.task_id, record.state, "expire", f"its deadline ({shown}) has not passed", what="task"
         )
-    if passed and message.action not in (TaskAction.expire, TaskAction.cancel) and record.state in _OPEN:
-        assert deadline is not None
+    late = message.action not in (TaskAction.expire, TaskAction.cancel) and record.state in _OPEN
+    if deadline is not None and passed and late:
         raise IllegalTransition(
             message.task_id,
             record.state,

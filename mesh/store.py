@@ -129,7 +129,9 @@ class MeshStore:
                 entry = await kv.get(key)
             except nats.js.errors.KeyNotFoundError:
                 return None
-        return entry.value or b"", entry.revision or 0
+        if entry.revision is None:
+            raise Unavailable("nats", f"mesh bucket, get {key}: the answer carried no revision")
+        return entry.value or b"", entry.revision
 
     async def _write(self, key: str, value: bytes, *, last: int) -> int:
         """Compare-and-set: `last=0` creates. Raises Conflict when another write got there first."""
@@ -154,17 +156,22 @@ class MeshStore:
         return await self._write(key, record.model_dump_json().encode(), last=last)
 
     async def find_task(self, task_id: str) -> TaskEntry | None:
-        """A task by id in whatever project holds it."""
+        """A task by id in whatever project holds it. Raises Conflict when several projects hold that id
+        (ids chosen by hand can repeat): name the project then."""
         await self.bucket()
-        subject = tasks_key_filter().removesuffix("*") + task_id
+        found: list[TaskEntry] = []
         async with self._answering(f"find task {task_id}"):
-            try:
-                # The stream API (not direct get) takes a wildcard in last_by_subj.
-                msg = await self.js.get_msg(MESH_STREAM, subject=subject, direct=False)
-            except nats.js.errors.NotFoundError:
-                return None
-        key = kv_subject_key(msg.subject or subject)
-        return TaskEntry(decode_record(msg.data or b"", key), msg.seq or 0)
+            subject = tasks_key_filter().removesuffix("*") + task_id
+            async for batch in read_stream(self.js, MESH_STREAM, filter_subject=subject, last_per_subject=True):
+                found += [
+                    TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
+                    for m in batch
+                    if is_value(m)
+                ]
+        if len(found) > 1:
+            projects = sorted(e.record.proposal.project for e in found)
+            raise Conflict(f"task id {task_id}", f"projects {projects} each hold one", fix="name the project (-p)")
+        return found[0] if found else None
 
     async def tasks(self, project: str | None = None) -> list[TaskEntry]:
         """The current record of every task (of one project, or all)."""

@@ -20,7 +20,7 @@ from typing import Protocol
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.errors import InvalidEvent, Unavailable
+from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, decode_record, is_value
@@ -167,6 +167,7 @@ class TaskWatcher:
         if self._subscription is None:
             js = self._js()
             await MeshStore(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
+            await self._check_cursor(js)
             config = ConsumerConfig(
                 ack_policy=AckPolicy.NONE,
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
@@ -181,6 +182,18 @@ class TaskWatcher:
                 )
             self.stats.resubscribed += 1
         return self._subscription
+
+    async def _check_cursor(self, js: JetStreamContext) -> None:
+        """A cursor past the bucket's last revision means the bucket was reset (a new server, a wiped store):
+        waiting for revisions that will never come would look like an empty inbox, so it is an error."""
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            info = await js.stream_info(MESH_STREAM)
+        if self.last_seen > info.state.last_seq:
+            raise ConfigError(
+                "cursor",
+                f"{self.name} resumes after revision {self.last_seen}, but the mesh bucket ends at "
+                f"{info.state.last_seq}: it was reset; start the watcher over (--reset, or a new --out file)",
+            )
 
     async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
         """An idle ephemeral consumer can vanish with a restarted server while fetches just time out:

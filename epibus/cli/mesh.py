@@ -499,6 +499,8 @@ def inbox(
         rows = _mesh(nats, agent, home, lambda m: _inbox_now(m, project))
         _show_tasks("inbox", rows, as_json)
         return
+    if reset and out is not None:
+        raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
     me = agent or default_agent()
     cursor: Cursor
     log = NotificationLog(out) if out is not None else None
