@@ -41,7 +41,7 @@ from bus.tasks import cancel_and_wait  # noqa: E402
 from mesh.agent import MeshAgent  # noqa: E402
 from mesh.coordinator import Coordinator, parse_policy  # noqa: E402
 from mesh.peer import Inbox, Notification  # noqa: E402
-from mesh.protocol import TaskRecord  # noqa: E402
+from mesh.task import TaskRecord  # noqa: E402
 
 PROJECT = "bench"
 # This process's CPU time during each timed section: every agent, watcher and the coordinator share one

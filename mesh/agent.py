@@ -23,17 +23,7 @@ from bus.ids import new_event_id
 from bus.publish import Receipt
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.events import COORDINATORS_KIND, CoordinatorsEventBody, step_event, unsigned_step_event
-from mesh.protocol import (
-    Message,
-    Step,
-    Targets,
-    TaskRecord,
-    advance,
-    child_task_id,
-    counter_opening,
-    message_digest,
-    parse_message,
-)
+from mesh.protocol import advance, child_task_id, counter_opening
 from mesh.store import (
     AgentCapabilities,
     MeshStore,
@@ -43,6 +33,7 @@ from mesh.store import (
     retry_on_conflict,
     utc_now,
 )
+from mesh.task import Message, Step, Targets, TaskRecord, message_digest, parse_message
 
 KEEP_APPLIED_IDS = 256  # roster message ids remembered for idempotency
 

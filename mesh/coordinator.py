@@ -20,8 +20,8 @@ from bus.ids import derived_event_id
 from bus.tasks import cancel_and_wait
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
-from mesh.protocol import TaskRecord
 from mesh.store import TaskEntry
+from mesh.task import TaskRecord
 from mesh.watch import RETRYABLE, Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from bus.errors import InvalidEvent
 from bus.event import Actor, AgentId, Body, Envelope, Evidence, ShortText, Text, register_kind, validate_event
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
-from mesh.protocol import CommitSha, TaskId, TaskRecord
+from mesh.task import CommitSha, TaskId, TaskRecord
 
 TASK_KIND = "task"
 COORDINATORS_KIND = "coordinators"

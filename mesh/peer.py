@@ -15,8 +15,8 @@ from typing import Any
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
-from mesh.protocol import TaskRecord
 from mesh.store import TaskEntry
+from mesh.task import TaskRecord
 from mesh.watch import Cursor, TaskWatcher
 
 CONTEXT_REFRESH_S = 5.0  # how often an inbox re-reads the rosters and the agent's capabilities

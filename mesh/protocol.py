@@ -1,151 +1,20 @@
-"""The mesh work protocol (DESIGN §8): proposals, messages, the task record, the explicit transition table and
-`advance`, the one pure function that decides what a message does to a task.
+"""The mesh work protocol (DESIGN §8): the explicit transition table, its A2A mapping, and `advance`, the one
+pure function that decides what a message does to a task (the data it works on is in mesh.task).
 
 `advance` is the only place the rules live: the agent API calls it before every compare-and-set write, the
 tests drive the full matrix through it, and the CLI's errors come from it."""
 
 from __future__ import annotations
 
-import hashlib
-import re
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Annotated, Any
-
-from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
+from datetime import datetime
+from typing import Any
 
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
-from bus.event import (
-    AgentId,
-    Evidence,
-    Model,
-    ProjectSlug,
-    PublicKey,
-    ShortText,
-    Text,
-    canonical_json,
-    raise_for_validation,
-)
 from bus.ids import derived_event_id
-from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
-
-TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-TaskId = Annotated[str, StringConstraints(pattern=TASK_ID_PATTERN.pattern)]
-Capability = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.:-]{0,63}$")]
-# A git object id: SHA-1 (40) or SHA-256 (64), lowercase hex, as `git rev-parse` prints it.
-CommitSha = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")]
-SHA_RULE = "must be a commit SHA: 40 or 64 lowercase hex characters"
-MAX_PAYLOAD_KEYS = 64
-
-
-class Targets(Model):
-    """Who the work is for: named agents and/or the capabilities the assignee must have. Both empty means
-    the coordinator chooses."""
-
-    agents: tuple[AgentId, ...] = ()
-    capabilities: tuple[Capability, ...] = ()
-
-
-class Proposal(Model):
-    task_id: TaskId
-    project: ProjectSlug
-    title: ShortText
-    summary: Text
-    proposer: AgentId
-    targets: Targets = Targets()
-    category: ActionCategory
-    deadline: AwareDatetime | None = None
-    parent_id: TaskId | None = None
-    payload: dict[str, JsonValue] = Field(default_factory=dict, max_length=MAX_PAYLOAD_KEYS)
-
-    @field_validator("deadline")
-    @classmethod
-    def _utc(cls, value: datetime | None) -> datetime | None:
-        return None if value is None else value.astimezone(UTC)
-
-
-class Completion(Model):
-    sha: CommitSha
-    evidence: tuple[Evidence, ...] = ()
-    note: Text | None = None
-
-
-class Message(Model):
-    """One protocol message. `message_id` (a UUIDv7) makes retries idempotent: the same id twice gives the
-    same outcome and one event."""
-
-    message_id: uuid.UUID
-    action: TaskAction
-    project: ProjectSlug
-    task_id: TaskId
-    sender: AgentId
-    proposal: Proposal | None = None  # propose: the proposal; change: the counter-proposal
-    assignee: AgentId | None = None  # accept
-    reason: Text | None = None  # decline, fail, cancel, expire
-    completion: Completion | None = None  # complete
-    policy: ShortText | None = None  # a decision: which policy made it ("manual" for a person)
-
-    @field_validator("message_id")
-    @classmethod
-    def _uuid7(cls, value: uuid.UUID) -> uuid.UUID:
-        if value.version != 7:
-            raise ValueError(f"must be a UUIDv7, got version {value.version}")
-        return value
-
-
-class Step(Model):
-    """One applied message, kept in the task's history: the audit of who did what, when, and why."""
-
-    message_id: uuid.UUID
-    action: TaskAction
-    actor: AgentId
-    roles: tuple[MeshRole, ...]
-    from_state: TaskState | None
-    to_state: TaskState
-    at: AwareDatetime
-    assignee: AgentId | None = None
-    reason: Text | None = None
-    completion: Completion | None = None
-    policy: ShortText | None = None
-    child_id: TaskId | None = None
-    counter: Proposal | None = None  # change: the counter-proposal the child task carries
-    counter_opening: Step | None = None  # change: the child's first step, signed, so anyone can create it
-    # The step's event, signed by its actor (mesh.events.step_event rebuilds it): any node can publish it, and
-    # nobody without the actor's key can forge a step that a recorder would publish.
-    public_key: PublicKey | None = None
-    session_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
-    signature: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")] | None = None
-    digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None  # of the message
-
-
-class TaskRecord(Model):
-    """A task as the mesh bucket holds it: the proposal, where it stands, and every step that got it there."""
-
-    proposal: Proposal
-    state: TaskState
-    assignee: AgentId | None = None
-    decided_by: AgentId | None = None
-    decided_policy: ShortText | None = None
-    completion: Completion | None = None
-    reason: Text | None = None
-    child_id: TaskId | None = None
-    steps: tuple[Step, ...]
-
-    @property
-    def task_id(self) -> str:
-        return self.proposal.task_id
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL
-
-    def step_for(self, message_id: uuid.UUID) -> Step | None:
-        return next((s for s in self.steps if s.message_id == message_id), None)
-
-    @property
-    def last_step(self) -> Step:
-        return self.steps[-1]
+from bus.vocab import MeshRole, TaskAction, TaskState
+from mesh.task import SHA_RULE, Message, Proposal, Step, TaskRecord, message_digest
 
 
 @dataclass(frozen=True)
@@ -212,11 +81,6 @@ def roles_of(
     return roles
 
 
-def message_digest(message: Message) -> str:
-    """What a retried message must match: the same id with other content is a different message."""
-    return hashlib.sha256(canonical_json(message.model_dump(mode="json"))).hexdigest()
-
-
 def child_task_id(message_id: uuid.UUID) -> str:
     """The id of the counter-proposal a `change` message creates: derived from the message, so a retried
     change creates the same child, never a second one."""
@@ -261,7 +125,7 @@ def _require_legal(record: TaskRecord | None, message: Message, move: Move, labe
     if record is not None and record.state in move.sources:
         return
     allowed = allowed_actions(record.state) if record is not None else ["propose"]
-    terminal = " (a terminal state: it has no exit)" if record is not None and record.terminal else ""
+    terminal = " (a terminal state: it has no exit)" if record is not None and record.state in TERMINAL else ""
     raise IllegalTransition(
         message.task_id,
         f"{label}{terminal}",
@@ -415,16 +279,3 @@ def _require_timely(record: TaskRecord | None, message: Message, now: datetime) 
             f"its deadline passed at {deadline.isoformat()}; it can only expire or be canceled",
             what="task",
         )
-
-
-def parse_message(raw: dict[str, Any]) -> Message:
-    """A message from untrusted input; raises InvalidEvent naming the task and field."""
-    try:
-        return Message.model_validate(raw)
-    except ValidationError as e:
-        error = raise_for_validation(e)
-        task = raw.get("task_id", "?")
-        action = raw.get("action", "?")
-        field = error.field.replace("completion.sha", "sha")
-        problem = SHA_RULE if field.startswith("sha") else error.problem
-        raise InvalidEvent(f"task {task} {action}.{field}", problem, allowed=error.allowed) from e

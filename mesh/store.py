@@ -32,7 +32,8 @@ from bus.subjects import (
     task_key,
     tasks_key_filter,
 )
-from mesh.protocol import Capability, Step, TaskRecord, counter_record
+from mesh.protocol import counter_record
+from mesh.task import Capability, Step, TaskRecord
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

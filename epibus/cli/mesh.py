@@ -34,8 +34,9 @@ from epibus.cli.common import (
 from mesh.agent import MeshAgent, Outcome
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.peer import Inbox, Notification, NotificationLog, concern, require_commit
-from mesh.protocol import TERMINAL, TaskRecord
+from mesh.protocol import TERMINAL
 from mesh.store import TaskEntry
+from mesh.task import TaskRecord
 from mesh.watch import Cursor, FileCursor
 
 T = TypeVar("T")

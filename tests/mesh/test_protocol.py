@@ -11,7 +11,8 @@ import pytest
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
 from bus.ids import new_event_id
 from bus.vocab import TaskAction, TaskState
-from mesh.protocol import A2A_STATE, TERMINAL, TaskRecord, advance, child_task_id, parse_message
+from mesh.protocol import A2A_STATE, TERMINAL, advance, child_task_id
+from mesh.task import TaskRecord, parse_message
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 DEADLINE = T0 + timedelta(hours=1)
@@ -133,7 +134,7 @@ def test_every_state_and_action_follows_the_table(state: TaskState, action: Task
 
 
 def test_terminal_states_are_exactly_those_without_exit() -> None:
-    assert TERMINAL == {s for s, moves in EXPECTED.items() if not moves}
+    assert {s for s, moves in EXPECTED.items() if not moves} == TERMINAL
     assert S.completed not in TERMINAL  # it waits for the proposer's acknowledgement
 
 

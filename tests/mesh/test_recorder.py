@@ -25,7 +25,7 @@ from bus.vocab import MeshRole, TaskAction, TaskState
 from epibus.node import Node
 from mesh.agent import MeshAgent
 from mesh.events import unsigned_step_event
-from mesh.protocol import Step
+from mesh.task import Step
 from tests.support import eventually, journal_rows_of_kind
 
 MeshFactory = Callable[[str], Awaitable[MeshAgent]]
