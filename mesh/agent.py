@@ -12,30 +12,25 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
-
-from pydantic import ValidationError
+from typing import Any
 
 from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
-from bus.event import Evidence, raise_for_validation
+from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
 from bus.vocab import ActionCategory, TaskAction, TaskState
-from mesh.events import COORDINATORS_KIND, CoordinatorsEventBody, step_event, unsigned_step_event
+from mesh.events import step_event, unsigned_step_event
 from mesh.protocol import advance, child_task_id, counter_opening
+from mesh.roster import RosterChanges
 from mesh.store import (
-    AgentCapabilities,
     MeshStore,
-    Roster,
     TaskEntry,
     ensure_counter_task,
     retry_on_conflict,
     utc_now,
 )
 from mesh.task import Message, Step, Targets, TaskRecord, message_digest, parse_message
-
-KEEP_APPLIED_IDS = 256  # roster message ids remembered for idempotency
 
 
 @dataclass(frozen=True)
@@ -61,17 +56,13 @@ class Outcome:
         }
 
 
-class MeshAgent:
+class MeshAgent(RosterChanges):
     """The mesh as one agent (the client's agent) sees it. Use while the client is connected."""
 
     def __init__(self, client: EpibusClient, *, clock: Callable[[], datetime] = utc_now) -> None:
         self.client = client
         self.clock = clock
         self._store: MeshStore | None = None
-
-    @property
-    def agent(self) -> str:
-        return self.client.key.agent_id
 
     @property
     def store(self) -> MeshStore:
@@ -338,76 +329,3 @@ class MeshAgent:
     async def outbox(self, project: str | None = None) -> list[TaskEntry]:
         """Tasks this agent proposed."""
         return [e for e in await self.store.tasks(project) if e.record.proposal.proposer == self.agent]
-
-    # -- coordinators and capabilities -----------------------------------------------------------------
-
-    async def coordinators(self, project: str) -> tuple[str, ...]:
-        return (await self.store.get_roster(project)).roster.coordinators
-
-    async def add_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
-        """Add a coordinator. The first coordinator of a project may be added by anyone; after that only a
-        coordinator may. Adding one already there changes nothing. Raises Forbidden."""
-        return await self._change_roster(project, agent, "add", message_id or new_event_id())
-
-    async def remove_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
-        """Remove a coordinator (only a coordinator may; the last one stays). Raises Forbidden, NotFound."""
-        return await self._change_roster(project, agent, "remove", message_id or new_event_id())
-
-    async def _change_roster(
-        self, project: str, agent: str, change: Literal["add", "remove"], message_id: uuid.UUID
-    ) -> Roster:
-        async def attempt() -> Roster:
-            entry = await self.store.get_roster(project)
-            roster = entry.roster
-            if message_id in roster.applied:
-                await self._publish_roster(roster, agent, change, message_id)
-                return roster
-            current = set(roster.coordinators)
-            if current and self.agent not in current:
-                raise Forbidden(
-                    self.agent,
-                    f"{change} a coordinator of",
-                    f"project {project}",
-                    f"only its coordinators ({', '.join(sorted(current))}) may",
-                )
-            if change == "add":
-                if agent in current:
-                    return roster
-                current.add(agent)
-            else:
-                if agent not in current:
-                    raise NotFound("coordinator", agent, f"project {project} has {sorted(current) or 'none'}")
-                if current == {agent}:
-                    raise Forbidden(
-                        self.agent, "remove", f"the last coordinator of project {project}", "add another one first"
-                    )
-                current.discard(agent)
-            new = Roster(
-                project=project,
-                coordinators=tuple(sorted(current)),
-                applied=(*roster.applied, message_id)[-KEEP_APPLIED_IDS:],
-            )
-            await self.store.write_roster(new, last=entry.revision)
-            await self._publish_roster(new, agent, change, message_id)
-            return new
-
-        return await retry_on_conflict(attempt, what=f"coordinators of {project}")
-
-    async def _publish_roster(
-        self, roster: Roster, agent: str, change: Literal["add", "remove"], message_id: uuid.UUID
-    ) -> Receipt:
-        body = CoordinatorsEventBody(change=change, agent=agent, coordinators=roster.coordinators)
-        return await self.client.publish(
-            self.client.event(COORDINATORS_KIND, body, project=roster.project, event_id=message_id)
-        )
-
-    async def advertise(self, capabilities: Sequence[str]) -> AgentCapabilities:
-        """Say what this agent can do (the capability-match policy assigns by it)."""
-        try:
-            advertised = AgentCapabilities.model_validate(
-                {"agent": self.agent, "capabilities": sorted(set(capabilities)), "updated_at": self.clock()}
-            )
-        except ValidationError as e:
-            raise raise_for_validation(e) from e
-        await self.store.set_capabilities(advertised)
-        return advertised

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands, dlq, mesh, recall, state, verify
+from epibus.cli import commands, dlq, mesh, mesh_views, recall, state, verify
 from epibus.cli.publish import publish_app, register_publish_commands
 
 app = typer.Typer(
@@ -20,7 +20,8 @@ app = typer.Typer(
 register_publish_commands()
 app.add_typer(publish_app, name="publish")
 app.add_typer(dlq.dlq_app, name="dlq")
-app.add_typer(mesh.mesh_app, name="mesh")
+app.add_typer(mesh.mesh_app, name="mesh")  # its reading commands are in mesh_views
+assert mesh_views.show is not None
 app.command()(commands.up)
 app.command()(commands.tail)
 app.command()(commands.events)

@@ -1,0 +1,353 @@
+"""`epibus mesh show|outbox|pending|inbox|coordinate|advertise|coordinators`: reading the mesh, watching an
+inbox, and running a coordinator service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from bus.errors import ConfigError
+from bus.home import default_agent, epibus_home
+from bus.tasks import cancel_and_wait
+from bus.vocab import TaskState
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JsonOpt,
+    NatsOpt,
+    console,
+    emit_json,
+    err_console,
+    handles_errors,
+    table,
+)
+from epibus.cli.mesh import (
+    MessageIdOpt,
+    ProjectOpt,
+    RequiredProject,
+    TaskArg,
+    coordinators_app,
+    mesh_app,
+    message_id_of,
+    run_mesh,
+    show_tasks,
+    task_row,
+)
+from mesh.agent import MeshAgent
+from mesh.coordinator import Coordinator, parse_policy
+from mesh.peer import Inbox, Notification, NotificationLog, concern
+from mesh.protocol import TERMINAL
+from mesh.task import TaskRecord
+from mesh.watch import Cursor, FileCursor
+
+# -- reading ----------------------------------------------------------------------------------------------
+
+
+@mesh_app.command()
+@handles_errors
+def show(
+    task: TaskArg,
+    project: ProjectOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One task: its proposal, where it stands, and every step with who took it."""
+    entry = run_mesh(nats, agent, home, lambda m: m.locate(task, project))
+    record = entry.record
+    if as_json:
+        emit_json({"ok": True, "revision": entry.revision, **record.model_dump(mode="json")})
+        return
+    p = record.proposal
+    rows: list[list[Any]] = [
+        ["task", record.task_id],
+        ["project", p.project],
+        ["state", f"{record.state}{' (terminal)' if record.state in TERMINAL else ''}"],
+        ["title", p.title],
+        ["summary", p.summary],
+        ["category", p.category],
+        ["proposer", p.proposer],
+        ["targets", ", ".join([*p.targets.agents, *(f"cap:{c}" for c in p.targets.capabilities)]) or "-"],
+        ["assignee", record.assignee],
+        ["decided by", f"{record.decided_by} ({record.decided_policy})" if record.decided_by else None],
+        ["deadline", p.deadline.isoformat() if p.deadline else None],
+        ["parent", p.parent_id],
+        ["counter-proposal", record.child_id],
+        ["commit", record.completion.sha if record.completion else None],
+        ["reason", record.reason],
+        ["revision", entry.revision],
+    ]
+    console.print(table("task", ["field", "value"], [r for r in rows if r[1] is not None]))
+    steps: list[list[Any]] = [
+        [
+            i + 1,
+            s.at.isoformat(timespec="seconds"),
+            s.action,
+            s.actor,
+            ",".join(s.roles),
+            f"{s.from_state or '-'} -> {s.to_state}",
+            s.reason or (s.completion.sha if s.completion else ""),
+        ]
+        for i, s in enumerate(record.steps)
+    ]
+    console.print(table("steps", ["#", "at", "action", "actor", "as", "move", "detail"], steps))
+
+
+@mesh_app.command()
+@handles_errors
+def outbox(
+    project: ProjectOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Tasks this agent proposed, wherever they stand."""
+    entries = run_mesh(nats, agent, home, lambda m: m.outbox(project))
+    show_tasks("outbox", [task_row(e) for e in entries], as_json)
+
+
+@mesh_app.command()
+@handles_errors
+def pending(
+    project: ProjectOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Completed tasks their proposer has not acknowledged yet (open handshakes)."""
+    entries = run_mesh(nats, agent, home, lambda m: m.pending(project))
+    show_tasks("pending acknowledgement", [task_row(e) for e in entries], as_json)
+
+
+@mesh_app.command()
+@handles_errors
+def inbox(
+    project: ProjectOpt = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Follow new notifications until stopped.")] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="With --watch: append notifications to this JSON-lines file, which is also the cursor."
+        ),
+    ] = None,
+    reset: Annotated[bool, typer.Option("--reset", help="With --watch: forget the saved cursor, start over.")] = False,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", help="With --watch: stop after N notifications.")
+    ] = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Proposals for this agent, work assigned to it, decisions on its proposals. With --watch, follows new
+    ones, resuming after the last one it showed (a saved cursor, or --out's last line)."""
+    if not watch:
+        rows = run_mesh(nats, agent, home, lambda m: _inbox_now(m, project))
+        show_tasks("inbox", rows, as_json)
+        return
+    if reset and out is not None:
+        raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
+    me = agent or default_agent()
+    cursor: Cursor
+    log = NotificationLog(out) if out is not None else None
+    if log is not None:
+        cursor = log
+    else:
+        cursor = FileCursor(epibus_home(home) / "mesh" / f"inbox-{me}-{project or 'all'}.cursor")
+        if reset:
+            cursor.save(0)
+    run_mesh(nats, agent, home, lambda m: _watch_inbox(m, project, cursor, log, count, as_json))
+
+
+async def _inbox_now(mesh: MeshAgent, project: str | None) -> list[dict[str, Any]]:
+    advertised = await mesh.store.get_capabilities(mesh.agent)
+    capabilities = frozenset(advertised.capabilities) if advertised else frozenset()
+    rows: list[dict[str, Any]] = []
+    coordinated: dict[str, bool] = {}
+    for entry in await mesh.tasks(project):
+        record: TaskRecord = entry.record
+        if record.state in TERMINAL:
+            continue
+        p = record.proposal.project
+        if p not in coordinated:
+            coordinated[p] = mesh.agent in await mesh.coordinators(p)
+        why = concern(mesh.agent, record, coordinates=coordinated[p], capabilities=capabilities)
+        if why is None and record.assignee == mesh.agent and record.state is TaskState.working:
+            why = "yours, in progress"
+        if why is not None:
+            rows.append(task_row(entry, why))
+    return rows
+
+
+async def _watch_inbox(
+    mesh: MeshAgent, project: str | None, cursor: Cursor, log: NotificationLog | None, count: int | None, as_json: bool
+) -> None:
+    done = asyncio.Event()
+    told = 0
+
+    async def notify(note: Notification) -> None:
+        nonlocal told
+        if log is not None:
+            log.append(note)
+        if as_json:
+            print(json.dumps(note.as_json(), sort_keys=True), flush=True)
+        else:
+            console.print(
+                f"r{note.revision} [{note.project}] task {note.task_id} {note.state}: {note.title} — {note.why}",
+                highlight=False,
+                soft_wrap=True,
+            )
+        told += 1
+        if count is not None and told >= count:
+            done.set()
+
+    inbox_ = Inbox(mesh, notify, project=project, cursor=cursor)
+    if not as_json:
+        err_console.print(f"watching the inbox of {mesh.agent} after revision {cursor.load()} (Ctrl-C stops)")
+    await _until_stopped(inbox_.run(), done)
+
+
+async def _until_stopped(work: Awaitable[None], done: asyncio.Event) -> None:
+    """Run `work` until it ends, `done` is set, or SIGINT/SIGTERM arrives."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, done.set)
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(done.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # re-raise what ended it
+    finally:
+        await cancel_and_wait([task, stopper])
+
+
+# -- coordinators -----------------------------------------------------------------------------------------
+
+
+@mesh_app.command()
+@handles_errors
+def coordinate(
+    project: RequiredProject,
+    policy: Annotated[
+        str,
+        typer.Option("--policy", help="manual | auto-accept:<category>[,<category>…] | capability-match"),
+    ] = "manual",
+    sweep: Annotated[float, typer.Option("--sweep", help="Seconds between deadline sweeps.")] = 1.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run the coordinator service for a project: decide proposals by the policy, expire overdue tasks.
+    This agent must be one of the project's coordinators."""
+    chosen = parse_policy(policy)
+
+    async def work(mesh: MeshAgent) -> None:
+        cursor = FileCursor(epibus_home(home) / "mesh" / f"coordinator-{mesh.agent}-{project}.cursor")
+        service = Coordinator(mesh, project, chosen, sweep_interval_s=sweep, cursor=cursor)
+        await service.check()
+        if as_json:
+            emit_json(
+                {"ok": True, "status": "coordinating", "project": project, "agent": mesh.agent, "policy": chosen.name}
+            )
+        else:
+            err_console.print(f"{mesh.agent} coordinates {project} with policy {chosen.name} (Ctrl-C stops)")
+        await _until_stopped(service.run(), asyncio.Event())
+        figures = {
+            "decided": dict(service.stats.decided),
+            "left_to_person": service.stats.left_to_person,
+            "lost_races": service.stats.lost_races,
+            "expired": service.stats.expired,
+            "refused": service.stats.refused,
+            "sweep_errors": service.stats.sweep_errors,
+        }
+        if as_json:
+            emit_json({"ok": True, "status": "stopped", **figures})
+        else:
+            err_console.print(f"stopped: {figures}")
+
+    run_mesh(nats, agent, home, work)
+
+
+@mesh_app.command()
+@handles_errors
+def advertise(
+    capabilities: Annotated[list[str], typer.Argument(help="What this agent can do, e.g. python db:postgres.")],
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Advertise this agent's capabilities (the capability-match policy assigns by them)."""
+    advertised = run_mesh(nats, agent, home, lambda m: m.advertise(capabilities))
+    if as_json:
+        emit_json({"ok": True, **advertised.model_dump(mode="json")})
+    else:
+        console.print(f"{advertised.agent} advertises {', '.join(advertised.capabilities)}", highlight=False)
+
+
+AgentArg = Annotated[str, typer.Argument(help="The agent.")]
+
+
+def _show_roster(project: str, coordinators: tuple[str, ...], as_json: bool) -> None:
+    if as_json:
+        emit_json({"ok": True, "project": project, "coordinators": list(coordinators)})
+    else:
+        console.print(f"coordinators of {project}: {', '.join(coordinators) or 'none'}", highlight=False)
+
+
+@coordinators_app.command("add")
+@handles_errors
+def coordinators_add(
+    who: AgentArg,
+    project: RequiredProject,
+    message_id: MessageIdOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Add a coordinator (anyone may add a project's first; after that, only its coordinators)."""
+    mid = message_id_of(message_id)
+    roster = run_mesh(nats, agent, home, lambda m: m.add_coordinator(project, who, message_id=mid))
+    _show_roster(project, roster.coordinators, as_json)
+
+
+@coordinators_app.command("remove")
+@handles_errors
+def coordinators_remove(
+    who: AgentArg,
+    project: RequiredProject,
+    message_id: MessageIdOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove a coordinator (coordinators only; the last one stays)."""
+    mid = message_id_of(message_id)
+    roster = run_mesh(nats, agent, home, lambda m: m.remove_coordinator(project, who, message_id=mid))
+    _show_roster(project, roster.coordinators, as_json)
+
+
+@coordinators_app.command("list")
+@handles_errors
+def coordinators_list(
+    project: RequiredProject,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The project's coordinators."""
+    _show_roster(project, run_mesh(nats, agent, home, lambda m: m.coordinators(project)), as_json)
