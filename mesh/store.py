@@ -160,15 +160,11 @@ class MeshStore:
         """A task by id in whatever project holds it. Raises Conflict when several projects hold that id
         (ids chosen by hand can repeat): name the project then."""
         await self.bucket()
-        found: list[TaskEntry] = []
-        async with self._answering(f"find task {task_id}"):
-            subject = tasks_key_filter().removesuffix("*") + task_id
-            async for batch in read_stream(self.js, MESH_STREAM, filter_subject=subject, last_per_subject=True):
-                found += [
-                    TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
-                    for m in batch
-                    if is_value(m)
-                ]
+        subject = tasks_key_filter().removesuffix("*") + task_id
+        found = [
+            TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
+            for m in await self._current(subject, f"find task {task_id}")
+        ]
         if len(found) > 1:
             projects = sorted(e.record.proposal.project for e in found)
             raise Conflict(f"task id {task_id}", f"projects {projects} each hold one", fix="name the project (-p)")
@@ -177,16 +173,23 @@ class MeshStore:
     async def tasks(self, project: str | None = None) -> list[TaskEntry]:
         """The current record of every task (of one project, or all)."""
         await self.bucket()
-        entries: list[TaskEntry] = []
-        async with self._answering("list tasks"):
-            async for batch in read_stream(
-                self.js, MESH_STREAM, filter_subject=tasks_key_filter(project), last_per_subject=True
-            ):
+        return [
+            TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
+            for m in await self._current(tasks_key_filter(project), "list tasks")
+        ]
+
+    async def _current(self, subject_filter: str, what: str) -> list[Msg]:
+        """The newest value of every key matching the filter (keys whose newest message deletes them left
+        out). A last-per-subject consumer also delivers writes made while it reads: the newest one wins."""
+        await self.bucket()
+        newest: dict[str, Msg] = {}
+        async with self._answering(what):
+            async for batch in read_stream(self.js, MESH_STREAM, filter_subject=subject_filter, last_per_subject=True):
                 for msg in batch:
-                    if is_value(msg):
-                        record = decode_record(msg.data, kv_subject_key(msg.subject))
-                        entries.append(TaskEntry(record, msg.metadata.sequence.stream))
-        return entries
+                    seen = newest.get(msg.subject)
+                    if seen is None or seen.metadata.sequence.stream < msg.metadata.sequence.stream:
+                        newest[msg.subject] = msg
+        return sorted((m for m in newest.values() if is_value(m)), key=lambda m: m.metadata.sequence.stream)
 
     # -- coordinators and capabilities -----------------------------------------------------------------
 
@@ -214,14 +217,9 @@ class MeshStore:
     async def all_capabilities(self) -> dict[str, tuple[str, ...]]:
         await self.bucket()
         found: dict[str, tuple[str, ...]] = {}
-        async with self._answering("list capabilities"):
-            async for batch in read_stream(
-                self.js, MESH_STREAM, filter_subject=f"$KV.{MESH_BUCKET}.{capabilities_key('*')}", last_per_subject=True
-            ):
-                for msg in batch:
-                    if is_value(msg):
-                        advertised = _decode(AgentCapabilities, msg.data, kv_subject_key(msg.subject))
-                        found[advertised.agent] = advertised.capabilities
+        for msg in await self._current(f"$KV.{MESH_BUCKET}.{capabilities_key('*')}", "list capabilities"):
+            advertised = _decode(AgentCapabilities, msg.data, kv_subject_key(msg.subject))
+            found[advertised.agent] = advertised.capabilities
         return found
 
 

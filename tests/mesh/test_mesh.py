@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bus.client import connect
-from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
+from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
@@ -28,7 +29,7 @@ from mesh.coordinator import Coordinator, parse_policy
 from mesh.peer import require_commit
 from tests.support import eventually, journal_rows_of_kind
 
-MeshFactory = Callable[[str], Awaitable[MeshAgent]]
+MeshFactory = Callable[..., Awaitable[MeshAgent]]
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -37,11 +38,34 @@ async def mesh_as(nats_server: NatsServer, home: Path) -> AsyncIterator[MeshFact
     """`await mesh_as("alice")`: a MeshAgent on its own connection, closed at the end of the test."""
     async with AsyncExitStack() as stack:
 
-        async def make(agent: str) -> MeshAgent:
+        async def make(agent: str, clock: Callable[[], datetime] | None = None) -> MeshAgent:
             client = await stack.enter_async_context(connect(nats_server.url, agent=agent, home=home, outbox=False))
-            return MeshAgent(client)
+            return MeshAgent(client, clock=clock) if clock is not None else MeshAgent(client)
 
         yield make
+
+
+def both_read_before_either_writes(*agents: MeshAgent) -> Callable[[], None]:
+    """Hold each agent's first KV write of a round until every agent reached its own, so both decisions are
+    made against the same revision and compare-and-set must pick the winner. Returns `next_round`."""
+    state: dict[str, Any] = {}
+
+    def next_round() -> None:
+        state["barrier"] = asyncio.Barrier(len(agents))
+        state["waited"] = set()
+
+    for mesh in agents:
+        original = mesh.store.write_task
+
+        async def write_task(record: Any, *, last: int, _original: Any = original, _agent: str = mesh.agent) -> int:
+            if _agent not in state["waited"]:
+                state["waited"].add(_agent)
+                await state["barrier"].wait()
+            return int(await _original(record, last=last))
+
+        mesh.store.write_task = write_task  # type: ignore[method-assign]
+    next_round()
+    return next_round
 
 
 @pytest.fixture
@@ -112,8 +136,10 @@ async def test_two_coordinators_racing_to_decide_one_proposal_exactly_one_wins(
     alice, one, two = await mesh_as("alice"), await mesh_as("one"), await mesh_as("two")
     await one.add_coordinator(project, "one")
     await one.add_coordinator(project, "two")
+    next_round = both_read_before_either_writes(one, two)
     for i in range(12):
         task = (await alice.propose(project, f"job {i}", "race me", category="tactical", agents=["bob"])).record.task_id
+        next_round()
         results = await asyncio.gather(
             one.accept(task, project=project),
             two.decline(task, "we have no capacity", project=project),
@@ -175,9 +201,8 @@ async def test_a_message_id_reused_for_another_action_is_a_conflict(
     task = (
         await alice.propose(project, "t", "s", category="operational", agents=["bob"], message_id=message_id)
     ).record
-    with pytest.raises(Exception, match="already applied") as raised:
+    with pytest.raises(Conflict, match="already applied"):
         await alice.cancel(task.task_id, message_id=message_id)
-    assert type(raised.value).__name__ == "Conflict"
     assert (await alice.locate(task.task_id)).record.state is TaskState.proposed
 
 
@@ -288,22 +313,33 @@ async def test_only_coordinators_change_the_roster_and_the_last_one_stays(mesh_a
     ]
 
 
-async def test_a_deadline_passing_expires_open_tasks(
-    trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str
-) -> None:
-    alice, coord, bob = trio
-    soon = datetime.now(UTC) + timedelta(seconds=1.5)
-    undecided = (await alice.propose(project, "a", "s", category="operational", agents=["bob"], deadline=soon)).record
-    accepted = (await alice.propose(project, "b", "s", category="operational", agents=["bob"], deadline=soon)).record
+async def test_a_deadline_passing_expires_open_tasks(mesh_as: MeshFactory, project: str) -> None:
+    now = [datetime(2026, 12, 1, 12, 0, tzinfo=UTC)]  # every agent's clock, moved by the test
+
+    def clock() -> datetime:
+        return now[0]
+
+    alice, coord, bob = [await mesh_as(name, clock) for name in ("alice", "coord", "bob")]
+    await coord.add_coordinator(project, "coord")
+    deadline = now[0] + timedelta(hours=1)
+    undecided = (
+        await alice.propose(project, "a", "s", category="operational", agents=["bob"], deadline=deadline)
+    ).record
+    accepted = (
+        await alice.propose(project, "b", "s", category="operational", agents=["bob"], deadline=deadline)
+    ).record
     later = (
         await alice.propose(
-            project, "c", "s", category="operational", agents=["bob"], deadline=soon + timedelta(hours=1)
+            project, "c", "s", category="operational", agents=["bob"], deadline=deadline + timedelta(hours=1)
         )
     ).record
     await coord.accept(accepted.task_id)
-    service = Coordinator(coord, project, parse_policy("manual"), sweep_interval_s=0.2, poll_timeout_s=0.2)
+    service = Coordinator(coord, project, parse_policy("manual"), sweep_interval_s=0.1, poll_timeout_s=0.2)
     running = asyncio.create_task(service.run())
     try:
+        await eventually(lambda: service.watcher.stats.handled >= 4)  # it has seen every task, before the deadline
+        assert service.stats.expired == 0
+        now[0] = deadline + timedelta(minutes=1)
 
         async def states() -> bool:
             found = {e.record.task_id: e.record.state for e in await alice.tasks(project)}
@@ -316,7 +352,9 @@ async def test_a_deadline_passing_expires_open_tasks(
     with pytest.raises(IllegalTransition, match="terminal"):
         await bob.start(accepted.task_id)
     expired = (await alice.locate(accepted.task_id)).record
-    assert expired.last_step.actor == "coord" and expired.reason and "deadline" in expired.reason
+    assert expired.last_step.actor == "coord"
+    assert expired.reason is not None
+    assert "deadline" in expired.reason
     assert service.stats.expired == 2
 
 
@@ -350,9 +388,9 @@ async def test_capability_match_assigns_the_least_loaded_capable_agent_or_declin
     trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str, mesh_as: MeshFactory
 ) -> None:
     alice, coord, bob = trio
-    carol = await mesh_as("carol")
+    ann = await mesh_as("ann")  # sorts before bob: only the load can make the policy pass her over
     await bob.advertise(["python"])
-    await carol.advertise(["python", "postgres"])
+    await ann.advertise(["python", "postgres"])
     service = Coordinator(coord, project, parse_policy("capability-match"), poll_timeout_s=0.2)
     running = asyncio.create_task(service.run())
     try:
@@ -367,8 +405,8 @@ async def test_capability_match_assigns_the_least_loaded_capable_agent_or_declin
         await eventually(all_decided)
     finally:
         await cancel_and_wait([running])
-    assert (await alice.locate(db.task_id)).record.assignee == "carol"
-    assert (await alice.locate(py1.task_id)).record.assignee == "bob"  # carol already has one open task
+    assert (await alice.locate(db.task_id)).record.assignee == "ann"
+    assert (await alice.locate(py1.task_id)).record.assignee == "bob"  # ann already has one open task
     declined = (await alice.locate(gpu.task_id)).record
     assert declined.state is TaskState.declined and declined.reason and "cuda" in declined.reason
     assert declined.decided_policy == "capability-match"
@@ -383,9 +421,9 @@ async def test_a_coordinator_service_refuses_to_run_for_an_agent_that_is_not_a_c
 
 
 def test_a_policy_name_that_does_not_exist_lists_the_allowed_ones() -> None:
-    with pytest.raises(Exception, match="allowed: manual, auto-accept:<categories>, capability-match"):
+    with pytest.raises(ConfigError, match="allowed: manual, auto-accept:<categories>, capability-match"):
         parse_policy("yolo")
-    with pytest.raises(Exception, match="'sometimes' is unknown.*operational, tactical"):
+    with pytest.raises(ConfigError, match=r"'sometimes' is unknown.*operational, tactical"):
         parse_policy("auto-accept:sometimes")
 
 
@@ -402,7 +440,7 @@ def test_a_completion_sha_must_be_a_commit_of_the_repository(tmp_path: Path) -> 
     for missing in (uuid.uuid4().hex + "00000000", blob):  # absent, and an object that is not a commit
         with pytest.raises(InvalidEvent, match=f"task t1 complete.sha='{missing}': is not a commit in {repo}"):
             require_commit(repo, missing, task="t1")
-    with pytest.raises(Exception, match="not a git repository"):
+    with pytest.raises(ConfigError, match="not a git repository"):
         require_commit(tmp_path, sha, task="t1")
 
 
@@ -442,6 +480,6 @@ async def test_a_node_runs_the_coordinators_it_is_configured_with(
 
         await eventually(accepted)
     assert (await alice.locate(task)).record.decided_by == "eco"
-    with pytest.raises(Exception, match="allowed: manual"):
+    with pytest.raises(ConfigError, match="allowed: manual"):
         async with Node(config.__class__(**{**config.__dict__, "coordinate": ((project, "sometimes"),)})):
             pass
