@@ -18,9 +18,10 @@ from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Evidence
 from bus.ids import new_event_id
+from bus.jetstream import AgentRegistry
 from bus.publish import Receipt
 from bus.vocab import ActionCategory, TaskAction, TaskState
-from mesh.events import step_event, unsigned_step_event
+from mesh.events import require_trusted_acceptance, step_event, unsigned_step_event
 from mesh.protocol import advance, child_task_id, counter_opening
 from mesh.roster import RosterChanges
 from mesh.store import (
@@ -63,6 +64,14 @@ class MeshAgent(RosterChanges):
         self.client = client
         self.clock = clock
         self._store: MeshStore | None = None
+        self._registry: AgentRegistry | None = None
+        self._registry_js: object = None
+
+    @property
+    def registry(self) -> AgentRegistry:
+        if self._registry is None or self._registry_js is not self.client.js:
+            self._registry, self._registry_js = AgentRegistry(self.client.js), self.client.js
+        return self._registry
 
     @property
     def store(self) -> MeshStore:
@@ -94,9 +103,11 @@ class MeshAgent(RosterChanges):
                     f"`epibus mesh coordinators add --project {message.project} AGENT`",
                 )
             current = entry.record if entry is not None else None
-            record = self._signed(
-                advance(current, message, coordinators=frozenset(roster.coordinators), now=self.clock())
-            )
+            coordinators = frozenset(roster.coordinators)
+            advanced = advance(current, message, coordinators=coordinators, now=self.clock())
+            if current is not None and message.action is TaskAction.start:
+                await require_trusted_acceptance(current, coordinators, self.registry)
+            record = self._signed(advanced)
             revision = await self.store.write_task(record, last=entry.revision if entry is not None else 0)
             return await self._follow_up(TaskEntry(record, revision), len(record.steps) - 1, duplicate=False)
 

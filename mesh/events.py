@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from bus.errors import InvalidEvent
+from bus.errors import Conflict, Forbidden, InvalidEvent
 from bus.event import Actor, AgentId, Body, Envelope, Evidence, ShortText, Text, register_kind, validate_event
+from bus.jetstream import AgentRegistry
+from bus.signing import verify_signature
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 from mesh.task import CommitSha, TaskId, TaskRecord
 
@@ -132,3 +134,34 @@ def unsigned_step_event(record: TaskRecord, index: int, actor: Actor, session_id
             "body": task_event_body(record, index),
         }
     )
+
+
+async def verify_step(record: TaskRecord, index: int, registry: AgentRegistry) -> Envelope:
+    """The step's event, checked: signed by its actor with the key registered to that agent. Raises
+    InvalidEvent (unsigned, or a signature that does not verify) or Conflict (another key is registered)."""
+    event = step_event(record, index)
+    verify_signature(event)
+    await registry.bind(event.actor)
+    return event
+
+
+async def require_trusted_acceptance(record: TaskRecord, coordinators: frozenset[str], registry: AgentRegistry) -> None:
+    """Only coordinator-decided work is acted on: the task's acceptance must be a signed step by an agent
+    that coordinates the project. Raises Forbidden otherwise (e.g. a record written around the protocol)."""
+    index = next((i for i, s in enumerate(record.steps) if s.action is TaskAction.accept), None)
+    if index is None:
+        raise Forbidden(record.assignee or "?", "act on", f"task {record.task_id}", "it was never accepted")
+    step = record.steps[index]
+    try:
+        await verify_step(record, index, registry)
+    except (InvalidEvent, Conflict) as e:
+        raise Forbidden(
+            record.assignee or "?", "act on", f"task {record.task_id}", f"its acceptance is not trustworthy: {e}"
+        ) from e
+    if step.actor not in coordinators:
+        raise Forbidden(
+            record.assignee or "?",
+            "act on",
+            f"task {record.task_id}",
+            f"it was accepted by {step.actor}, who does not coordinate project {record.proposal.project}",
+        )

@@ -17,10 +17,9 @@ from bus.event import Envelope, encode_event
 from bus.jetstream import JS_TIMEOUT_S, AgentRegistry, ensure_streams
 from bus.outbox import OutboxRow
 from bus.publish import send_one
-from bus.signing import verify_signature
 from bus.subjects import event_subject
 from bus.vocab import TaskAction
-from mesh.events import step_event
+from mesh.events import verify_step
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
 from mesh.watch import Cursor, TaskWatcher
 
@@ -55,9 +54,7 @@ class MeshRecorder:
         index = len(record.steps) - 1  # each write adds exactly one step
         step = record.steps[index]
         try:
-            event = step_event(record, index)
-            verify_signature(event)
-            await self._registry_for().bind(event.actor)
+            event = await verify_step(record, index, self._registry_for())
         except (InvalidEvent, Conflict) as e:  # unsigned, a bad signature, or a key not the agent's
             if step.signature is None:
                 self.stats.unsigned += 1

@@ -1,6 +1,6 @@
 """The node's mesh recorder: a step written to the bucket reaches the stream even when its agent stopped
 before publishing, a change's counter-proposal is created even when its coordinator stopped first, and a
-step nobody signed (or signed with another agent's key) is never published."""
+step nobody signed (or signed with another agent's key) is never published, nor acted on."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import nkeys
 import pytest
 
 from bus.client import connect
-from bus.errors import Unavailable
+from bus.errors import Forbidden, Unavailable
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
@@ -148,3 +148,7 @@ async def test_a_step_signed_with_another_agents_key_is_never_published(
     await alice.store.write_task(forged, last=current.revision)
     await eventually(lambda: node.recorder is not None and node.recorder.stats.forged == 1)
     assert str(step.message_id) not in await stream_task_events(alice, project)
+    worker = await mesh_as("mallory")
+    with pytest.raises(Forbidden, match="acceptance is not trustworthy"):  # never acted on
+        await worker.start(entry.task_id, project=project)
+    assert (await alice.locate(entry.task_id, project)).record.state is TaskState.accepted
