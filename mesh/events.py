@@ -4,7 +4,7 @@ the message id, so a retried message is deduplicated by the stream and the journ
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from bus.errors import Conflict, Forbidden, InvalidEvent
 from bus.event import Actor, AgentId, Body, Envelope, Evidence, ShortText, Text, register_kind, validate_event
@@ -104,36 +104,27 @@ def step_event(record: TaskRecord, index: int) -> Envelope:
     step = record.steps[index]
     if step.signature is None or step.public_key is None or step.session_id is None:
         raise InvalidEvent(f"task {record.task_id} step {index + 1}", "carries no signature; it has no event")
-    return validate_event(
-        {
-            "event_id": step.message_id,
-            "project": record.proposal.project,
-            "kind": TASK_KIND,
-            "artifact_id": str(step.message_id),
-            "actor": Actor(agent_id=step.actor, public_key=step.public_key),
-            "session_id": step.session_id,
-            "recorded_at": step.at,
-            "body": task_event_body(record, index),
-            "signature": step.signature,
-        }
-    )
+    actor = Actor(agent_id=step.actor, public_key=step.public_key)
+    return validate_event(_step_event_fields(record, index, actor, step.session_id) | {"signature": step.signature})
 
 
 def unsigned_step_event(record: TaskRecord, index: int, actor: Actor, session_id: str) -> Envelope:
     """The step's event before its actor signs it."""
+    return validate_event(_step_event_fields(record, index, actor, session_id))
+
+
+def _step_event_fields(record: TaskRecord, index: int, actor: Actor, session_id: str) -> dict[str, Any]:
     step = record.steps[index]
-    return validate_event(
-        {
-            "event_id": step.message_id,
-            "project": record.proposal.project,
-            "kind": TASK_KIND,
-            "artifact_id": str(step.message_id),
-            "actor": actor,
-            "session_id": session_id,
-            "recorded_at": step.at,
-            "body": task_event_body(record, index),
-        }
-    )
+    return {
+        "event_id": step.message_id,
+        "project": record.proposal.project,
+        "kind": TASK_KIND,
+        "artifact_id": str(step.message_id),
+        "actor": actor,
+        "session_id": session_id,
+        "recorded_at": step.at,
+        "body": task_event_body(record, index),
+    }
 
 
 async def verify_step(record: TaskRecord, index: int, registry: AgentRegistry) -> Envelope:

@@ -202,7 +202,8 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
         assert [(t["task_id"], t["why"]) for t in inbox] == [(task, "completed: check the commit and acknowledge it")]
 
         wrong = epibus(home, "mesh", "ack", task, "--agent", "bob", "--json", check=False)
-        assert wrong.returncode == 1 and "only its proposer (alice) may" in last_json(wrong)["error"]
+        assert wrong.returncode == 1
+        assert "only its proposer (alice) may" in last_json(wrong)["error"]
         epibus(home, "mesh", "ack", task, "--agent", "alice", "--json")
         assert last_json(epibus(home, "mesh", "pending", "-p", PROJECT, "--json"))["tasks"] == []
         assert last_json(epibus(home, "stats", "--json"))["mesh_pending"] == {}
@@ -220,7 +221,8 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
         ("complete", "bob"),
         ("acknowledge", "alice"),
     ]
-    assert rows[3][1]["sha"] == sha and rows[1][1]["policy"] == "auto-accept:operational"
+    assert rows[3][1]["sha"] == sha
+    assert rows[1][1]["policy"] == "auto-accept:operational"
 
     shown = last_json(epibus(home, "mesh", "show", task, "--json"))
     assert [s["message_id"] for s in shown["steps"]] == [r[0] for r in rows]
@@ -253,7 +255,8 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
         "--json",
         check=False,
     )
-    assert unknown.returncode == 1 and "no coordinators" in last_json(unknown)["error"]
+    assert unknown.returncode == 1
+    assert "no coordinators" in last_json(unknown)["error"]
     epibus(home, "mesh", "coordinators", "add", "coord", "-p", PROJECT, "--agent", "coord")
     listed = last_json(epibus(home, "mesh", "coordinators", "list", "-p", PROJECT, "--json"))
     assert listed["coordinators"] == ["coord"]
@@ -270,7 +273,8 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
         in last_json(intruder)["error"]
     )
     no_reason = epibus(home, "mesh", "decline", first, "--agent", "coord", check=False)
-    assert no_reason.returncode != 0 and "--reason" in no_reason.stderr
+    assert no_reason.returncode != 0
+    assert "--reason" in no_reason.stderr
     epibus(home, "mesh", "decline", first, "--reason", "not this year", "--agent", "coord")
     again = epibus(home, "mesh", "accept", first, "--agent", "coord", "--json", check=False)
     assert "declined (a terminal state: it has no exit)" in last_json(again)["error"]
@@ -292,7 +296,8 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
             "--json",
         )
     )
-    assert changed["state"] == "changed" and len(changed["events"]) == 2
+    assert changed["state"] == "changed"
+    assert len(changed["events"]) == 2
     child = last_json(epibus(home, "mesh", "show", second, "--json"))["child_id"]
     shown = last_json(epibus(home, "mesh", "show", child, "--json"))
     assert (shown["state"], shown["proposal"]["parent_id"], shown["proposal"]["proposer"]) == (

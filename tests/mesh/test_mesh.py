@@ -6,15 +6,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bus.client import connect
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.event import decode_event
 from bus.ids import new_event_id
@@ -27,22 +25,10 @@ from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.peer import require_commit
+from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
 
-MeshFactory = Callable[..., Awaitable[MeshAgent]]
 SHA = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture
-async def mesh_as(nats_server: NatsServer, home: Path) -> AsyncIterator[MeshFactory]:
-    """`await mesh_as("alice")`: a MeshAgent on its own connection, closed at the end of the test."""
-    async with AsyncExitStack() as stack:
-
-        async def make(agent: str, clock: Callable[[], datetime] | None = None) -> MeshAgent:
-            client = await stack.enter_async_context(connect(nats_server.url, agent=agent, home=home, outbox=False))
-            return MeshAgent(client, clock=clock) if clock is not None else MeshAgent(client)
-
-        yield make
 
 
 def both_read_before_either_writes(*agents: MeshAgent) -> Callable[[], None]:
@@ -105,8 +91,10 @@ async def test_a_full_handshake_lands_every_step_in_the_bucket_the_stream_and_th
     assert await alice.pending(project) == []
 
     entry = await MeshAgent(bob.client).locate(task)  # read back through a fresh store, found by id alone
-    assert entry.record.state is TaskState.acknowledged and entry.revision == done.revision
-    assert entry.record.completion is not None and entry.record.completion.sha == SHA
+    assert entry.record.state is TaskState.acknowledged
+    assert entry.revision == done.revision
+    assert entry.record.completion is not None
+    assert entry.record.completion.sha == SHA
     assert (entry.record.decided_by, entry.record.decided_policy) == ("coord", "manual")
 
     expected = [
@@ -152,7 +140,8 @@ async def test_two_coordinators_racing_to_decide_one_proposal_exactly_one_wins(
         assert "allowed from" in str(losses[0])
         entry = await alice.locate(task, project)
         decisions = [s for s in entry.record.steps if s.action in (TaskAction.accept, TaskAction.decline)]
-        assert len(decisions) == 1 and entry.record.state is wins[0].record.state
+        assert len(decisions) == 1
+        assert entry.record.state is wins[0].record.state
         assert len(await revisions_of(alice, project, task)) == 2  # the proposal and one decision
     events = await task_events(alice, project)
     assert len(events) == 24  # 12 proposals + 12 decisions: the losers wrote nothing
@@ -180,7 +169,9 @@ async def test_the_same_message_twice_gives_the_same_outcome_and_one_event(
     coord_elsewhere = await mesh_as("coord")  # the retry comes over another connection, as after a crash
     accepted = await coord.accept(task, message_id=decision_id)
     retried = await coord_elsewhere.accept(task, message_id=decision_id)
-    assert retried.duplicate and retried.revision == accepted.revision and retried.record.state is TaskState.accepted
+    assert retried.duplicate
+    assert retried.revision == accepted.revision
+    assert retried.record.state is TaskState.accepted
     assert len(await revisions_of(alice, project, task)) == 2
 
     events = await task_events(alice, project)
@@ -196,7 +187,7 @@ async def test_the_same_message_twice_gives_the_same_outcome_and_one_event(
 async def test_a_message_id_reused_for_another_action_is_a_conflict(
     trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str
 ) -> None:
-    alice, coord, _ = trio
+    alice, _coord, _ = trio
     message_id = new_event_id()
     task = (
         await alice.propose(project, "t", "s", category="operational", agents=["bob"], message_id=message_id)
@@ -214,7 +205,8 @@ async def test_decline_closes_the_proposal_with_its_reason(
         await alice.propose(project, "buy gpus", "we need them", category="strategic", agents=["bob"])
     ).record.task_id
     declined = await coord.decline(task, "not this quarter")
-    assert declined.record.state is TaskState.declined and declined.record.reason == "not this quarter"
+    assert declined.record.state is TaskState.declined
+    assert declined.record.reason == "not this quarter"
     with pytest.raises(IllegalTransition, match="terminal"):
         await bob.start(task)
 
@@ -226,7 +218,9 @@ async def test_change_counter_proposes_a_linked_task_that_then_runs_normally(
     parent = (await alice.propose(project, "rewrite it all", "in rust", category="strategic", agents=["bob"])).record
     changed = await coord.change(parent.task_id, title="rewrite the hot loop", category="tactical", reason="smaller")
     child_id = changed.step.child_id
-    assert changed.record.state is TaskState.changed and changed.record.child_id == child_id and child_id
+    assert changed.record.state is TaskState.changed
+    assert changed.record.child_id == child_id
+    assert child_id
     child = (await alice.locate(child_id, project)).record
     assert child.state is TaskState.proposed
     assert (child.proposal.parent_id, child.proposal.proposer) == (parent.task_id, "alice")
@@ -243,12 +237,15 @@ async def test_change_counter_proposes_a_linked_task_that_then_runs_normally(
     events = await task_events(alice, project)
     change_event = next(e for e in events if e["action"] == "change")
     child_event = next(e for e in events if e["task_id"] == child_id and e["action"] == "propose")
-    assert change_event["child_id"] == child_id and child_event["parent_id"] == parent.task_id
-    assert child_event["actor"] == "coord" and child_event["proposer"] == "alice"
+    assert change_event["child_id"] == child_id
+    assert child_event["parent_id"] == parent.task_id
+    assert child_event["actor"] == "coord"
+    assert child_event["proposer"] == "alice"
 
     same = {"title": "rewrite the hot loop", "category": "tactical", "reason": "smaller"}
     retried = await coord.change(parent.task_id, message_id=changed.step.message_id, **same)
-    assert retried.duplicate and retried.step.child_id == child_id  # a retried change makes no second child
+    assert retried.duplicate
+    assert retried.step.child_id == child_id
     assert len([e for e in await task_events(alice, project) if e["action"] == "change"]) == 1
     with pytest.raises(Conflict, match="with other content"):
         await coord.change(parent.task_id, message_id=changed.step.message_id, **(same | {"title": "other"}))
@@ -282,7 +279,8 @@ async def test_bad_input_gets_a_clear_error_and_writes_nothing(
         await alice.start("nope", project=project)
 
     history = await revisions_of(alice, project, task)
-    assert history[: len(before)] == before and len(history) == len(before) + 4  # accept, start, complete, ack
+    assert history[: len(before)] == before
+    assert len(history) == len(before) + 4
     assert len(await task_events(alice, project)) == events_before + 4
     with pytest.raises(NotFound):
         await MeshAgent(alice.client).locate("whatever", "nobody-coordinates")
@@ -408,7 +406,9 @@ async def test_capability_match_assigns_the_least_loaded_capable_agent_or_declin
     assert (await alice.locate(db.task_id)).record.assignee == "ann"
     assert (await alice.locate(py1.task_id)).record.assignee == "bob"  # ann already has one open task
     declined = (await alice.locate(gpu.task_id)).record
-    assert declined.state is TaskState.declined and declined.reason and "cuda" in declined.reason
+    assert declined.state is TaskState.declined
+    assert declined.reason
+    assert "cuda" in declined.reason
     assert declined.decided_policy == "capability-match"
 
 

@@ -124,12 +124,15 @@ def test_every_state_and_action_follows_the_table(state: TaskState, action: Task
         with pytest.raises(IllegalTransition) as raised:
             step(record, action, now=now)
         text = str(raised.value)
-        assert f"task {TASK}" in text and state.value in text and action.value in text
+        assert f"task {TASK}" in text
+        assert state.value in text
+        assert action.value in text
         assert raised.value.current.startswith(state.value)
         return
     after = step(record, action, now=now)
     assert after.state is expected
-    assert after.steps[-1].from_state is state and after.steps[-1].to_state is expected
+    assert after.steps[-1].from_state is state
+    assert after.steps[-1].to_state is expected
     assert len(after.steps) == len(record.steps) + 1
 
 
@@ -162,7 +165,8 @@ def test_a_move_by_an_agent_without_the_role_is_forbidden(action: TaskAction, st
     now = AFTER_DEADLINE if action is A.expire else T0
     with pytest.raises(Forbidden) as raised:
         step(record_in(state), action, sender=intruder, now=now)
-    assert intruder in str(raised.value) and TASK in str(raised.value)
+    assert intruder in str(raised.value)
+    assert TASK in str(raised.value)
 
 
 def test_a_coordinator_may_cancel_and_the_proposer_may_too() -> None:

@@ -5,20 +5,16 @@ step nobody signed (or signed with another agent's key) is never published, nor 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
-from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any
 
 import nkeys
 import pytest
 
-from bus.client import connect
 from bus.errors import Forbidden, Unavailable
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
-from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import STREAM, events_filter
 from bus.vocab import MeshRole, TaskAction, TaskState
@@ -26,20 +22,8 @@ from epibus.node import Node
 from mesh.agent import MeshAgent
 from mesh.events import unsigned_step_event
 from mesh.task import Step
+from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
-
-MeshFactory = Callable[[str], Awaitable[MeshAgent]]
-
-
-@pytest.fixture
-async def mesh_as(nats_server: NatsServer, home: Path) -> AsyncIterator[MeshFactory]:
-    async with AsyncExitStack() as stack:
-
-        async def make(agent: str) -> MeshAgent:
-            client = await stack.enter_async_context(connect(nats_server.url, agent=agent, home=home, outbox=False))
-            return MeshAgent(client)
-
-        yield make
 
 
 def stop_after_the_kv_write(mesh: MeshAgent, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,7 +67,8 @@ async def test_a_step_its_agent_never_published_reaches_the_stream_and_the_journ
 
     rows = await eventually(journaled)
     assert [(r[0], r[2]) for r in rows] == [(str(message_id), "alice")]  # alice's signature, verified by the journal
-    assert node.recorder is not None and node.recorder.stats.forged == 0
+    assert node.recorder is not None
+    assert node.recorder.stats.forged == 0
 
 
 async def test_a_counter_proposal_its_coordinator_never_created_is_created_by_the_recorder(
@@ -96,7 +81,8 @@ async def test_a_counter_proposal_its_coordinator_never_created_is_created_by_th
     with pytest.raises(Unavailable):
         await coord.change(parent.task_id, title="smaller", reason="too big")
     changed = (await alice.locate(parent.task_id, project)).record
-    assert changed.state is TaskState.changed and changed.child_id is not None
+    assert changed.state is TaskState.changed
+    assert changed.child_id is not None
 
     async def child_exists() -> bool:
         return await alice.store.get_task(project, changed.child_id or "") is not None
@@ -110,7 +96,8 @@ async def test_a_counter_proposal_its_coordinator_never_created_is_created_by_th
     )
     events = await eventually(lambda: _with_n(stream_task_events(alice, project), 3))
     assert sorted(events.values()) == ["change", "propose", "propose"]
-    assert node.recorder is not None and node.recorder.stats.children_created == 1
+    assert node.recorder is not None
+    assert node.recorder.stats.children_created == 1
 
 
 async def _with_n(found: Awaitable[dict[str, str]], n: int) -> dict[str, str] | None:
