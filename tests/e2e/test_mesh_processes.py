@@ -224,6 +224,9 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
     assert rows[3][1]["sha"] == sha
     assert rows[1][1]["policy"] == "auto-accept:operational"
 
+    tailed = epibus(home, "tail", "-p", PROJECT, "-k", "task", "--from-start", "-n", "5", "--json").stdout
+    assert [json.loads(line)["body"]["action"] for line in tailed.splitlines()] == [b["action"] for _, b, _, _ in rows]
+
     shown = last_json(epibus(home, "mesh", "show", task, "--json"))
     assert [s["message_id"] for s in shown["steps"]] == [r[0] for r in rows]
 
