@@ -175,6 +175,11 @@ class EpibusClient(StateChanges, FleetRequests):
         log.warning("NATS connection error: %s %s", type(error).__name__, error)
 
     @property
+    def closed(self) -> bool:
+        """True once close() began or the connection was closed for good (not merely reconnecting)."""
+        return self._closing or (self.nc is not None and self.nc.is_closed)
+
+    @property
     def connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 

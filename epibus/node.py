@@ -166,7 +166,11 @@ class Node:
             self._tasks.append(self._mirror_task)
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
-        self.recorder = MeshRecorder(lambda: self._require_js(), cursor=FileCursor(home / "mesh" / "recorder.cursor"))
+        self.recorder = MeshRecorder(
+            self._require_js,
+            cursor=FileCursor(home / "mesh" / "recorder.cursor"),
+            closed=lambda: self.nc is None or self.nc.is_closed,
+        )
         self._tasks.append(group.create_task(supervised("mesh recorder", self.recorder.run)))
         if self.config.coordinate:
             await self._start_coordinators(group, servers)

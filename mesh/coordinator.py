@@ -161,6 +161,7 @@ class Coordinator:
         self.watcher = TaskWatcher(
             lambda: mesh.client.js,
             self._on_revision,
+            closed=lambda: mesh.client.closed,
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,
@@ -189,7 +190,10 @@ class Coordinator:
             for loop in done:
                 loop.result()
         finally:
-            await cancel_and_wait(loops)
+            for loop in loops:  # at once: if this task is cancelled again while waiting, each got one cancel
+                loop.cancel()
+            # shielded: a second cancellation of run() must not abandon the loops' shutdown half way
+            await asyncio.shield(cancel_and_wait(loops))
 
     async def _on_revision(self, entry: TaskEntry) -> None:
         record = entry.record

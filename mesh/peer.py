@@ -98,6 +98,7 @@ class Inbox:
         self.watcher = TaskWatcher(
             lambda: mesh.client.js,
             self._handle,
+            closed=lambda: mesh.client.closed,
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,

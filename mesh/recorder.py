@@ -39,10 +39,16 @@ class RecorderStats:
 class MeshRecorder:
     """Follows every task revision from a cursor and publishes the step each revision added."""
 
-    def __init__(self, js: Callable[[], JetStreamContext], *, cursor: Cursor | None = None) -> None:
+    def __init__(
+        self,
+        js: Callable[[], JetStreamContext],
+        *,
+        cursor: Cursor | None = None,
+        closed: Callable[[], bool] | None = None,
+    ) -> None:
         self._js = js
         self.stats = RecorderStats()
-        self.watcher = TaskWatcher(js, self._on_revision, cursor=cursor, name="mesh-recorder")
+        self.watcher = TaskWatcher(js, self._on_revision, cursor=cursor, closed=closed, name="mesh-recorder")
         self._registry: AgentRegistry | None = None
         self._streams_ready = False
 

@@ -104,8 +104,10 @@ class TaskWatcher:
         batch_size: int = 256,
         poll_timeout_s: float = 1.0,
         name: str = "mesh-watch",
+        closed: Callable[[], bool] | None = None,
     ) -> None:
         self._js = js
+        self._closed = closed or (lambda: False)  # True once the connection is closed for good
         self.handler = handler
         self.project = project
         self.cursor = cursor or MemoryCursor()
@@ -126,6 +128,8 @@ class TaskWatcher:
                 await self.step()
                 backoff_s = 0.0
             except RETRYABLE as e:
+                if self._closed():  # closed, not reconnecting: retrying would spin forever
+                    raise Unavailable("nats", f"{self.name}: the connection was closed ({e})") from e
                 self.stats.errors += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"
                 log.warning("%s: %s; resuming after revision %d", self.name, self.stats.last_error, self.last_seen)
