@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bus.errors import Unavailable
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM
 from bus.tasks import cancel_and_wait
@@ -156,3 +157,19 @@ def test_a_notification_log_drops_a_torn_last_line_and_resumes_after_the_last_wh
     log = NotificationLog(path)
     assert log.load() == 7
     assert path.read_text() == '{"revision": 7, "task_id": "a"}\n'
+
+
+async def test_a_watcher_whose_connection_was_closed_for_good_stops_saying_so(
+    mesh_as: MeshFactory, project: str
+) -> None:
+    alice = await mesh_as("alice")
+
+    async def handle(entry: TaskEntry) -> None:
+        raise AssertionError(f"nothing should be handled, got {entry.revision}")
+
+    watcher = TaskWatcher(
+        lambda: alice.client.js, handle, project=project, closed=lambda: alice.client.closed, poll_timeout_s=0.2
+    )
+    await alice.client.close()
+    with pytest.raises(Unavailable, match="connection was closed"):
+        await asyncio.wait_for(watcher.run(), timeout=10)
