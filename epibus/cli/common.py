@@ -88,17 +88,20 @@ _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
-def parse_time(value: str | None, option: str) -> datetime | None:
-    """ISO 8601 (UTC if no offset) or an age like 30m, 2h, 7d."""
+def parse_time(value: str | None, option: str, *, ahead: bool = False) -> datetime | None:
+    """ISO 8601 (UTC if no offset) or a duration like 30m, 2h, 7d: an age (that long ago) or, with ahead,
+    that long from now (a deadline)."""
     if value is None:
         return None
     match = _RELATIVE.match(value.strip())
     if match:
-        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        span = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        return datetime.now(UTC) + span if ahead else datetime.now(UTC) - span
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
-        raise ConfigError(option, f"{value!r} is neither ISO 8601 nor an age like 30m, 2h, 7d") from None
+        shape = "a duration" if ahead else "an age"
+        raise ConfigError(option, f"{value!r} is neither ISO 8601 nor {shape} like 30m, 2h, 7d") from None
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
 
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from bus.client import connect
-from bus.errors import ConfigError, InvalidEvent
+from bus.errors import InvalidEvent
 from bus.vocab import ActionCategory, describe
 from epibus.cli.common import (
     AgentOpt,
@@ -24,6 +22,7 @@ from epibus.cli.common import (
     console,
     emit_json,
     handles_errors,
+    parse_time,
     run,
     table,
 )
@@ -72,24 +71,6 @@ def message_id_of(value: str | None) -> uuid.UUID | None:
     if parsed.version != 7:
         raise InvalidEvent(f"--message-id={value!r}", f"must be a UUIDv7, got version {parsed.version}")
     return parsed
-
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
-def parse_deadline(value: str | None) -> datetime | None:
-    """ISO 8601 (UTC if no offset) or a duration from now (30m, 2h, 7d)."""
-    if value is None:
-        return None
-    match = _DURATION.match(value.strip())
-    if match:
-        return datetime.now(UTC) + timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise ConfigError("--deadline", f"{value!r} is neither ISO 8601 nor a duration like 30m, 2h, 7d") from None
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
 
 
 def _show_outcome(outcome: Outcome, as_json: bool) -> None:
@@ -175,7 +156,7 @@ def propose(
             category=category,
             agents=to or (),
             capabilities=capability or (),
-            deadline=parse_deadline(deadline),
+            deadline=parse_time(deadline, "--deadline", ahead=True),
             parent_id=parent,
             payload=data,
             task_id=task_id,
@@ -271,7 +252,7 @@ def change(
             category=category,
             agents=to,
             capabilities=capability,
-            deadline=parse_deadline(deadline),
+            deadline=parse_time(deadline, "--deadline", ahead=True),
         ),
     )
     _show_outcome(outcome, as_json)
