@@ -27,16 +27,46 @@ from rich.table import Table
 from bus.client import connect
 from bus.ids import point_id
 from bus.jetstream import ensure_streams
+from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.subjects import events_filter
 from epibus.node import Node, NodeConfig
+from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import FastEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.store import Filter, Point
 
-WORDS = ["cache", "deploy", "latency", "queue", "shard", "replica", "index", "backup", "certificate", "timeout", "retry", "pool", "socket", "lock", "migration", "schema", "tenant", "quota", "budget", "alert", "disk", "memory", "thread", "kernel", "driver", "network", "packet"]
+WORDS = [
+    "cache",
+    "deploy",
+    "latency",
+    "queue",
+    "shard",
+    "replica",
+    "index",
+    "backup",
+    "certificate",
+    "timeout",
+    "retry",
+    "pool",
+    "socket",
+    "lock",
+    "migration",
+    "schema",
+    "tenant",
+    "quota",
+    "budget",
+    "alert",
+    "disk",
+    "memory",
+    "thread",
+    "kernel",
+    "driver",
+    "network",
+    "packet",
+]
 
 
 def texts(n: int, seed: int = 7) -> list[str]:
@@ -70,8 +100,11 @@ async def embed_vs_mirror(root: Path, n: int) -> list[dict[str, Any]]:
             ]
             await client.publish_many(events, timeout_s=300)
         store = await open_store("edge", root / "mirror", model.model_id, model.dimension)
-        observer = MirrorObserver(store, model, name="bench-mirror")  # uncached: every text is embedded
+        journal = Journal(f"sqlite:///{root / 'journal.db'}")
+        journal.migrate()
         nc = await nats.connect(server.url)
+        await replay(nc.jetstream(), JournalObserver(journal))  # the mirror follows its journal; not timed
+        observer = MirrorObserver(store, model, name="bench-mirror", journal=journal)  # uncached: embeds every text
         runner = ConsumerRunner(nc, observer, filter_subject=events_filter(project), batch_size=64)
         start = time.perf_counter()
         while observer.indexed < n:

@@ -5,6 +5,7 @@ custom kinds can be added with `register_kind` and an unregistered kind is an In
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -288,6 +289,11 @@ class Envelope(Model):
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8: the same object always gives the same bytes."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def event_digest(event: Envelope) -> str:
+    """sha256 of the whole signed event: two events under one event id are the same event only if equal."""
+    return hashlib.sha256(canonical_json(event.model_dump(mode="json"))).hexdigest()
 
 
 def signing_payload(event: Envelope) -> bytes:

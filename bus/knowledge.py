@@ -13,11 +13,11 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.errors import Conflict, InvalidEvent, Unavailable
+from bus.admission import Admission, Rejected
+from bus.errors import InvalidEvent, Unavailable
 from bus.event import Envelope
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.reader import read_stream
-from bus.runner import Rejected, admit_event
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Fold, Tombstone, claim_flags
 from bus.subjects import STREAM, TOMBSTONES_BUCKET, artifact_filter, events_filter, parse_event_subject
 
@@ -44,7 +44,7 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
     """Fold every event of the project in stream order, skipping exactly what the live consumer
     dead-letters (invalid, wrongly signed, or signed with a key not bound to its agent), so the client's
     view and the journal's projection agree. Raises Unavailable."""
-    registry = registry or AgentRegistry(js)
+    admission = Admission(registry or AgentRegistry(js))
     view = ProjectView(project)
     async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
         for msg in messages:
@@ -53,9 +53,8 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
             if address is not None:
                 view.subject_seq[address.artifact_id] = seq
             try:
-                event = admit_event(msg.subject, msg.data)
-                await registry.bind(event.actor)
-            except (Rejected, Conflict):
+                event = await admission.admit(msg.subject, msg.data, msg.metadata.timestamp)
+            except Rejected:
                 view.invalid += 1  # the live consumer dead-letters it; it changes no state here either
                 if address is not None:
                     view.messages.setdefault(address.artifact_id, []).append((seq, None))

@@ -4,21 +4,28 @@ stream figures. Each read uses an ephemeral pull consumer that the server remove
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
+from bus.admission import Admission, Delivery, Rejected
 from bus.errors import Unavailable
-from bus.jetstream import NATS_OR_API_ERROR
-from bus.runner import Delivery, Observer, Rejected, admit_event
+from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
+from bus.runner import Observer
 from bus.subjects import DLQ_STREAM, STREAM
 
+log = logging.getLogger(__name__)
+
 READ_TIMEOUT_S = 10.0
+STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"; 10037 is "no message found"
 
 
 async def last_sequence(js: JetStreamContext, stream: str) -> int:
@@ -39,39 +46,158 @@ async def read_stream(
     batch_size: int = 500,
     last_per_subject: bool = False,
 ) -> AsyncIterator[list[Msg]]:
-    """Batches of messages from start_seq up to the stream's last sequence when the read began; with
-    last_per_subject, only the newest message of each subject (a KV bucket's current values)."""
+    """Batches of every message matching the filter from start_seq up to `end`, the stream's last sequence
+    when the read began; with last_per_subject, only the newest message of each subject (a KV bucket's
+    current values, which may include values written during the read).
+
+    Done is decided by stream sequences, never by pending counts: a filtered consumer on a recovered store
+    has reported nothing pending with thousands of messages unread. Raises Unavailable when the read cannot
+    make progress for READ_STALL_S, instead of returning short."""
     end = await last_sequence(js, stream)
     if end < start_seq:
         return
-    config = ConsumerConfig(
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=None if last_per_subject else start_seq,
-        filter_subject=filter_subject,
-        inactive_threshold=30.0,
-        mem_storage=True,
-    )
+    read = _Read(js, stream, filter_subject, end, start_seq - 1, batch_size, last_per_subject)
     try:
-        subscription = await js.pull_subscribe(filter_subject or ">", stream=stream, config=config)
-    except NATS_OR_API_ERROR as e:
-        raise Unavailable("nats", f"cannot read {stream}: {type(e).__name__} {e}") from e
-    try:
-        while True:
-            try:
-                messages = await subscription.fetch(batch_size, timeout=2.0)
-            except TimeoutError:
-                # Nothing more matched the filter up to now: with a filter the end may hold no match.
-                info = await subscription.consumer_info()
-                if info.num_pending == 0:
-                    return
-                continue
-            yield messages
-            last = messages[-1].metadata
-            if last.sequence.stream >= end or last.num_pending == 0:
-                return
+        while not read.done:
+            messages = await read.next_batch()
+            if messages:
+                yield messages
     finally:
-        await subscription.unsubscribe()
+        await read.close()
+
+
+FETCH_WAIT_S = 2.0
+READ_STALL_S = 30.0  # covers a server restart and the client's reconnect
+RETRY_PAUSE_S = 0.5
+
+
+class _Read:
+    """One read in progress: an ephemeral pull consumer from the last sequence delivered, recreated when it
+    goes quiet while the stream still owes a matching message (e.g. a server restart lost it)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        filter_subject: str | None,
+        end: int,
+        delivered: int,
+        batch_size: int,
+        last_per_subject: bool,
+    ) -> None:
+        self.js, self.stream, self.filter_subject, self.end = js, stream, filter_subject, end
+        self.delivered = delivered  # the highest stream sequence handed out
+        self.batch_size, self.last_per_subject = batch_size, last_per_subject
+        self.done = False
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._progress_at = time.monotonic()
+        self._last_error = "none"
+
+    async def next_batch(self) -> list[Msg]:
+        """The next messages owed (possibly none yet); sets `done` once nothing more is owed."""
+        try:
+            return await self._attempt()
+        except nats.errors.ConnectionClosedError as e:
+            raise Unavailable("nats", f"reading {self._what()}: the connection is closed") from e
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == STREAM_NOT_FOUND:
+                raise Unavailable("nats", f"reading {self._what()}: the stream is gone") from e
+            self._stalled(f"{type(e).__name__} {e}")
+        except NATS_OR_API_ERROR as e:
+            self._stalled(f"{type(e).__name__} {e}")
+        await asyncio.sleep(RETRY_PAUSE_S)  # the server is restarting or the client reconnecting
+        return []
+
+    async def _attempt(self) -> list[Msg]:
+        if self._sub is None:
+            self._sub = await self._subscribe()
+        try:
+            messages = await self._sub.fetch(self.batch_size, timeout=FETCH_WAIT_S)
+        except TimeoutError:  # nats' and asyncio's alike: nothing arrived in time
+            messages = []
+        fresh = [m for m in messages if m.metadata.sequence.stream > self.delivered]
+        if fresh:
+            self.delivered = fresh[-1].metadata.sequence.stream
+            self._progress_at = time.monotonic()
+            self.done = self.delivered >= self.end
+            if self.last_per_subject:
+                return fresh
+            return [m for m in fresh if m.metadata.sequence.stream <= self.end]
+        owed = await self._next_owed()
+        if owed is None:
+            self.done = True
+            return []
+        # The consumer is quiet yet the stream holds a message it should deliver: start a new one there.
+        self._stalled(f"message {owed} matches but the consumer did not deliver it")
+        await self._unsubscribe()
+        return []
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if self.last_per_subject else DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=None if self.last_per_subject else self.delivered + 1,
+            filter_subject=self.filter_subject,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            return await self.js.pull_subscribe(self.filter_subject or ">", stream=self.stream, config=config)
+
+    async def _next_owed(self) -> int | None:
+        """The first sequence in (delivered, end] the read still owes, or None when there is none. Asked of
+        the stream itself (STREAM.MSG.GET, answered by the leader), not of the consumer."""
+        seq = self.delivered + 1
+        while seq <= self.end:
+            found = await self._get(seq=seq, next_by_subject=self.filter_subject or ">")
+            if found is None or found.seq is None or found.seq > self.end:
+                return None
+            if not self.last_per_subject or await self._is_newest(found):
+                return int(found.seq)
+            seq = found.seq + 1  # superseded: a last-per-subject read does not owe it
+        return None
+
+    async def _is_newest(self, msg: RawStreamMsg) -> bool:
+        assert msg.subject is not None
+        newest = await self._get(last_of_subject=msg.subject)
+        return newest is None or newest.seq is None or newest.seq <= (msg.seq or 0)
+
+    async def _get(
+        self, *, seq: int | None = None, next_by_subject: str | None = None, last_of_subject: str | None = None
+    ) -> RawStreamMsg | None:
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                if last_of_subject is not None:
+                    return await self.js.get_msg(self.stream, subject=last_of_subject)
+                return await self.js.get_msg(self.stream, seq=seq, subject=next_by_subject, next=True)
+        except nats.js.errors.NotFoundError as e:
+            if e.err_code == STREAM_NOT_FOUND:
+                raise
+            return None  # no such message: the answer, not a failure
+
+    def _stalled(self, why: str) -> None:
+        self._last_error = why
+        if time.monotonic() - self._progress_at > READ_STALL_S:
+            raise Unavailable(
+                "nats",
+                f"reading {self._what()} made no progress for {READ_STALL_S:.0f}s after sequence "
+                f"{self.delivered} of {self.end}: {why}",
+            )
+
+    def _what(self) -> str:
+        return f"{self.stream} ({self.filter_subject or 'all subjects'})"
+
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is None:
+            return
+        try:
+            await sub.unsubscribe()
+        except NATS_OR_API_ERROR as e:  # the server drops the ephemeral consumer once idle anyway
+            log.warning("reading %s: could not unsubscribe: %s %s", self._what(), type(e).__name__, e)
+
+    async def close(self) -> None:
+        await self._unsubscribe()
 
 
 @dataclass
@@ -89,23 +215,23 @@ async def replay(
     start_seq: int = 1,
     batch_size: int = 500,
     progress: Callable[[int, int], None] | None = None,
+    admission: Admission | None = None,
 ) -> ReplayReport:
     """Feed the stream from start_seq through the observer (idempotent sinks make this safe to repeat).
-    Messages the live runner would dead-letter are reported, not written."""
+    Messages the live runner would dead-letter are reported, not written: the same admission decides."""
     report = ReplayReport()
+    admission = admission or Admission(AgentRegistry(js))
     end = await last_sequence(js, STREAM)
     async for messages in read_stream(js, STREAM, start_seq=start_seq, batch_size=batch_size):
         deliveries: list[Delivery] = []
         for msg in messages:
-            seq = msg.metadata.sequence.stream
             try:
-                event = admit_event(msg.subject, msg.data)
+                deliveries.append(await admission.admit_msg(msg))
             except Rejected as rejection:
-                report.rejected.append((seq, rejection.reason.value, rejection.error))
-                continue
-            deliveries.append(Delivery(event, msg.subject, seq, msg.metadata.num_delivered, msg.metadata.timestamp))
+                report.rejected.append((msg.metadata.sequence.stream, rejection.reason.value, rejection.error))
         if deliveries:
-            await observer.handle(deliveries)
+            for refusal in await observer.handle(deliveries) or ():
+                report.rejected.append((refusal.stream_seq, refusal.reason.value, refusal.error))
         report.read += len(messages)
         report.handled += len(deliveries)
         report.last_seq = messages[-1].metadata.sequence.stream

@@ -16,11 +16,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.errors import Conflict, InvalidEvent, Unavailable
-from bus.event import Envelope, decode_event
+from bus.admission import Admission, Delivery, Refusal, Rejected
+from bus.errors import Unavailable
 from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
-from bus.signing import verify_signature
-from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject, event_subject
+from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
 from bus.vocab import DeadLetterReason
 
 log = logging.getLogger(__name__)
@@ -40,25 +39,15 @@ DLQ_CONSUMER = "Epibus-Dlq-Consumer"
 DLQ_AT = "Epibus-Dlq-At"
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """A validated, signature-checked event as delivered from the stream."""
-
-    event: Envelope
-    subject: str
-    stream_seq: int
-    num_delivered: int
-    stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
-
-
 class Observer(Protocol):
     """What the runner feeds. `name` is the durable consumer name: two runners of one observer share it."""
 
     name: str
 
-    async def handle(self, batch: Sequence[Delivery]) -> None:
+    async def handle(self, batch: Sequence[Delivery]) -> Sequence[Refusal] | None:
         """Durably write the batch before returning. Idempotent by event_id (a redelivery writes nothing
-        new). Raise to have the whole batch redelivered; never swallow a failed write."""
+        new). Raise to have the whole batch redelivered; never swallow a failed write. Returns the events the
+        store refused for reusing a kept event id with other content (dead-lettered by the runner)."""
 
 
 @dataclass
@@ -73,16 +62,6 @@ class RunnerStats:
     last_error: str | None = None
     degraded: bool = False  # the observer's store is down; events are held, not dead-lettered
     outage_retries: int = 0
-
-
-class Rejected(Exception):
-    """A message the observer must never see, and why."""
-
-    def __init__(self, reason: DeadLetterReason, error: str, event: Envelope | None = None) -> None:
-        super().__init__(error)
-        self.reason = reason
-        self.error = error
-        self.event = event
 
 
 def _header_safe(text: str, limit: int = 1024) -> str:
@@ -118,7 +97,7 @@ class ConsumerRunner:
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
         self.redelivery_delays_s = tuple(redelivery_delays_s)
-        self.registry = registry or AgentRegistry(self.js)
+        self.admission = Admission(registry or AgentRegistry(self.js))
         self.start_seq = start_seq  # a new durable starts here (a rebuilt mirror already holds what is before)
         self.stats = RunnerStats()
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
@@ -224,7 +203,7 @@ class ConsumerRunner:
         delay_s = 0.5
         while True:
             try:
-                await self.observer.handle([delivery for _, delivery in admitted])
+                refusals = await self.observer.handle([delivery for _, delivery in admitted]) or ()
                 break
             except Unavailable as e:
                 self.stats.degraded = True
@@ -236,10 +215,15 @@ class ConsumerRunner:
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, self.ack_wait_s / 3)
         self.stats.degraded = False
+        refused = {r.stream_seq: r for r in refusals}
         for msg, delivery in admitted:
-            await msg.ack()
+            refusal = refused.get(delivery.stream_seq)
+            if refusal is not None:
+                await self.dead_letter(msg, refusal.reason, refusal.error)
+            else:
+                await msg.ack()
             self.stats.last_stream_seq = max(self.stats.last_stream_seq, delivery.stream_seq)
-        self.stats.handled += len(admitted)
+        self.stats.handled += len(admitted) - len(refused)
 
     async def _redeliver_or_dead_letter(self, admitted: tuple[Msg, Delivery], error: Exception) -> None:
         msg, delivery = admitted
@@ -254,13 +238,7 @@ class ConsumerRunner:
 
     async def admit(self, msg: Msg) -> Delivery:
         """Validate one message. Raises Rejected (dead-letter it) or Unavailable (retry it)."""
-        event = admit_event(msg.subject, msg.data)
-        try:
-            await self.registry.bind(event.actor)
-        except Conflict as e:
-            raise Rejected(DeadLetterReason.unknown_actor_key, str(e), event) from e
-        metadata = msg.metadata
-        return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
+        return await self.admission.admit_msg(msg)
 
     async def dead_letter(self, msg: Msg, reason: DeadLetterReason, error: str) -> None:
         """Keep the message in EPI_DLQ with the reason, then ack it. If the DLQ does not answer, the message
@@ -287,19 +265,3 @@ class ConsumerRunner:
         await msg.ack()
         self.stats.dead_lettered[reason.value] = self.stats.dead_lettered.get(reason.value, 0) + 1
         log.warning("dead-lettered stream seq %d on %s: %s: %s", seq, msg.subject, reason.value, error)
-
-
-def admit_event(subject: str, data: bytes) -> Envelope:
-    """Decode, check the subject and the signature. Raises Rejected with the reason."""
-    try:
-        event = decode_event(data)
-    except InvalidEvent as e:
-        raise Rejected(DeadLetterReason.invalid_event, str(e)) from e
-    expected = event_subject(event.project, event.kind, event.artifact_id)
-    if subject != expected:
-        raise Rejected(DeadLetterReason.subject_mismatch, f"subject {subject} != {expected}", event)
-    try:
-        verify_signature(event)
-    except InvalidEvent as e:
-        raise Rejected(DeadLetterReason.bad_signature, str(e), event) from e
-    return event

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 
 from bus.errors import IllegalTransition
 from bus.event import (
@@ -22,6 +23,7 @@ from bus.event import (
     ResolvedBody,
     RolledBackBody,
     VerifiedBody,
+    event_digest,
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 
@@ -50,6 +52,21 @@ def content_hash(text: str) -> str:
     """The tombstone key of a claim: sha256 of its words, lowercased, punctuation and spacing ignored."""
     words = re.findall(r"\w+", text.lower())
     return hashlib.sha256(" ".join(words).encode()).hexdigest()
+
+
+class IdUse(StrEnum):
+    new = "new"  # no event is kept under this id yet
+    repeat = "repeat"  # the same event again (a redelivery, a resend): nothing to do
+    conflict = "conflict"  # another event already holds the id: refused, the first one is kept
+
+
+def id_use(kept: Mapping[str, str | None], event_id: str, digest: str) -> IdUse:
+    """What an event is, given the digests kept per event id (None: kept, digest unknown). Every store keeps
+    the first event in stream order under an id; JetStream deduplicates ids only inside its window."""
+    if event_id not in kept:
+        return IdUse.new
+    held = kept[event_id]
+    return IdUse.conflict if held is not None and held != digest else IdUse.repeat
 
 
 @dataclass(frozen=True)
@@ -349,13 +366,22 @@ class Fold:
     tombstones: dict[str, Tombstone] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     flags: dict[str, frozenset[str]] = field(default_factory=dict)
+    digests: dict[str, str | None] = field(default_factory=dict)  # the event kept under each id
+    refused: dict[str, str] = field(default_factory=dict)  # event ids reused with other content
     last_seq: int = 0
 
     def apply(self, event: Envelope, stream_seq: int) -> Change | None:
+        event_id, digest = str(event.event_id), event_digest(event)
+        use = id_use(self.digests, event_id, digest)
+        if use is not IdUse.new:
+            if use is IdUse.conflict:
+                self.refused[event_id] = digest
+            return None
+        self.digests[event_id] = digest
         try:
             change = decide(event, stream_seq, self.artifacts.get, self.tombstones.__contains__)
         except IllegalTransition as e:
-            self.rejected[str(event.event_id)] = str(e)
+            self.rejected[event_id] = str(e)
             return None
         self.absorb(change)
         self.last_seq = max(self.last_seq, stream_seq)
@@ -363,6 +389,9 @@ class Fold:
 
     def absorb(self, change: Change) -> None:
         for state in change.artifacts:
+            if state.forgotten:  # a privacy delete: the artifact leaves the state, as it leaves every store
+                self.artifacts.pop(state.artifact_id, None)
+                continue
             self.artifacts[state.artifact_id] = state
         if change.verification is not None:
             self.verifications.append(change.verification)

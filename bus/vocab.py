@@ -74,6 +74,8 @@ class DeadLetterReason(StrEnum):
     unknown_actor_key = "unknown_actor_key"
     subject_mismatch = "subject_mismatch"
     max_deliver = "max_deliver"
+    implausible_time = "implausible_time"
+    duplicate_id_conflict = "duplicate_id_conflict"
 
 
 class TaskState(StrEnum):
@@ -170,6 +172,8 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
         "unknown_actor_key": "the actor's key differs from the one registered for that agent",
         "subject_mismatch": "the subject does not match the event's project, kind and artifact",
         "max_deliver": "the observer failed on every delivery attempt",
+        "implausible_time": "recorded_at is too far from when the stream stored the event (clock skew or a replay)",
+        "duplicate_id_conflict": "another event with different content already holds this event id",
     },
     TaskState: {
         "proposed": "waiting for a coordinator's decision",

@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import os
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,7 +22,6 @@ from bus.client import EpibusClient
 from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
-from bus.ids import point_id
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
@@ -44,6 +42,7 @@ from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, rebuild
 from observers.mirror.store import VectorStore
 from observers.recall import audit_recall, recall
+from observers.residue import NodeFiles, prove_forgotten
 from observers.verify import verify
 
 log = logging.getLogger(__name__)
@@ -128,8 +127,8 @@ class Node:
         home.mkdir(parents=True, exist_ok=True)
         if self.config.nats_url is None:
             self.server = NatsServer(home / "nats")
+            self._stack.callback(self.server.stop)  # first: a start that fails half-way still frees the store
             await asyncio.to_thread(self.server.start)
-            self._stack.callback(self.server.stop)
         self.journal = Journal(self.config.journal_url or default_journal_url(home))
         self._stack.callback(self.journal.close)
         await asyncio.to_thread(self.journal.migrate)
@@ -230,8 +229,9 @@ class Node:
         self.store = await open_store(self.config.mirror, location, self.embedder.model_id, self.embedder.dimension)
         self._stack.push_async_callback(self._close_store)
         info = await self.store.describe()
+        assert self.journal is not None
         self.mirror = MirrorObserver(
-            self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", node=self.config.agent
+            self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.config.agent
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
         await self.nc.subscribe(RECALL, cb=self._answer_recall)
@@ -259,7 +259,7 @@ class Node:
     async def reindex_mirror(self, progress: Progress | None = None) -> dict[str, Any]:
         """Rebuild the mirror from the stream into a new collection while the old one keeps answering, swap
         it in, and continue with a new durable consumer right after the rebuilt part."""
-        if self.store is None or self.embedder is None or self.js is None or self.nc is None:
+        if self.store is None or self.embedder is None or self.js is None or self.nc is None or self.journal is None:
             raise ConfigError("reindex", "this node runs no mirror (started with --mirror off)")
         async with self._reindexing:
             rebuilt = await rebuild(
@@ -267,6 +267,7 @@ class Node:
                 self.store,
                 self.js,
                 self.embedder,
+                journal=self.journal,
                 home=self.config.home,
                 node=self.config.agent,
                 progress=progress,
@@ -275,7 +276,9 @@ class Node:
             if self._mirror_task is not None:
                 await cancel_and_wait([self._mirror_task])
             self.store = await rebuilt.swap()
-            self.mirror = MirrorObserver(self.store, self.embedder, name=rebuilt.consumer_name, node=self.config.agent)
+            self.mirror = MirrorObserver(
+                self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.config.agent
+            )
             self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1)
             assert self._group is not None
             self._mirror_task = self._group.create_task(self.mirror_runner.run())
@@ -303,17 +306,20 @@ class Node:
         await msg.respond(json.dumps(reply).encode())
 
     async def _prove_forgotten(self, msg: Msg) -> None:
-        """Read this node's journal and mirror back for a forgotten artifact."""
+        """Finish a forget on this node's files (when asked) and prove it: rows, points and bytes."""
         assert self.journal is not None
         node = self.config.agent
         try:
-            request = json.loads(msg.data)
-            ids = [str(e) for e in request["event_ids"]]
-            reply: dict[str, Any] = {"node": node} | await asyncio.to_thread(
-                self.journal.forgotten_check, request["project"], request["artifact_id"], ids
+            files = NodeFiles(
+                self.config.home,
+                self.journal,
+                outbox=self.forwarder.outbox if self.forwarder else None,
+                cache=self.embedder,
+                store=self.store,
+                nats_store=self.server.store_dir if self.server else None,
+                nats_url=self.nats_url,
             )
-            points = await self.store.retrieve([point_id(uuid.UUID(e)) for e in ids]) if self.store else []
-            reply["mirror_points"] = len(points)
+            reply: dict[str, Any] = {"node": node} | await prove_forgotten(files, json.loads(msg.data))
         except (EpibusError, ValueError, KeyError) as e:
             reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
         await msg.respond(json.dumps(reply).encode())

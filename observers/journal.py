@@ -17,13 +17,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from bus.admission import Delivery, Refusal, first_of_each_id
 from bus.errors import ConfigError, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
-from bus.runner import Delivery
 from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
@@ -53,14 +53,61 @@ def make_engine(url: str) -> Engine:
         def _pragmas(dbapi_connection: Any, _record: Any) -> None:
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
-            # FULL: the runner acks after this commit, so the commit must survive power loss (DESIGN §6)
+            # FULL: the runner acks after this commit, so the commit must survive power loss
             cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA secure_delete=ON")  # a forgotten row's bytes are zeroed, not left in free space
             cursor.close()
 
         return engine
     if parsed.drivername == "postgresql":
         url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     return create_engine(url, pool_pre_ping=True)
+
+
+@dataclass(frozen=True)
+class Written:
+    inserted: list[str]
+    refused: list[Refusal]
+
+
+def _row(d: Delivery, received_at: datetime) -> dict[str, Any]:
+    return {
+        "event_id": str(d.event.event_id),
+        "stream_seq": d.stream_seq,
+        "subject": d.subject,
+        "project": d.event.project,
+        "kind": d.event.kind,
+        "artifact_id": d.event.artifact_id,
+        "actor_id": d.event.actor.agent_id,
+        "actor_key": d.event.actor.public_key,
+        "session_id": d.event.session_id,
+        "goal_id": d.event.goal_id,
+        "source": d.event.source.value if d.event.source is not None else None,
+        "recorded_at": d.event.recorded_at,
+        "received_at": received_at,
+        "stream_time": d.stream_time,
+        "signature_status": "verified",  # admission dead-letters everything else
+        "envelope": json.dumps(d.event.model_dump(mode="json"), sort_keys=True),
+        "digest": d.digest,
+    }
+
+
+@dataclass(frozen=True)
+class KeptEvent:
+    digest: str | None  # None: a row redacted before digests were kept
+    stream_seq: int
+
+
+def _kept(conn: Connection, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
+    found: dict[str, KeptEvent] = {}
+    ids = list(event_ids)
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        rows = conn.execute(
+            select(events.c.event_id, events.c.digest, events.c.stream_seq).where(events.c.event_id.in_(chunk))
+        )
+        found.update({row.event_id: KeptEvent(row.digest, row.stream_seq) for row in rows})
+    return found
 
 
 @dataclass(frozen=True)
@@ -138,45 +185,36 @@ class Journal:
     def close(self) -> None:
         self.engine.dispose()
 
-    def write(self, deliveries: Sequence[Delivery]) -> list[str]:
-        """Insert in one transaction; returns the event ids that were new (the others were already there)."""
+    def write(self, deliveries: Sequence[Delivery]) -> Written:
+        """Insert in one transaction, the first event under each event id only. Returns the ids that were new
+        and refusals for events that reuse a journaled id with other content (the runner dead-letters them)."""
         if not deliveries:
-            return []
-        received_at = datetime.now(UTC)
-        rows = [
-            {
-                "event_id": str(d.event.event_id),
-                "stream_seq": d.stream_seq,
-                "subject": d.subject,
-                "project": d.event.project,
-                "kind": d.event.kind,
-                "artifact_id": d.event.artifact_id,
-                "actor_id": d.event.actor.agent_id,
-                "actor_key": d.event.actor.public_key,
-                "session_id": d.event.session_id,
-                "goal_id": d.event.goal_id,
-                "source": d.event.source.value if d.event.source is not None else None,
-                "recorded_at": d.event.recorded_at,
-                "received_at": received_at,
-                "stream_time": d.stream_time,
-                "signature_status": "verified",  # the runner dead-letters everything else
-                "envelope": json.dumps(d.event.model_dump(mode="json"), sort_keys=True),
-            }
-            for d in deliveries
-        ]
-        insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
-        statement = insert.on_conflict_do_nothing(index_elements=["event_id"]).returning(events.c.event_id)
+            return Written([], [])
+        ids = sorted({str(d.event.event_id) for d in deliveries})
         try:
             with self.engine.begin() as conn:  # the events and what they did to the state commit together
                 if self.dialect == "postgresql":
                     # Writers sharing a database take turns, or one could decide from states another has
                     # not committed yet (SQLite serialises writers by itself at the first INSERT).
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PROJECTION_LOCK_ID})
-                inserted = set(conn.execute(statement, rows).scalars().all())
-                project_deliveries(conn, [d for d in deliveries if str(d.event.event_id) in inserted])
+                kept = {event_id: k.digest for event_id, k in _kept(conn, ids).items()}
+                fresh, refused = first_of_each_id(deliveries, kept)
+                if fresh:
+                    insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
+                    statement = insert.on_conflict_do_nothing(index_elements=["event_id"])
+                    conn.execute(statement, [_row(d, datetime.now(UTC)) for d in fresh])
+                    project_deliveries(conn, fresh)
         except SQLAlchemyError as e:
             raise Unavailable("journal", f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
-        return [str(d.event.event_id) for d in deliveries if str(d.event.event_id) in inserted]
+        return Written([str(d.event.event_id) for d in fresh], refused)
+
+    def kept_events(self, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
+        """Which event the journal keeps under each of these ids (absent: not journaled yet)."""
+        try:
+            with self.engine.connect() as conn:
+                return _kept(conn, event_ids)
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"reading event digests from {self.safe_url} failed: {e}") from e
 
     def rebuild_projection(self) -> int:
         """Recompute the state projection from the journal's events in stream order."""
@@ -301,12 +339,13 @@ class JournalObserver:
         self.already_present = 0
         self.tombstone_sync_failures = 0
 
-    async def handle(self, batch: Sequence[Delivery]) -> None:
-        inserted = await asyncio.to_thread(self.journal.write, batch)
-        self.inserted += len(inserted)
-        self.already_present += len(batch) - len(inserted)
+    async def handle(self, batch: Sequence[Delivery]) -> list[Refusal]:
+        written = await asyncio.to_thread(self.journal.write, batch)
+        self.inserted += len(written.inserted)
+        self.already_present += len(batch) - len(written.inserted) - len(written.refused)
         if self.tombstones is not None:
             await self._sync_tombstones([str(d.event.event_id) for d in batch if d.event.body.transition])
+        return written.refused
 
     async def _sync_tombstones(self, transition_ids: list[str]) -> None:
         """Idempotent: a redelivered batch puts the same keys again. The journal stays the authority (its

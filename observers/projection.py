@@ -15,9 +15,9 @@ from sqlalchemy import and_, bindparam, delete, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from bus.admission import Delivery
 from bus.errors import IllegalTransition
 from bus.event import Envelope, validate_event
-from bus.runner import Delivery
 from bus.state import ArtifactState, Change, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import artifacts, as_utc, events, projection_cursor, tombstones, verifications

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from bus.admission import TimeBounds
 from bus.errors import ConfigError
 from bus.state import ArtifactState, relevance
 from observers.journal import Journal
@@ -137,7 +138,9 @@ async def recall(
         where = Filter(
             equals={"project": project},
             any_of={"kind": list(kinds)} if kinds else {},
-            at_most={"created_ts": as_of.timestamp()},
+            # A claim is in the past at as_of if the stream had it by then; its recorded_at is at most the
+            # admitted clock skew later than that, so this only narrows the candidates the journal then judges.
+            at_most={"created_ts": as_of.timestamp() + TimeBounds.from_env().future_skew_s},
         )
         found = await _candidates(store, embedder, query, where, k * 2)
         then = snapshot(journal, project, as_of=as_of)

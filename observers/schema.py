@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
+
+from bus.event import event_digest, validate_event
 
 metadata = MetaData()
 
@@ -67,6 +70,9 @@ events = Table(
     Column("reason", Text, nullable=True),
     Column("flags", String(200), nullable=True),
     Column("stream_time", DateTime(timezone=True), nullable=True),  # v2: JetStream's clock; as-of reads cut on it
+    # v3: sha256 of the whole signed event; kept when a forget redacts the row, so a later event reusing the id
+    # with other content is still recognised as a conflict.
+    Column("digest", String(64), nullable=True),
     # The indexes the journal's reads use: by project (and kind) over time, by actor, by artifact, by seq.
     Index("ix_events_project_kind_time", "project", "kind", "recorded_at"),
     Index("ix_events_project_time", "project", "recorded_at"),
@@ -167,10 +173,20 @@ def _v2_state_projection(conn: Connection) -> None:
     rebuild(conn)
 
 
+def _v3_event_digests(conn: Connection) -> None:
+    if "digest" not in {c["name"] for c in inspect(conn).get_columns("events")}:
+        conn.execute(text("ALTER TABLE events ADD COLUMN digest VARCHAR(64)"))
+    rows = conn.execute(select(events.c.event_id, events.c.envelope).where(events.c.status != "forgotten")).all()
+    for row in rows:  # redacted rows have nothing left to digest; they stay NULL
+        digest = event_digest(validate_event(json.loads(row.envelope)))
+        conn.execute(events.update().where(events.c.event_id == row.event_id).values(digest=digest))
+
+
 # (version, description, step). Append only: a shipped step is never edited.
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "events table with its query indexes", _v1_events),
     (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection),
+    (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -12,12 +12,14 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
+from bus.admission import Admission, Delivery, Rejected, first_of_each_id
 from bus.ids import point_id
+from bus.jetstream import AgentRegistry
 from bus.reader import read_stream
-from bus.runner import Delivery, Rejected, admit_event
+from bus.state import ArtifactState
 from bus.subjects import STREAM, events_filter
 from observers.journal import Journal
-from observers.mirror.observer import STATE_FIELDS, MirrorObserver, state_payload
+from observers.mirror.observer import STATE_FIELDS, MirrorObserver, claim_payload, state_payload
 from observers.mirror.store import Filter, Point, VectorStore
 from observers.projection import FORGOTTEN, row_to_state
 from observers.schema import artifacts, events
@@ -30,20 +32,23 @@ class StoreReport:
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)  # the id holds another event than the stream's first
 
     @property
     def clean(self) -> bool:
-        return not (self.missing or self.extra or self.stale)
+        return not (self.missing or self.extra or self.stale or self.mismatched)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "missing": len(self.missing),
             "extra": len(self.extra),
             "stale": len(self.stale),
+            "mismatched": len(self.mismatched),
             "clean": self.clean,
             "sample_missing": self.missing[:SAMPLE],
             "sample_extra": self.extra[:SAMPLE],
             "sample_stale": self.stale[:SAMPLE],
+            "sample_mismatched": self.mismatched[:SAMPLE],
         }
 
 
@@ -69,27 +74,31 @@ class VerifyReport:
 
 
 async def _stream_deliveries(js: JetStreamContext, project: str | None) -> list[Delivery]:
+    """What every store should hold: the stream's events as admission admits them, the first under each id."""
+    admission = Admission(AgentRegistry(js))
     found: list[Delivery] = []
     async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
         for msg in messages:
             try:
-                event = admit_event(msg.subject, msg.data)
+                found.append(await admission.admit_msg(msg))
             except Rejected:
                 continue  # dead-lettered by the live consumers, never journaled
-            found.append(Delivery(event, msg.subject, msg.metadata.sequence.stream, 1, msg.metadata.timestamp))
-    return found
+    kept, _conflicts = first_of_each_id(found, {})
+    return kept
 
 
-def _journal_side(journal: Journal, project: str | None) -> tuple[set[str], dict[tuple[str, str], Any]]:
+def _journal_side(
+    journal: Journal, project: str | None
+) -> tuple[dict[str, str | None], dict[tuple[str, str], ArtifactState]]:
     with journal.engine.connect() as conn:
-        query = select(events.c.event_id).where(events.c.status != FORGOTTEN)
+        query = select(events.c.event_id, events.c.digest).where(events.c.status != FORGOTTEN)
         states_query = select(artifacts)
         if project is not None:
             query = query.where(events.c.project == project)
             states_query = states_query.where(artifacts.c.project == project)
-        ids = set(conn.execute(query).scalars())
+        digests = {row.event_id: row.digest for row in conn.execute(query)}
         states = {(r.project, r.artifact_id): row_to_state(r._mapping) for r in conn.execute(states_query)}
-    return ids, states
+    return digests, states
 
 
 async def verify(
@@ -100,15 +109,21 @@ async def verify(
     project: str | None = None,
     repair: bool = False,
 ) -> VerifyReport:
-    """Compare the stream, the journal and the mirror by event id. With repair: journal the missing events,
-    index the missing claims, delete extra points, rewrite stale payloads; then report again."""
+    """Compare the stream, the journal and the mirror by event id and by content digest. With repair: journal
+    the missing events, index missing claims, delete extra points, rewrite stale payloads and mismatched points;
+    then report again. A journal row that holds another event than the stream's first is reported, not
+    rewritten: the journal is append-only."""
     deliveries = await _stream_deliveries(js, project)
     in_stream = {str(d.event.event_id): d for d in deliveries}
     journaled, states = await asyncio.to_thread(_journal_side, journal, project)
-    journal_report = StoreReport(missing=sorted(set(in_stream) - journaled), extra=sorted(journaled - set(in_stream)))
+    journal_report = StoreReport(
+        missing=sorted(set(in_stream) - set(journaled)),
+        extra=sorted(set(journaled) - set(in_stream)),
+        mismatched=sorted(e for e, d in journaled.items() if e in in_stream and d not in (None, in_stream[e].digest)),
+    )
     mirror_report = None
     if mirror is not None:
-        mirror_report = await _mirror_side(mirror.store, states, project)
+        mirror_report = await _mirror_side(mirror.store, states, in_stream, project)
     report = VerifyReport(len(deliveries), journal_report, mirror_report)
     if not repair or report.clean:
         return report
@@ -116,13 +131,18 @@ async def verify(
         await asyncio.to_thread(journal.write, [in_stream[e] for e in journal_report.missing])
     if mirror is not None and mirror_report is not None:
         _, states = await asyncio.to_thread(_journal_side, journal, project)
-        await _repair_mirror(mirror, states, mirror_report, project)
+        await _repair_mirror(mirror, states, mirror_report, in_stream)
     again = await verify(js, journal, mirror, project=project, repair=False)
     again.repaired = True
     return again
 
 
-async def _mirror_side(store: VectorStore, states: dict[tuple[str, str], Any], project: str | None) -> StoreReport:
+async def _mirror_side(
+    store: VectorStore,
+    states: dict[tuple[str, str], ArtifactState],
+    in_stream: dict[str, Delivery],
+    project: str | None,
+) -> StoreReport:
     expected = {point_id(uuid.UUID(s.created_event_id)): s for s in states.values()}
     present = set(await store.point_ids(Filter(equals={"project": project}) if project else None))
     report = StoreReport(
@@ -130,28 +150,36 @@ async def _mirror_side(store: VectorStore, states: dict[tuple[str, str], Any], p
         extra=sorted(str(p) for p in present - set(expected)),
     )
     for found in await store.retrieve([p for p in present if p in expected]):
-        want = state_payload(expected[found.id])
+        state = expected[found.id]
+        delivery = in_stream.get(state.created_event_id)
+        if delivery is not None and found.payload.get("event_digest") != delivery.digest:
+            report.mismatched.append(state.created_event_id)
+            continue
+        want = state_payload(state)
         if any(found.payload.get(k) != want[k] for k in STATE_FIELDS if k not in ("last_seq", "updated_at")):
-            report.stale.append(str(found.payload.get("event_id")))
+            report.stale.append(state.created_event_id)
     return report
 
 
 async def _repair_mirror(
-    mirror: MirrorObserver, states: dict[tuple[str, str], Any], report: StoreReport, project: str | None
+    mirror: MirrorObserver,
+    states: dict[tuple[str, str], ArtifactState],
+    report: StoreReport,
+    in_stream: dict[str, Delivery],
 ) -> None:
     store = mirror.store
     by_event = {s.created_event_id: s for s in states.values()}
     if report.extra:
         await store.delete([uuid.UUID(p) for p in report.extra])
-    missing = [by_event[e] for e in report.missing if e in by_event]
-    if missing:
-        vectors = await mirror.embedder.embed([s.content for s in missing])
+    rewrite = [
+        (by_event[e], in_stream[e]) for e in report.missing + report.mismatched if e in by_event and e in in_stream
+    ]
+    if rewrite:
+        vectors = await mirror.embedder.embed([s.content for s, _ in rewrite])
         await store.upsert(
             [
-                Point(
-                    point_id(uuid.UUID(s.created_event_id)), v, state_payload(s) | {"node": mirror.node, "evidence": []}
-                )
-                for s, v in zip(missing, vectors, strict=True)
+                Point(point_id(d.event.event_id), v, claim_payload(s, d, mirror.node))
+                for (s, d), v in zip(rewrite, vectors, strict=True)
             ]
         )
     for event_id in report.stale:

@@ -7,18 +7,22 @@ degraded, the journal is never blocked), and no placeholder vector is ever writt
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.errors import IllegalTransition
+from bus.admission import Delivery, Refusal, conflict_refusal
+from bus.errors import IllegalTransition, Unavailable
 from bus.ids import point_id
-from bus.runner import Delivery
-from bus.state import ArtifactState, decide, event_references
+from bus.state import ArtifactState, IdUse, decide, event_references, id_use
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
+
+if TYPE_CHECKING:
+    from observers.journal import KeptEvent
 
 STATE_FIELDS = (
     "trust",
@@ -95,28 +99,50 @@ def payload_state(payload: Mapping[str, Any]) -> ArtifactState:
     )
 
 
-class MirrorObserver:
-    """The runner's mirror sink. `name` is the durable consumer: mirrors sharing one store share it."""
+class KeptEvents(Protocol):
+    """Which event a journal keeps under each event id: the mirror writes only what its journal kept."""
 
-    def __init__(self, store: VectorStore, embedder: Embedder, *, name: str, node: str = "local") -> None:
+    def kept_events(self, event_ids: Sequence[str]) -> Mapping[str, KeptEvent]:
+        """Blocking. Ids that are absent are not journaled yet. Raises Unavailable."""
+        ...
+
+
+class MirrorObserver:
+    """The runner's mirror sink. `name` is the durable consumer: mirrors sharing one store share it.
+
+    It follows its node's journal on which event each id holds (the first in stream order): an event the journal
+    refused is refused here too, and a repeat at another stream sequence changes nothing."""
+
+    def __init__(
+        self,
+        store: VectorStore,
+        embedder: Embedder,
+        *,
+        name: str,
+        journal: KeptEvents,
+        node: str = "local",
+        journal_wait_s: float = 30.0,
+    ) -> None:
         self.store = store
         self.embedder = embedder
         self.name = name
         self.node = node
+        self.journal = journal
+        self.journal_wait_s = journal_wait_s
         self.indexed = 0
         self.transitions = 0
         self.illegal = 0
+        self.refused = 0
 
-    async def handle(self, batch: Sequence[Delivery]) -> None:
-        ordered = sorted(batch, key=lambda d: d.stream_seq)
-        states = await self._prefetch(ordered)
+    async def handle(self, batch: Sequence[Delivery]) -> list[Refusal]:
+        admitted, refused = await self._kept_by_journal(sorted(batch, key=lambda d: d.stream_seq))
+        states = await self._prefetch(admitted)
         changed: dict[tuple[str, str], ArtifactState] = {}
-        claims: list[tuple[Delivery, ArtifactState]] = []
-        for delivery in ordered:
+        created: dict[tuple[str, str], Delivery] = {}
+        for delivery in admitted:
             event = delivery.event
-            lookup = partial(_state_of, states, event.project)
             try:
-                change = decide(event, delivery.stream_seq, lookup, _no_tombstones)
+                change = decide(event, delivery.stream_seq, partial(_state_of, states, event.project), _no_tombstones)
             except IllegalTransition:
                 self.illegal += 1  # the journal records why; the mirror mirrors only what the state allows
                 continue
@@ -124,20 +150,56 @@ class MirrorObserver:
                 key = (state.project, state.artifact_id)
                 states[key] = changed[key] = state
             if not event.body.transition:
-                claims.append((delivery, change.artifacts[0]))
-        await self._index_claims(claims)
-        new = {(s.project, s.artifact_id) for _, s in claims}
-        for (project, artifact_id), state in changed.items():
-            if (project, artifact_id) in new:
+                created[(event.project, event.artifact_id)] = delivery
+        await self._write(changed, created)
+        self.refused += len(refused)
+        return refused
+
+    async def _kept_by_journal(self, ordered: list[Delivery]) -> tuple[list[Delivery], list[Refusal]]:
+        """The deliveries to apply (the events the journal keeps, at the sequence it kept them) and refusals
+        for events that reuse a kept id with other content. Waits a while for a journal that lags behind."""
+        ids = sorted({str(d.event.event_id) for d in ordered})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.journal_wait_s
+        while True:
+            kept = await asyncio.to_thread(self.journal.kept_events, ids)
+            missing = [i for i in ids if i not in kept]
+            if not missing:
+                break
+            if loop.time() > deadline:
+                raise Unavailable("journal", f"{len(missing)} events (first {missing[0]}) are not journaled yet")
+            await asyncio.sleep(0.2)
+        digests = {event_id: k.digest for event_id, k in kept.items()}
+        admitted: list[Delivery] = []
+        refused: list[Refusal] = []
+        for delivery in ordered:
+            event_id = str(delivery.event.event_id)
+            if id_use(digests, event_id, delivery.digest) is IdUse.conflict:
+                refused.append(conflict_refusal(delivery, digests[event_id] or ""))
+            elif delivery.stream_seq == kept[event_id].stream_seq:
+                admitted.append(delivery)  # else: a repeat of the kept event, sent again later
+        return admitted, refused
+
+    async def _write(
+        self, changed: dict[tuple[str, str], ArtifactState], created: dict[tuple[str, str], Delivery]
+    ) -> None:
+        """Claims are indexed with the state they have at the end of the batch, so a change that arrives in
+        the same batch as its claim is never lost; a claim forgotten in its own batch is never indexed."""
+        claims: list[tuple[Delivery, ArtifactState]] = []
+        for key, state in changed.items():
+            if key in created:
+                if not state.forgotten:
+                    claims.append((created[key], state))
                 continue
-            where = Filter(equals={"project": project, "artifact_id": artifact_id})
+            where = Filter(equals={"project": key[0], "artifact_id": key[1]})
             if state.forgotten:  # a privacy delete: the content leaves the mirror, not just the safe door
                 await self.store.delete(await self.store.point_ids(where))
-                self.transitions += 1
-                continue
-            fields = {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS}
-            await self.store.set_payload(where, fields)
+            else:
+                await self.store.set_payload(
+                    where, {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS}
+                )
             self.transitions += 1
+        await self._index_claims(claims)
 
     async def _prefetch(self, batch: Sequence[Delivery]) -> dict[tuple[str, str], ArtifactState]:
         """Current states, read from the points' payloads, of every artifact the batch refers to."""
@@ -159,16 +221,23 @@ class MirrorObserver:
             return
         vectors = await self.embedder.embed([state.content for _, state in claims])
         points = [
-            Point(
-                point_id(delivery.event.event_id),
-                vector,
-                state_payload(state)
-                | {"node": self.node, "stream_seq": delivery.stream_seq, "evidence": _evidence(delivery)},
-            )
+            Point(point_id(delivery.event.event_id), vector, claim_payload(state, delivery, self.node))
             for (delivery, state), vector in zip(claims, vectors, strict=True)
         ]
         await self.store.upsert(points)
         self.indexed += len(points)
+
+
+def claim_payload(state: ArtifactState, delivery: Delivery, node: str) -> dict[str, Any]:
+    """A claim's point payload: its state, the digest of the event that made it, when the stream stored it."""
+    stream_ts = delivery.stream_time.timestamp() if delivery.stream_time is not None else None
+    return state_payload(state) | {
+        "node": node,
+        "stream_seq": delivery.stream_seq,
+        "stream_ts": stream_ts,
+        "event_digest": delivery.digest,
+        "evidence": _evidence(delivery),
+    }
 
 
 def _state_of(states: dict[tuple[str, str], ArtifactState], project: str, artifact_id: str) -> ArtifactState | None:

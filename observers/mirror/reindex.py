@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from bus.errors import ConfigError
 from bus.reader import replay
 from observers.mirror.embed import Embedder
-from observers.mirror.observer import MirrorObserver
+from observers.mirror.observer import KeptEvents, MirrorObserver
 from observers.mirror.store import VectorStore
 
 HNSW_AT_POINTS = 10_000  # below this, exact search on qdrant-edge answers in about a millisecond
@@ -34,10 +34,15 @@ class Rebuilt:
 
 
 async def _replay_into(
-    js: JetStreamContext, store: VectorStore, embedder: Embedder, node: str, progress: Progress | None
+    js: JetStreamContext,
+    store: VectorStore,
+    embedder: Embedder,
+    journal: KeptEvents,
+    node: str,
+    progress: Progress | None,
 ) -> tuple[str, int, int, int]:
     name = f"mirror-{(await store.describe()).store_id[:8]}"
-    rebuilder = MirrorObserver(store, embedder, name=name, node=node)
+    rebuilder = MirrorObserver(store, embedder, name=name, journal=journal, node=node)
     async with asyncio.TaskGroup() as updates:  # progress goes out while the replay runs, and is all sent by the end
 
         def report(done: int, total: int) -> None:
@@ -54,19 +59,27 @@ async def rebuild(
     js: JetStreamContext,
     embedder: Embedder,
     *,
+    journal: KeptEvents,
     home: Path,
     node: str,
     progress: Progress | None = None,
 ) -> Rebuilt:
+    """Replay the whole stream into a fresh collection, through the same admission and observer as live."""
     if kind == "edge":
-        return await _rebuild_edge(live, js, embedder, home, node, progress)
+        return await _rebuild_edge(live, js, embedder, journal, home, node, progress)
     if kind == "server":
-        return await _rebuild_server(live, js, embedder, node, progress)
+        return await _rebuild_server(live, js, embedder, journal, node, progress)
     raise ConfigError("reindex", f"mirror {kind!r} cannot be rebuilt", allowed=["edge", "server"])
 
 
 async def _rebuild_edge(
-    live: VectorStore, js: JetStreamContext, embedder: Embedder, home: Path, node: str, progress: Progress | None
+    live: VectorStore,
+    js: JetStreamContext,
+    embedder: Embedder,
+    journal: KeptEvents,
+    home: Path,
+    node: str,
+    progress: Progress | None,
 ) -> Rebuilt:
     from observers.mirror.edge import EdgeVectorStore
 
@@ -74,7 +87,7 @@ async def _rebuild_edge(
     if fresh_path.exists():
         shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
     fresh = await EdgeVectorStore.open(fresh_path, embedder.model_id, embedder.dimension)
-    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, node, progress)
+    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress)
     if points >= HNSW_AT_POINTS:
         await fresh.optimize()  # off the hot path: qdrant-edge holds the GIL for seconds while it builds HNSW
     await fresh.close()
@@ -92,14 +105,19 @@ async def _rebuild_edge(
 
 
 async def _rebuild_server(
-    live: VectorStore, js: JetStreamContext, embedder: Embedder, node: str, progress: Progress | None
+    live: VectorStore,
+    js: JetStreamContext,
+    embedder: Embedder,
+    journal: KeptEvents,
+    node: str,
+    progress: Progress | None,
 ) -> Rebuilt:
     from observers.mirror.server import ServerVectorStore
 
     if not isinstance(live, ServerVectorStore):
         raise ConfigError("reindex", "the live mirror is not a Qdrant server collection")
     fresh = await live.sibling()
-    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, node, progress)
+    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress)
 
     async def swap() -> VectorStore:
         await live.swap_in(fresh)  # one alias operation: readers see the old or the new, never neither

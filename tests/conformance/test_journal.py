@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def deliveries(key: AgentKey, project: str, n: int, *, kind: str = "finding", st
 
 def test_written_events_are_read_back_by_sql(journal, keys, project):
     batch = deliveries(keys["alice"], project, 25)
-    assert sorted(journal.write(batch)) == sorted(str(d.event.event_id) for d in batch)
+    assert sorted(journal.write(batch).inserted) == sorted(str(d.event.event_id) for d in batch)
     report = missing_and_extra({str(d.event.event_id) for d in batch}, journal_event_ids(journal.url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
 
@@ -56,9 +55,43 @@ def test_written_events_are_read_back_by_sql(journal, keys, project):
 def test_writing_the_same_events_again_adds_no_row(journal, keys, project):
     batch = deliveries(keys["alice"], project, 10)
     journal.write(batch)
-    assert journal.write(batch) == []
-    assert journal.write(batch[:3] + deliveries(keys["alice"], project, 2, start_seq=100)) != []
+    assert journal.write(batch).inserted == []
+    assert journal.write(batch[:3] + deliveries(keys["alice"], project, 2, start_seq=100)).inserted != []
     assert len(journal_event_ids(journal.url, project)) == 12
+
+
+def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept(journal, keys, project):
+    (first,) = deliveries(keys["alice"], project, 1)
+    journal.write([first])
+    forged = keys["alice"].sign(
+        first.event.model_copy(update={"body": first.event.body.model_copy(update={"text": "rewritten"})})
+    )
+    again = Delivery(forged, first.subject, 900, 1)
+    written = journal.write([again])
+    assert written.inserted == []
+    assert [(r.stream_seq, r.reason.value) for r in written.refused] == [(900, "duplicate_id_conflict")]
+    (row,) = journal.query(EventQuery(project=project))
+    assert row.envelope["body"]["text"] == first.event.body.text and row.stream_seq == first.stream_seq
+
+
+def test_an_exact_resend_of_a_journaled_event_is_neither_written_nor_refused(journal, keys, project):
+    (first,) = deliveries(keys["alice"], project, 1)
+    journal.write([first])
+    written = journal.write([Delivery(first.event, first.subject, 700, 1)])
+    assert (written.inserted, written.refused) == ([], [])
+    assert journal_event_ids(journal.url, project) == [str(first.event.event_id)]
+
+
+def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(journal, keys, project):
+    (first,) = deliveries(keys["alice"], project, 1, start_seq=50)
+    other = keys["alice"].sign(
+        first.event.model_copy(update={"body": first.event.body.model_copy(update={"text": "other"})})
+    )
+    written = journal.write([Delivery(other, first.subject, 60, 1), first])
+    assert written.inserted == [str(first.event.event_id)]
+    assert [r.stream_seq for r in written.refused] == [60]
+    (row,) = journal.query(EventQuery(project=project))
+    assert row.stream_seq == 50 and row.envelope["body"]["text"] == first.event.body.text
 
 
 def test_zero_and_empty_values_are_stored_as_values(journal, keys, project):

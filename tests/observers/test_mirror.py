@@ -17,6 +17,7 @@ from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
+from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
@@ -113,7 +114,10 @@ async def test_redelivery_and_reembedding_never_duplicate_a_point(mirrored_node,
         await indexed(mirrored_node, 30)
         store, mirror = mirrored_node.store, mirrored_node.mirror
         assert store is not None and mirror is not None
-        again = MirrorObserver(store, mirror.embedder, name="mirror-replay", node="node-a")
+        assert mirrored_node.journal is not None
+        again = MirrorObserver(
+            store, mirror.embedder, name="mirror-replay", journal=mirrored_node.journal, node="node-a"
+        )
         await replay(alice.js, again)  # every event through the mirror a second time
     found = await store.retrieve([point_id(e.event_id) for e in events])
     assert sorted(p.id for p in found) == sorted(point_id(e.event_id) for e in events)
@@ -164,11 +168,15 @@ async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(nats
     inner = await open_store("edge", tmp_path / "mirror", model.model_id, model.dimension)
     store = SwitchableStore(inner)
     embedder = CachedEmbedder(model, tmp_path / "cache.db")
-    observer = MirrorObserver(store, embedder, name="mirror-flaky")
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")
+    journal.migrate()
+    observer = MirrorObserver(store, embedder, name="mirror-flaky", journal=journal)
     nc = await nats.connect(nats_server.url)
     runner = ConsumerRunner(nc, observer, batch_size=16, ack_wait_s=3.0, fetch_timeout_s=0.2)
+    journal_runner = ConsumerRunner(nc, JournalObserver(journal), fetch_timeout_s=0.2)
     try:
         async with asyncio.TaskGroup() as group:
+            journaling = group.create_task(journal_runner.run())
             task = group.create_task(runner.run())
             async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
                 events = [alice.event("finding", finding(i), project=project) for i in range(40)]
@@ -177,9 +185,11 @@ async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(nats
             store.down = False
             await eventually(lambda: observer.indexed == 40, timeout_s=60)
             task.cancel()
+            journaling.cancel()
         assert runner.stats.dead_lettered == {} and runner.stats.degraded is False
         assert sorted(await inner.point_ids()) == sorted(point_id(e.event_id) for e in events)
     finally:
         await nc.close()
         embedder.close()
         await inner.close()
+        journal.close()

@@ -1,0 +1,184 @@
+"""The one admission rule. Every path that takes events from the stream (the live runner, replay, verify's
+repair, reindex, a second node catching up, the client's fold) admits a message with `Admission.admit`, so a
+message is admitted by all of them or by none: bytes, subject, time, signature and the agent's registered key.
+
+What fails is `Rejected` with a reason from `DeadLetterReason`; the live runner dead-letters it, the other
+paths report it. A registry that does not answer is `Unavailable`: retry later, never guess."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+
+from nats.aio.msg import Msg
+
+from bus.errors import ConfigError, Conflict, InvalidEvent
+from bus.event import Envelope, decode_event, event_digest
+from bus.jetstream import AgentRegistry
+from bus.signing import verify_signature
+from bus.state import IdUse, id_use
+from bus.subjects import event_subject
+from bus.vocab import DeadLetterReason
+
+# How far ahead of the stream's clock a publisher's clock may run.
+DEFAULT_FUTURE_SKEW_S = 300.0
+# How long an event may wait (in an outbox, offline) between being recorded and reaching the stream.
+DEFAULT_MAX_DELAY_S = 30 * 86_400.0
+FUTURE_SKEW_ENV = "EPIBUS_MAX_CLOCK_SKEW_S"
+MAX_DELAY_ENV = "EPIBUS_MAX_PUBLISH_DELAY_S"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """An admitted event as it came from the stream."""
+
+    event: Envelope
+    subject: str
+    stream_seq: int
+    num_delivered: int
+    stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
+
+    @cached_property
+    def digest(self) -> str:
+        return event_digest(self.event)
+
+
+class Rejected(Exception):
+    """A message no store may admit, and why."""
+
+    def __init__(self, reason: DeadLetterReason, error: str, event: Envelope | None = None) -> None:
+        super().__init__(error)
+        self.reason = reason
+        self.error = error
+        self.event = event
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An admitted message a store will not take, and why: a different event already holds its event id."""
+
+    stream_seq: int
+    event_id: str
+    reason: DeadLetterReason
+    error: str
+
+
+def first_of_each_id(
+    deliveries: Sequence[Delivery], known: Mapping[str, str | None]
+) -> tuple[list[Delivery], list[Refusal]]:
+    """The rule for reused event ids, for every store: the first event in stream order under an id is the one
+    kept. `known` holds the digests a store already has (None: held, digest unknown). Returns the deliveries
+    to write (new ids, in stream order) and refusals for those that differ from the event kept; exact repeats
+    are neither."""
+    seen: dict[str, str | None] = dict(known)
+    fresh: list[Delivery] = []
+    refused: list[Refusal] = []
+    for delivery in sorted(deliveries, key=lambda d: d.stream_seq):
+        event_id, digest = str(delivery.event.event_id), delivery.digest
+        use = id_use(seen, event_id, digest)
+        if use is IdUse.new:
+            seen[event_id] = digest
+            fresh.append(delivery)
+        elif use is IdUse.conflict:
+            refused.append(conflict_refusal(delivery, seen[event_id] or ""))
+    return fresh, refused
+
+
+def conflict_refusal(delivery: Delivery, kept_digest: str) -> Refusal:
+    event_id = str(delivery.event.event_id)
+    return Refusal(
+        delivery.stream_seq,
+        event_id,
+        DeadLetterReason.duplicate_id_conflict,
+        f"event id {event_id} already holds an event with digest {kept_digest[:12]}; this one has "
+        f"{delivery.digest[:12]}; the first one is kept: publish yours with a new event id",
+    )
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ConfigError(name, f"{raw!r} is not a number of seconds") from e
+    if value < 0:
+        raise ConfigError(name, f"{raw!r} is negative; give a number of seconds >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class TimeBounds:
+    """What `recorded_at` may be, relative to the stream's own clock. Every node of a fleet must use the same
+    bounds, or nodes would disagree about which events exist."""
+
+    future_skew_s: float = DEFAULT_FUTURE_SKEW_S
+    max_delay_s: float = DEFAULT_MAX_DELAY_S
+
+    @classmethod
+    def from_env(cls) -> TimeBounds:
+        return cls(
+            _seconds_from_env(FUTURE_SKEW_ENV, DEFAULT_FUTURE_SKEW_S),
+            _seconds_from_env(MAX_DELAY_ENV, DEFAULT_MAX_DELAY_S),
+        )
+
+    def problem(self, recorded_at: datetime, stream_time: datetime) -> str | None:
+        """Why recorded_at is implausible for an event stored at stream_time, or None."""
+        stored = stream_time.astimezone(UTC)
+        if recorded_at > stored + timedelta(seconds=self.future_skew_s):
+            return (
+                f"recorded_at={recorded_at.isoformat()} is more than {self.future_skew_s:g}s after the stream "
+                f"stored it ({stored.isoformat()}); fix the publisher's clock or raise {FUTURE_SKEW_ENV}"
+            )
+        if recorded_at < stored - timedelta(seconds=self.max_delay_s):
+            return (
+                f"recorded_at={recorded_at.isoformat()} is more than {self.max_delay_s:g}s before the stream "
+                f"stored it ({stored.isoformat()}); publish a new event, or raise {MAX_DELAY_ENV}"
+            )
+        return None
+
+
+def check_message(subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds) -> Envelope:
+    """Everything admission checks that needs no server: decoding, subject, time and signature."""
+    try:
+        event = decode_event(data)
+    except InvalidEvent as e:
+        raise Rejected(DeadLetterReason.invalid_event, str(e)) from e
+    expected = event_subject(event.project, event.kind, event.artifact_id)
+    if subject != expected:
+        raise Rejected(DeadLetterReason.subject_mismatch, f"subject {subject} != {expected}", event)
+    problem = bounds.problem(event.recorded_at, stream_time)
+    if problem is not None:
+        raise Rejected(DeadLetterReason.implausible_time, problem, event)
+    try:
+        verify_signature(event)
+    except InvalidEvent as e:
+        raise Rejected(DeadLetterReason.bad_signature, str(e), event) from e
+    return event
+
+
+class Admission:
+    """Admits messages for one reader. Holds the agent key registry (and its cache) and the time bounds."""
+
+    def __init__(self, registry: AgentRegistry, bounds: TimeBounds | None = None) -> None:
+        self.registry = registry
+        self.bounds = bounds or TimeBounds.from_env()
+
+    async def admit(self, subject: str, data: bytes, stream_time: datetime) -> Envelope:
+        """The event, or Rejected (never admit it) or Unavailable (the registry did not answer: retry)."""
+        event = check_message(subject, data, stream_time, self.bounds)
+        try:
+            await self.registry.bind(event.actor)
+        except Conflict as e:
+            raise Rejected(DeadLetterReason.unknown_actor_key, str(e), event) from e
+        return event
+
+    async def admit_msg(self, msg: Msg) -> Delivery:
+        """Admit a message read from a JetStream consumer (its metadata carries the stream's sequence and time)."""
+        metadata = msg.metadata
+        event = await self.admit(msg.subject, msg.data, metadata.timestamp)
+        return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
