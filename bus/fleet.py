@@ -18,8 +18,17 @@ from nats.js import JetStreamContext
 from bus.errors import NotFound, Unavailable
 from bus.jetstream import NATS_OR_API_ERROR
 from bus.knowledge import ProjectView
+from bus.outbox import Outbox
 from bus.publish import Receipt
-from bus.recall import ForgetProof, ForgetReport, RecallAnswer, ask_all, fan_out, recall_request
+from bus.recall import (
+    ForgetProof,
+    ForgetReport,
+    RecallAnswer,
+    ask_all,
+    content_fingerprints,
+    fan_out,
+    recall_request,
+)
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
 
 
@@ -27,6 +36,7 @@ class FleetCore(Protocol):
     """What the mixin needs of the client it is mixed into."""
 
     publish_timeout_s: float
+    outbox: Outbox | None
 
     @property
     def js(self) -> JetStreamContext: ...
@@ -50,12 +60,15 @@ class FleetCore(Protocol):
 class FleetRequests:
     async def forget(self: FleetCore, project: str, artifact_id: str, *, reason: str) -> ForgetReport:
         """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
-        mirror deletes the points), then erase every message on the artifact's subjects from the stream.
-        Raises NotFound for an unknown artifact. Prove it with `prove_forgotten`."""
+        mirror deletes the points), erase every message on the artifact's subjects from the stream, and drop
+        them from this client's outbox. Raises NotFound for an unknown artifact. Follow it with
+        `prove_forgotten`: each node then erases what is left in its files and scans them."""
         view = await self.project_view(project)
         if artifact_id not in view.fold.artifacts:
             raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
         messages = list(view.messages.get(artifact_id, []))
+        embedded = [view.fold.artifacts[artifact_id].content]
+        texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
         receipt = await self.transition(
             "forgotten", {"reason": reason}, project=project, artifact_id=artifact_id, view=view
         )
@@ -67,10 +80,18 @@ class FleetRequests:
                 continue  # already gone
             except NATS_OR_API_ERROR as e:
                 raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
-        return ForgetReport(project, artifact_id, str(receipt.event_id), messages)
+        if self.outbox is not None:
+            await self.outbox.forget(project, artifact_id)
+        fingerprints = content_fingerprints(texts)
+        return ForgetReport(project, artifact_id, str(receipt.event_id), messages, fingerprints, embedded)
 
-    async def prove_forgotten(self: FleetCore, report: ForgetReport, *, timeout_s: float = 3.0) -> ForgetProof:
-        """Read every store back: the stream by sequence, and each node's journal and mirror by event id."""
+    async def prove_forgotten(
+        self: FleetCore, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0
+    ) -> ForgetProof:
+        """Read every store back: the stream by sequence, and each node's journal and mirror by event id. With
+        `scrub`, a node that has applied the forget first erases what is left of the content in its files
+        (outbox rows, cached vectors, SQLite WALs, the mirror's WAL and pages; idempotent); then every node
+        scans every file it owns for the report's fingerprints and names the files that hold one."""
         erased = []
         for seq, _ in report.messages:
             try:
@@ -81,6 +102,9 @@ class FleetRequests:
             "project": report.project,
             "artifact_id": report.artifact_id,
             "event_ids": [e for _, e in report.messages if e],
+            "fingerprints": report.fingerprints,
+            "embedded_texts": report.embedded_texts,
+            "scrub": scrub,
         }
         answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
         return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
@@ -148,3 +172,25 @@ class FleetRequests:
         """The audit door: every mirrored item whatever its state, with that state."""
         request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
         return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+
+
+async def _message_texts(js: JetStreamContext, seqs: list[int], timeout_s: float) -> list[str]:
+    """The text fields of the events stored at these sequences (what a file holding a copy would hold).
+    A message that is not a JSON event gives none; one already erased is skipped. Raises Unavailable."""
+    texts: list[str] = []
+    for seq in seqs:
+        try:
+            async with asyncio.timeout(timeout_s):
+                msg = await js.get_msg(STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"reading stream seq {seq}: {type(e).__name__} {e}") from e
+        try:
+            data = json.loads(msg.data or b"")
+        except ValueError:  # not JSON (nor UTF-8): the stream erase covers it, there is no text to look for
+            continue
+        body = data.get("body") if isinstance(data, dict) else None
+        if isinstance(body, dict):
+            texts += [v for v in body.values() if isinstance(v, str)]
+    return texts

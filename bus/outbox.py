@@ -1,4 +1,4 @@
-"""The local outbox: encoded events made durable in SQLite before they go to NATS (DESIGN §6).
+"""The local outbox: encoded events made durable in SQLite before they go to NATS.
 It is also where a receipt is read when another process's forwarder sent the event.
 
 `synchronous=FULL` so an `outboxed` receipt survives power loss; concurrent `add` calls share one commit
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bus.errors import Unavailable
+from bus.subjects import parse_event_subject
 
 T = TypeVar("T")
 PARKED = 1e18  # a lease that never expires: refused rows wait here for a person
@@ -77,8 +78,10 @@ class Outbox:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
-        # synchronous=FULL: WAL+NORMAL can drop the last commits on power loss (DESIGN §6)
+        # synchronous=FULL: WAL+NORMAL can drop the last commits on power loss, and an outboxed receipt promises
+        # the event survives it
         conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA secure_delete=ON")  # a deleted row's bytes are zeroed, not left in free space (forget)
         conn.execute("PRAGMA busy_timeout=30000")
         conn.execute(_SCHEMA)
         if "origin" not in {row[1] for row in conn.execute("PRAGMA table_info(outbox)")}:
@@ -242,3 +245,34 @@ class Outbox:
             ).fetchall()
         )
         return {event_id: error for event_id, error in rows}
+
+    async def forget(self, project: str, artifact_id: str) -> int:
+        """Delete every row of an artifact's events (sent or not: a forgotten artifact's events are not sent
+        any more), except the `forgotten` event itself, then reset the WAL so no frame keeps their payload.
+        Returns the rows deleted. Idempotent. Raises Unavailable."""
+        try:
+            deleted: int = await self._run(self._forget, project, artifact_id)
+        except sqlite3.Error as e:
+            raise Unavailable("outbox", f"cannot delete forgotten rows from {self.path}: {e}") from e
+        return deleted
+
+    def _forget(self, project: str, artifact_id: str) -> int:
+        with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")
+            doomed = []
+            for seq, subject in self.conn.execute("SELECT seq, subject FROM outbox"):
+                address = parse_event_subject(subject)
+                if address is None or address.kind == "forgotten":
+                    continue
+                if address.project == project and address.artifact_id == artifact_id:
+                    doomed.append((seq,))
+            self.conn.executemany("DELETE FROM outbox WHERE seq = ?", doomed)
+        checkpoint_wal(self.conn)
+        return len(doomed)
+
+
+def checkpoint_wal(conn: sqlite3.Connection) -> bool:
+    """Copy a WAL-mode database's log into the file and truncate it to zero bytes, so frames holding deleted
+    content are gone. False when another connection's open read kept part of the log (try again later)."""
+    busy, _log, _done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    return int(busy) == 0

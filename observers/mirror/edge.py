@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,9 @@ from observers.mirror.store import (
 T = TypeVar("T")
 META_FILE = "collection.json"
 SHARD_DIR = "shard"
+NEW_SHARD_DIR = "shard.compacting"  # a compaction writes the live points here, then swaps it in
+OLD_SHARD_DIR = "shard.retired"  # the shard being replaced, deleted once the new one is in place
+COPY_BATCH = 200  # points per write while compacting: each write stays short
 
 
 def edge_filter(where: Filter) -> qe.Filter | None:
@@ -88,24 +92,29 @@ class EdgeVectorStore:
                     f"{meta['model_id']} ({meta['dimension']}-d)", f"{self.model_id} ({self.dimension}-d)"
                 )
             self.store_id = str(meta["store_id"])
+            self._finish_compaction()
             self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
             return
         self.path.mkdir(parents=True, exist_ok=True)
+        self._shard = self._create_shard(self.path / SHARD_DIR)
+        self.store_id = str(uuid.uuid4())
+        meta_path.write_text(
+            json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
+        )
+
+    def _create_shard(self, path: Path) -> Any:
         config = qe.EdgeConfig(
             vectors=qe.EdgeVectorParams(size=self.dimension, distance=qe.Distance.Cosine),
             # indexing_threshold is in KB of vectors: HNSW is built by optimize() once a segment outgrows it.
             optimizers=qe.EdgeOptimizersConfig(indexing_threshold=20_000),
             hnsw_config=qe.HnswIndexConfig(m=16, ef_construct=100, full_scan_threshold=10_000),
         )
-        self._shard = self._engine(qe.EdgeShard.create, str(self.path / SHARD_DIR), config)
+        shard = self._engine(qe.EdgeShard.create, str(path), config)
         for key in INDEXED_KEYWORDS:
-            self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Keyword))
+            self._engine(shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Keyword))
         for key in INDEXED_FLOATS:
-            self._engine(self.shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Float))
-        self.store_id = str(uuid.uuid4())
-        meta_path.write_text(
-            json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
-        )
+            self._engine(shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Float))
+        return shard
 
     def _engine(self, fn: Any, *args: Any) -> Any:
         """The one choke point: the engine raises bare Exception subclasses for every failure."""
@@ -174,6 +183,49 @@ class EdgeVectorStore:
         """Build HNSW over grown segments. Holds the GIL for seconds on large collections: call it off the
         hot path (reindex, a quiet moment), not per batch."""
         return bool(await self._call(self._engine, self.shard.optimize))
+
+    async def compact(self) -> int:
+        """Rewrite the shard with only its live points and delete the old files, so a deleted point leaves
+        no bytes behind: qdrant-edge keeps a deleted point's payload and vector in its segment pages and its
+        write-ahead log (a preallocated file that is not rewritten), and neither flush() nor optimize()
+        removes them. Costs a copy of every point; meant for forget, not for every delete. Returns the
+        number of points kept. Raises Unavailable; an interrupted compaction is finished or undone on open."""
+        return int(await self._call(self._compact))
+
+    def _compact(self) -> int:
+        fresh = self.path / NEW_SHARD_DIR
+        if fresh.exists():
+            shutil.rmtree(fresh)  # a compaction that never swapped in: its copy is incomplete
+        target = self._create_shard(fresh)
+        kept = 0
+        offset = None
+        while True:
+            request = qe.ScrollRequest(offset=offset, limit=COPY_BATCH, with_payload=True, with_vector=True)
+            records, offset = self._engine(self.shard.scroll, request)
+            batch = [qe.Point(r.id, list(r.vector), dict(r.payload)) for r in records]
+            if batch:
+                self._engine(target.update, qe.UpdateOperation.upsert_points(batch))
+                kept += len(batch)
+            if offset is None:
+                break
+        self._engine(target.flush)
+        self._engine(target.close)
+        self._engine(self.shard.close)
+        self._shard = None
+        (self.path / SHARD_DIR).rename(self.path / OLD_SHARD_DIR)
+        fresh.rename(self.path / SHARD_DIR)
+        self._finish_compaction()
+        self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
+        return kept
+
+    def _finish_compaction(self) -> None:
+        """After a crash mid-compaction: a retired shard with no live one goes back in place; a retired
+        shard beside a live one is deleted."""
+        live, old = self.path / SHARD_DIR, self.path / OLD_SHARD_DIR
+        if old.exists() and not live.exists():
+            old.rename(live)
+        elif old.exists():
+            shutil.rmtree(old)
 
     async def close(self) -> None:
         if self._shard is not None:

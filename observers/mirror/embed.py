@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bus.errors import ConfigError, Unavailable
+from bus.outbox import checkpoint_wal
 
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2-int8"
 DEFAULT_DIMENSION = 384
@@ -158,6 +159,7 @@ class CachedEmbedder:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA secure_delete=ON")  # a forgotten text's vector is zeroed, not left in free space
         self._conn.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, dim INTEGER, vector BLOB)")
 
     @property
@@ -200,6 +202,29 @@ class CachedEmbedder:
         self.misses += len(todo)
         self.hits += len(texts) - len(todo)
         return [cached[k] for k in keys]
+
+    async def forget(self, texts: Sequence[str]) -> int:
+        """Drop the cached vectors of these texts (a vector of a text is a copy of it) and reset the WAL.
+        Returns how many were cached. Idempotent. Raises Unavailable."""
+        keys = sorted({text_key(self.model_id, t) for t in texts})
+        try:
+            dropped: int = await asyncio.get_running_loop().run_in_executor(self._executor, self._forget, keys)
+        except sqlite3.Error as e:
+            raise Unavailable("embedding cache", f"cannot delete from {self.path}: {e}") from e
+        return dropped
+
+    def _forget(self, keys: list[str]) -> int:
+        with self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            dropped = self._conn.executemany("DELETE FROM vectors WHERE key = ?", [(k,) for k in keys]).rowcount
+        checkpoint_wal(self._conn)
+        return dropped
+
+    async def count_cached(self, texts: Sequence[str]) -> int:
+        """How many of these texts have a cached vector (reads the cache back after a forget)."""
+        keys = sorted({text_key(self.model_id, t) for t in texts})
+        found = await asyncio.get_running_loop().run_in_executor(self._executor, self._lookup, keys)
+        return len(found)
 
     def close(self) -> None:
         self._executor.submit(self._conn.close).result()

@@ -1,17 +1,20 @@
-"""Forget, the privacy delete, proven on all three stores by reading each back (DESIGN §2, §10.1)."""
+"""Forget, the privacy delete: proven on the stream, the journal and the mirror by reading each back, and on the
+bytes of every file a node owns by scanning them."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import nats.js.errors
 import pytest
 from sqlalchemy import text
 
-from bus.client import connect
+from bus.client import EpibusClient, connect
 from bus.errors import NotFound
 from bus.ids import point_id
+from bus.recall import ForgetProof
 from bus.subjects import STREAM
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
@@ -25,7 +28,9 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
         home=tmp_path / "node", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
     )
     async with Node(config) as node:
-        assert node.journal is not None and node.store is not None and node.mirror is not None
+        assert node.journal is not None
+        assert node.store is not None
+        assert node.mirror is not None
         async with (
             connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice,
             connect(nats_server.url, agent="bob", home=tmp_path / "bob", outbox=False) as bob,
@@ -43,10 +48,11 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
 
             async def proven() -> object:
                 proof = await alice.prove_forgotten(report)
-                return proof if proof.clean else None
+                return proof if proof.complete else None  # not clean: the server is not the node's own
 
             proof = await eventually(proven, timeout_s=30)
-            assert proof.erased_seqs and list(proof.nodes) == ["node-a"]
+            assert proof.erased_seqs
+            assert list(proof.nodes) == ["node-a"]
             for seq, _ in report.messages:  # read back by another path than the proof's
                 with pytest.raises(nats.js.errors.NotFoundError):
                     await alice.js.get_msg(STREAM, seq)
@@ -66,10 +72,109 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
                 .scalars()
                 .all()
             )
-        assert {r.status for r in rows} == {"forgotten"} and len(rows) == 2
+        assert {r.status for r in rows} == {"forgotten"}
+        assert len(rows) == 2
         assert all("hunter2" not in r.envelope and json.loads(r.envelope)["redacted"] for r in rows)
         assert notes == [None]
         assert [v.state.artifact_id for v in artifacts(node.journal, project)] == [kept.artifact_id]
         assert [v.state.artifact_id for v in audit_artifacts(node.journal, project)] == [kept.artifact_id]
         node.journal.rebuild_projection()
         assert set(snapshot(node.journal, project).states) == {kept.artifact_id}
+
+
+def secret_claim() -> tuple[str, str]:
+    """A claim text with a token found nowhere else, and the token that the file scans look for."""
+    token = uuid.uuid4().hex
+    return f"the vault under the old mill opens with the code {token}", token
+
+
+def files_holding(root: Path, token: str) -> list[str]:
+    """Every file under root whose bytes hold the token, read by plain Python (not by the node's scanner).
+    Symlinks are skipped: the model directory links to the installed model files."""
+    needle = token.encode()
+    return sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*")
+        if not path.is_symlink() and path.is_file() and needle in path.read_bytes()
+    )
+
+
+async def forget_and_prove(client: EpibusClient, project: str, artifact_id: str) -> ForgetProof:
+    report = await client.forget(project, artifact_id, reason="personal data")
+
+    async def proven() -> ForgetProof | None:
+        proof = await client.prove_forgotten(report)
+        return proof if proof.clean else None
+
+    return await eventually(proven, timeout_s=60)
+
+
+async def publish_and_index(node: Node, client: EpibusClient, project: str, text: str) -> str:
+    """Publish a claim and wait until the node has journaled and mirrored it. Returns its artifact id."""
+    assert node.mirror is not None
+    claim = client.event("finding", finding(text=text), project=project)
+    await client.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
+    await eventually(lambda: node.mirror is not None and node.mirror.indexed >= 1, timeout_s=60)
+    return claim.artifact_id
+
+
+async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path, project: str):
+    home = tmp_path / "home"
+    text_, token = secret_claim()
+    async with Node(NodeConfig(home=home, agent="node-a")) as node:
+        async with connect(node.nats_url, agent="alice", home=home) as alice:
+            artifact_id = await publish_and_index(node, alice, project, text_)
+            before = {path.split("/")[0].removesuffix("-wal") for path in files_holding(home, token)}
+            assert before == {"journal.db", "outbox.db", "mirror", "nats"}  # every store had a copy to erase
+            proof = await forget_and_prove(alice, project, artifact_id)
+        assert proof.clean
+        assert files_holding(home, token) == []
+
+
+async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path, project: str):
+    home = tmp_path / "home"
+    text_, token = secret_claim()
+    config = NodeConfig(home=home, agent="node-a")
+    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
+        artifact_id = await publish_and_index(node, alice, project, text_)
+        await forget_and_prove(alice, project, artifact_id)
+    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
+        kept = alice.event("finding", finding(text="the mill is closed on sundays"), project=project)
+        await alice.publish(kept, wait_for=ReceiptLevel.journaled, timeout_s=30)
+        await eventually(lambda: node.mirror is not None and node.mirror.indexed >= 1, timeout_s=60)
+    assert files_holding(home, token) == []
+
+
+async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, project: str):
+    home = tmp_path / "home"
+    text_, _ = secret_claim()
+    config = NodeConfig(home=home, agent="node-a")
+    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
+        artifact_id = await publish_and_index(node, alice, project, text_)
+        clean = await forget_and_prove(alice, project, artifact_id)
+        stray = home / "mirror" / "stray-copy.bin"
+        stray.write_bytes(b"kept by accident: " + text_.encode())
+        proof = await alice.prove_forgotten(clean.report)
+    assert not proof.clean
+    assert proof.nodes["node-a"]["files"] == [str(stray)]
+
+
+async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrubbable(
+    nats_server, tmp_path: Path, project: str
+):
+    home = tmp_path / "home"
+    text_, token = secret_claim()
+    config = NodeConfig(home=home, nats_url=nats_server.url, agent="node-a", mirror="off")
+    async with Node(config), connect(nats_server.url, agent="alice", home=home) as alice:
+        claim = alice.event("finding", finding(text=text_), project=project)
+        await alice.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
+        report = await alice.forget(project, claim.artifact_id, reason="personal data")
+
+        async def complete() -> ForgetProof | None:
+            proof = await alice.prove_forgotten(report)
+            return proof if proof.complete else None
+
+        proof = await eventually(complete, timeout_s=30)
+    assert files_holding(home, token) == []
+    assert set(proof.nodes["node-a"]["unscrubbable"]) == {"jetstream"}
+    assert not proof.clean

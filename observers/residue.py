@@ -1,0 +1,206 @@
+"""What a forget may leave in a node's files: erasing it from each store the node owns, then scanning every
+file of those stores for fingerprints of the forgotten content and naming each file that still holds one.
+A store whose files the node cannot scan or rewrite is named unscrubbable, with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from bus.errors import Unavailable
+from bus.ids import point_id
+from bus.outbox import Outbox
+from observers.journal import Journal
+from observers.mirror.embed import CachedEmbedder
+from observers.mirror.store import VectorStore
+
+CHUNK_BYTES = 1 << 20  # files are read in pieces: a mirror WAL or a stream block can be large
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+SCRUBBED_TABLES = ("events", "artifacts", "verifications")  # the journal tables that held forgotten content
+
+
+@runtime_checkable
+class CompactableStore(Protocol):
+    """A vector store in local files that can rewrite them without its deleted points."""
+
+    path: Path
+
+    async def compact(self) -> int: ...
+
+
+def compactable(store: object) -> CompactableStore | None:
+    """The store, if it keeps its points in local files it can rewrite (qdrant-edge); None otherwise."""
+    return store if isinstance(store, CompactableStore) else None
+
+
+@dataclass(frozen=True)
+class NodeFiles:
+    """One node's stores, by handle (to scrub them) and by file (to scan them)."""
+
+    home: Path
+    journal: Journal
+    outbox: Outbox | None = None
+    cache: CachedEmbedder | None = None
+    store: VectorStore | None = None
+    nats_store: Path | None = None  # the embedded server's store; None when the node joined a server by URL
+    nats_url: str = ""
+
+    def roots(self) -> list[Path]:
+        """Every file and directory to scan: the home, and each store kept outside it."""
+        roots = [self.home]
+        for db in (sqlite_file(self.journal), self.outbox.path if self.outbox else None):
+            if db is not None:
+                roots += [db] + [db.with_name(db.name + suffix) for suffix in SQLITE_SIDE_FILES]
+        local = compactable(self.store)
+        if local is not None:
+            roots.append(local.path)
+        if self.nats_store is not None:
+            roots.append(self.nats_store)
+        return roots
+
+    def unscrubbable(self) -> dict[str, str]:
+        """Stores whose bytes this node can neither scan nor rewrite, and why: never counted as clean."""
+        found: dict[str, str] = {}
+        if self.journal.dialect != "sqlite":
+            found["journal"] = (
+                f"{self.journal.dialect} keeps old row versions in its data files until reused and in its WAL; "
+                "those are the server's files (the journal's tables were vacuumed; scan the server's disk)"
+            )
+        if self.nats_store is None:
+            found["jetstream"] = (
+                f"the server at {self.nats_url or 'its URL'} is not this node's: the messages were erased with "
+                "delete_msg (the server overwrites them) but its files cannot be scanned from here"
+            )
+        if self.store is not None and compactable(self.store) is None:
+            found["mirror"] = (
+                "a Qdrant server keeps deleted points in its own WAL and segments until it optimizes; they "
+                "cannot be scanned or rewritten from here"
+            )
+        return found
+
+
+def sqlite_file(journal: Journal) -> Path | None:
+    database = make_url(journal.url).database
+    return Path(database) if journal.dialect == "sqlite" and database and database != ":memory:" else None
+
+
+@dataclass
+class Scan:
+    files: list[str] = field(default_factory=list)  # files that hold a fingerprint
+    unreadable: list[str] = field(default_factory=list)  # files the scan could not read, with the reason
+    scanned: int = 0
+
+
+def scan_files(roots: Sequence[Path], needles: Sequence[bytes]) -> Scan:
+    """Every regular file under the roots (symlinks are not followed) that holds any of the needles."""
+    scan = Scan()
+    if not needles:
+        return scan
+    seen: set[Path] = set()
+    for path in _files(roots):
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            held = _holds(path, needles)
+        except FileNotFoundError:
+            continue  # removed while the scan ran (a rotated log or temporary file): it holds nothing now
+        except OSError as e:
+            scan.unreadable.append(f"{path}: {e.strerror or e}")
+            continue
+        scan.scanned += 1
+        if held:
+            scan.files.append(str(path))
+    scan.files.sort()
+    return scan
+
+
+def _files(roots: Sequence[Path]) -> Iterator[Path]:
+    for root in roots:
+        root = root.absolute()
+        if root.is_symlink():
+            continue
+        if root.is_file():
+            yield root
+            continue
+        for folder, _dirs, names in os.walk(root):
+            for name in names:
+                path = Path(folder) / name
+                if not path.is_symlink() and path.is_file():
+                    yield path
+
+
+def _holds(path: Path, needles: Sequence[bytes]) -> bool:
+    overlap = max(len(n) for n in needles) - 1  # a needle split across two chunks is still found
+    tail = b""
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            window = tail + chunk
+            if any(needle in window for needle in needles):
+                return True
+            tail = window[-overlap:] if overlap else b""
+    return False
+
+
+def scrub_journal(journal: Journal) -> bool:
+    """Reset a SQLite journal's WAL (its frames hold the rows as they were before the redaction); vacuum a
+    PostgreSQL journal's tables. True when the WAL was reset. Raises Unavailable."""
+    try:
+        if journal.dialect == "sqlite":
+            with journal.engine.connect() as conn:
+                busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()[0]
+            return int(busy) == 0
+        with journal.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for table in SCRUBBED_TABLES:
+                conn.exec_driver_sql(f"VACUUM {table}")
+        return False
+    except SQLAlchemyError as e:
+        raise Unavailable("journal", f"scrubbing after a forget: {e}") from e
+
+
+async def scrub(files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]) -> dict[str, Any]:
+    """Erase what a forget leaves in the outbox, the embedding cache and the journal's WAL. Idempotent."""
+    done: dict[str, Any] = {}
+    if files.outbox is not None:
+        done["outbox_rows"] = await files.outbox.forget(project, artifact_id)
+    if files.cache is not None:
+        done["cached_vectors"] = await files.cache.forget(embedded_texts)
+    done["journal_wal_reset"] = await asyncio.to_thread(scrub_journal, files.journal)
+    return done
+
+
+async def prove_forgotten(files: NodeFiles, request: dict[str, Any]) -> dict[str, Any]:
+    """Answer a proof request: read the journal and the mirror back by event id and, once both have applied
+    the forget, scrub (when asked) and scan every file for the request's fingerprints. Rewrites the mirror
+    only when its files still hold one. Raises Unavailable, KeyError or ValueError for a bad request."""
+    ids = [str(e) for e in request["event_ids"]]
+    project, artifact_id = str(request["project"]), str(request["artifact_id"])
+    answer: dict[str, Any] = await asyncio.to_thread(files.journal.forgotten_check, project, artifact_id, ids)
+    points = await files.store.retrieve([point_id(uuid.UUID(e)) for e in ids]) if files.store else []
+    answer["mirror_points"] = len(points)
+    applied = not (answer["journal_content_left"] or answer["projection_rows"] or answer["mirror_points"])
+    texts = [str(t) for t in request.get("embedded_texts", [])]
+    needles = sorted({str(f).encode() for f in request.get("fingerprints", [])})
+    answer["scrubbed"] = await scrub(files, project, artifact_id, texts) if applied and request.get("scrub") else {}
+    found = await asyncio.to_thread(scan_files, files.roots(), needles)
+    store = compactable(files.store)
+    if answer["scrubbed"] and store is not None and _under(found.files, store.path):
+        answer["scrubbed"]["mirror_points_kept"] = await store.compact()
+        found = await asyncio.to_thread(scan_files, files.roots(), needles)
+    answer["cached_vectors"] = await files.cache.count_cached(texts) if files.cache else 0
+    answer |= {"files": found.files, "unreadable": found.unreadable, "scanned": found.scanned}
+    answer["unscrubbable"] = files.unscrubbable()
+    return answer
+
+
+def _under(paths: Sequence[str], folder: Path) -> bool:
+    root = folder.absolute()
+    return any(Path(p).is_relative_to(root) for p in paths)
