@@ -1,5 +1,5 @@
 """`epibus recall` and `epibus audit-recall` (every node's mirror by meaning, merged by event id) and `epibus
-forget` (the privacy delete, proven by reading every store back)."""
+forget` (the privacy delete, proven by reading every store back and scanning every node's files)."""
 
 from __future__ import annotations
 
@@ -125,29 +125,49 @@ def forget_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Privacy delete: erase the artifact's messages from the stream, redact its journal rows (an audit row
-    each is kept) and delete its points from every mirror, then read every store back and report what was
-    verified. Exit code 1 if any store still holds the content when the time is up."""
+    each is kept) and delete its points from every mirror; then every node erases what is left in its files
+    and scans every file it owns for the content. Exit code 1 unless no store holds the content and every
+    store could be checked (a store a node cannot scan, such as a server it does not run, is never clean)."""
     proof = run(_forget(artifact_id, project, reason, timeout, nats, agent, home))
     if as_json:
         emit_json({"ok": proof.clean, **proof.as_dict()})
     else:
-        rows = [
-            [
-                "stream",
-                f"{len(proof.erased_seqs)} of {len(proof.report.messages)} messages erased",
-                "yes" if proof.stream_clean else "NO",
-            ]
-        ]
-        for node, answer in proof.nodes.items():
-            detail = answer.get("error") or (
-                f"journal rows redacted {answer['journal_rows'] - answer['journal_content_left']}/"
-                f"{answer['journal_rows']}, projection rows {answer['projection_rows']}, "
-                f"mirror points {answer['mirror_points']}"
-            )
-            rows.append([f"node {node}", detail, "yes" if proof.node_clean(node) else "NO"])
-        console.print(table(f"forget {artifact_id}: read back from every store", ["store", "found", "clean"], rows))
+        title = f"forget {artifact_id}: every store read back, every file scanned"
+        console.print(table(title, ["store", "found", "clean"], _proof_rows(proof)))
     if not proof.clean:
         raise typer.Exit(1)
+
+
+def _proof_rows(proof: ForgetProof) -> list[list[str]]:
+    """One row per store: what reading it back or scanning its files found."""
+    erased = f"{len(proof.erased_seqs)} of {len(proof.report.messages)} messages erased"
+    rows = [["stream", erased, _yes(proof.stream_clean)]]
+    if not proof.provable:
+        rows.append(["content", "too short to fingerprint: no scan can show it is gone", "NO"])
+    for node, answer in proof.nodes.items():
+        if "error" in answer:
+            rows.append([f"node {node}", str(answer["error"]), "NO"])
+            continue
+        redacted = answer["journal_rows"] - answer["journal_content_left"]
+        journal = f"rows redacted {redacted}/{answer['journal_rows']}, projection rows {answer['projection_rows']}"
+        rows.append(
+            [f"{node} journal", journal, _yes(not answer["journal_content_left"] and not answer["projection_rows"])]
+        )
+        mirror = f"points {answer['mirror_points']}, cached vectors {answer.get('cached_vectors', 0)}"
+        rows.append([f"{node} mirror", mirror, _yes(not answer["mirror_points"] and not answer.get("cached_vectors"))])
+        held = [*answer.get("files", []), *answer.get("unreadable", [])]
+        scanned = f"{answer.get('scanned', 0)} files scanned, " + (
+            "held by: " + ", ".join(held) if held else "none holds it"
+        )
+        rows.append([f"{node} files", scanned, _yes("files" in answer and not held)])
+        rows += [
+            [f"{node} {store}", f"unscrubbable: {why}", "NO"] for store, why in answer.get("unscrubbable", {}).items()
+        ]
+    return rows
+
+
+def _yes(clean: bool) -> str:
+    return "yes" if clean else "NO"
 
 
 async def _forget(
@@ -164,7 +184,7 @@ async def _forget(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         proof = await client.prove_forgotten(report)
-        while not proof.clean and loop.time() < deadline:  # observers apply the forget asynchronously
+        while not proof.complete and loop.time() < deadline:  # observers apply the forget asynchronously
             await asyncio.sleep(0.5)
             proof = await client.prove_forgotten(report)
         return proof

@@ -439,11 +439,20 @@ def test_forget_from_the_cli_reports_every_store_clean(running_node):
         "--json",
     )
     artifact = as_json(out)["artifact_id"]
+
+    def holding() -> list[Path]:  # read by plain Python, not by the node's scanner
+        files = [p for p in home.rglob("*") if not p.is_symlink() and p.is_file()]
+        return [p for p in files if b"api key is sk-123" in p.read_bytes()]
+
+    assert holding()  # the journal and outbox hold it before the forget
     proof = as_json(epibus(home, "forget", artifact, "-p", "fg", "--reason", "leaked secret", "--json"))
     assert proof["ok"] is True and proof["clean"] is True
     assert proof["stream"] == {"messages": 1, "erased": 1, "clean": True}
     (node,) = proof["nodes"].values()
     assert node["journal_content_left"] == 0 and node["mirror_points"] == 0 and node["projection_rows"] == 0
+    assert node["files"] == []
+    assert node["unscrubbable"] == {}
+    assert holding() == []
     rows = as_json(epibus(home, "events", "-p", "fg", "--json"))
     assert all("sk-123" not in json.dumps(r) for r in rows)
     unknown = epibus(home, "forget", "nope", "-p", "fg", "--reason", "r", check=False)
