@@ -98,3 +98,20 @@ async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stay
     await outbox.add(rows(2))
     assert await outbox.parked() == {"e1": "refused"}
     assert await outbox.claim(10, lease_s=60) == []  # e0 is still leased by the first claim
+
+
+async def test_forgetting_an_artifact_leaves_no_byte_of_its_rows_in_the_outbox_files(outbox: Outbox):
+    secret = b"the combination of the vault is 7-3-9-1-5"
+    await outbox.add(
+        [
+            OutboxRow("claim", "epi.p.finding.a1", b'{"text": "' + secret + b'"}'),
+            OutboxRow("note", "epi.p.verified.a1", b'{"note": "' + secret + b' checked"}'),
+            OutboxRow("forget", "epi.p.forgotten.a1", b'{"reason": "personal data"}'),
+            OutboxRow("other", "epi.p.finding.a2", b'{"text": "the mill is closed"}'),
+        ]
+    )
+    await outbox.complete({"claim": (1, False), "note": (2, False)})  # sent rows are kept for their receipts
+    assert await outbox.forget("p", "a1") == 2
+    assert [event_id for event_id, _ in stored(outbox.path)] == ["forget", "other"]
+    files = [f for f in outbox.path.parent.iterdir() if f.name.startswith("outbox.db")]
+    assert [f.name for f in files if secret in f.read_bytes()] == []
