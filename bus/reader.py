@@ -16,9 +16,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
+from bus.admission import Admission, Delivery, Rejected
 from bus.errors import Unavailable
-from bus.jetstream import NATS_OR_API_ERROR
-from bus.runner import Delivery, Observer, Rejected, admit_event
+from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
+from bus.runner import Observer
 from bus.subjects import DLQ_STREAM, STREAM
 
 log = logging.getLogger(__name__)
@@ -214,23 +215,23 @@ async def replay(
     start_seq: int = 1,
     batch_size: int = 500,
     progress: Callable[[int, int], None] | None = None,
+    admission: Admission | None = None,
 ) -> ReplayReport:
     """Feed the stream from start_seq through the observer (idempotent sinks make this safe to repeat).
-    Messages the live runner would dead-letter are reported, not written."""
+    Messages the live runner would dead-letter are reported, not written: the same admission decides."""
     report = ReplayReport()
+    admission = admission or Admission(AgentRegistry(js))
     end = await last_sequence(js, STREAM)
     async for messages in read_stream(js, STREAM, start_seq=start_seq, batch_size=batch_size):
         deliveries: list[Delivery] = []
         for msg in messages:
-            seq = msg.metadata.sequence.stream
             try:
-                event = admit_event(msg.subject, msg.data)
+                deliveries.append(await admission.admit_msg(msg))
             except Rejected as rejection:
-                report.rejected.append((seq, rejection.reason.value, rejection.error))
-                continue
-            deliveries.append(Delivery(event, msg.subject, seq, msg.metadata.num_delivered, msg.metadata.timestamp))
+                report.rejected.append((msg.metadata.sequence.stream, rejection.reason.value, rejection.error))
         if deliveries:
-            await observer.handle(deliveries)
+            for refusal in await observer.handle(deliveries) or ():
+                report.rejected.append((refusal.stream_seq, refusal.reason.value, refusal.error))
         report.read += len(messages)
         report.handled += len(deliveries)
         report.last_seq = messages[-1].metadata.sequence.stream
