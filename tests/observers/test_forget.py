@@ -4,6 +4,7 @@ bytes of every file a node owns by scanning them."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from bus.recall import ForgetProof
 from bus.subjects import STREAM
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
+from observers.mirror.embed import text_key
 from observers.reads import artifacts, audit_artifacts, snapshot
 from tests.conftest import finding
 from tests.support import eventually
@@ -177,4 +179,41 @@ async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrub
         proof = await eventually(complete, timeout_s=30)
     assert files_holding(home, token) == []
     assert set(proof.nodes["node-a"]["unscrubbable"]) == {"jetstream"}
+    assert not proof.clean
+
+
+async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, project: str):
+    home = tmp_path / "home"
+    text_, _ = secret_claim()
+
+    def cached(key: str) -> int:  # read by another connection than the cache's own
+        with sqlite3.connect(f"file:{home / 'embed-cache.db'}?mode=ro", uri=True) as db:
+            return int(db.execute("SELECT count(*) FROM vectors WHERE key = ?", (key,)).fetchone()[0])
+
+    config = NodeConfig(home=home, agent="node-a")
+    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
+        assert node.embedder is not None
+        key = text_key(node.embedder.model_id, text_)
+        artifact_id = await publish_and_index(node, alice, project, text_)
+        assert cached(key) == 1
+        await forget_and_prove(alice, project, artifact_id)
+        assert cached(key) == 0
+
+
+async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str):
+    home = tmp_path / "home"
+    text_, token = secret_claim()
+    config = NodeConfig(home=home, agent="node-a", journal_url=postgres_url, mirror="off")
+    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
+        claim = alice.event("finding", finding(text=text_), project=project)
+        await alice.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
+        report = await alice.forget(project, claim.artifact_id, reason="personal data")
+
+        async def complete() -> ForgetProof | None:
+            proof = await alice.prove_forgotten(report)
+            return proof if proof.complete else None
+
+        proof = await eventually(complete, timeout_s=30)
+    assert files_holding(home, token) == []
+    assert set(proof.nodes["node-a"]["unscrubbable"]) == {"journal"}
     assert not proof.clean
