@@ -15,7 +15,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.errors import NotFound, Unavailable
+from bus.errors import InvalidEvent, NotFound, Unavailable
+from bus.event import validate_event
 from bus.jetstream import NATS_OR_API_ERROR
 from bus.knowledge import ProjectView
 from bus.outbox import Outbox
@@ -27,6 +28,7 @@ from bus.recall import (
     ask_all,
     content_fingerprints,
     fan_out,
+    free_texts,
     recall_request,
 )
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
@@ -175,8 +177,8 @@ class FleetRequests:
 
 
 async def _message_texts(js: JetStreamContext, seqs: list[int], timeout_s: float) -> list[str]:
-    """The text fields of the events stored at these sequences (what a file holding a copy would hold).
-    A message that is not a JSON event gives none; one already erased is skipped. Raises Unavailable."""
+    """The free texts of the events stored at these sequences (what a file holding a copy would hold). A
+    message that is not a valid event gives none; one already erased is skipped. Raises Unavailable."""
     texts: list[str] = []
     for seq in seqs:
         try:
@@ -187,10 +189,8 @@ async def _message_texts(js: JetStreamContext, seqs: list[int], timeout_s: float
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"reading stream seq {seq}: {type(e).__name__} {e}") from e
         try:
-            data = json.loads(msg.data or b"")
-        except ValueError:  # not JSON (nor UTF-8): the stream erase covers it, there is no text to look for
+            event = validate_event(json.loads(msg.data or b""))
+        except (InvalidEvent, ValueError):  # not an event: the stream erase covers it, no text to look for
             continue
-        body = data.get("body") if isinstance(data, dict) else None
-        if isinstance(body, dict):
-            texts += [v for v in body.values() if isinstance(v, str)]
+        texts += free_texts(event.body)
     return texts

@@ -8,12 +8,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from bus.errors import ConfigError, Unavailable
+from bus.event import Body, Text
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.subjects import PROJECT_PATTERN, RECALL
 
@@ -38,8 +39,28 @@ class RecallAnswer:
         }
 
 
+TEXT_CONSTRAINTS = get_args(Text)[1]  # how a free-text field is declared on an event body
 MIN_FINGERPRINT_CHARS = 16  # a shorter text matches unrelated bytes, so its absence proves nothing
 FINGERPRINT_CHARS = 64  # long enough that a kept text rarely shares a window; short enough to fit in one page
+
+
+def free_texts(body: Body) -> list[str]:
+    """What an event says in its own words: the values of its free-text (`Text`) fields. Labels, ids and
+    enums are left out: other events share them, so a file holding one would prove nothing."""
+    values = body.model_dump(mode="json")
+    found: list[str] = []
+    for name, info in type(body).model_fields.items():
+        value = values.get(name)
+        if isinstance(value, str) and _is_free_text(info.annotation, info.metadata):
+            found.append(value)
+    return found
+
+
+def _is_free_text(annotation: Any, metadata: Sequence[Any]) -> bool:
+    """`Text`, alone or in an optional (`Text | None`): its StringConstraints are those of Text."""
+    if TEXT_CONSTRAINTS in metadata:
+        return True
+    return any(_is_free_text(arg, getattr(arg, "__metadata__", ())) for arg in get_args(annotation))
 
 
 def content_fingerprints(texts: Sequence[str]) -> list[str]:

@@ -7,7 +7,8 @@ import json
 import uuid
 from pathlib import Path
 
-from bus.recall import ForgetProof, ForgetReport, content_fingerprints
+from bus.event import FindingBody, VerifiedBody
+from bus.recall import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.store import Point
 from observers.residue import CHUNK_BYTES, scan_files
@@ -57,6 +58,14 @@ def test_a_symlink_is_not_followed(tmp_path: Path):
     home.mkdir()
     (home / "link.txt").symlink_to(outside / "copy.txt")
     assert scan_files([home], needles(TEXT)).files == []
+
+
+def test_only_free_texts_are_fingerprinted_not_labels_shared_with_other_events():
+    body = FindingBody(
+        text=TEXT, impact=0.5, confidence=0.5, subject="payments service outage", supersedes=str(uuid.uuid4())
+    )
+    assert free_texts(body) == [TEXT]
+    assert free_texts(VerifiedBody(note="seen in the gate log on monday")) == ["seen in the gate log on monday"]
 
 
 def test_a_text_too_short_to_fingerprint_gives_no_fingerprint():
