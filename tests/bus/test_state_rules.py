@@ -11,21 +11,24 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from bus.errors import IllegalTransition
-from bus.event import Envelope
+from bus.event import Envelope, draft_event, event_digest
 from bus.signing import AgentKey
 from bus.state import (
+    FLAG_UNEARNED,
     ArtifactState,
     Change,
     Fold,
+    IdUse,
     Tombstone,
     Verification,
     as_of_filter,
     content_hash,
     decide,
     event_references,
+    id_use,
     relevance,
 )
-from bus.vocab import Lifecycle, ResolutionKind, Trust
+from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from tests.bus.test_state import agents, claim, ev, state
 
 __all__ = ["agents"]  # the module-scoped key fixture, shared with test_state
@@ -337,3 +340,117 @@ def test_a_fold_keeps_the_highest_sequence_and_the_reason_of_each_refusal(agents
         str(bad.event_id): "artifact ghost: absent -> verified is illegal: artifact 'ghost' does not exist"
     }
     assert sorted(fold.artifacts) == ["a1", "a2"]
+
+
+def test_an_open_question_is_recorded_with_its_goal_and_source_and_no_links(agents: dict[str, AgentKey]) -> None:
+    event = draft_event(
+        "unknown",
+        {"question": "Why is it cold?", "impact": 0.3},
+        project="proj",
+        actor=agents["alice"].actor,
+        session_id="s",
+        goal_id="g1",
+        source="search",
+    )
+    change = decide(event, 4, {}.get, never)
+    (created,) = change.artifacts
+    assert (created.kind, created.impact, created.confidence) == ("unknown", 0.3, None)
+    assert (created.goal_id, created.source, created.revises, created.supersedes) == (
+        "g1",
+        EpistemicSource.search,
+        None,
+        None,
+    )
+
+
+def test_a_new_claim_carries_its_flags_in_the_change(agents: dict[str, AgentKey]) -> None:
+    body = {"text": "sure of it", "impact": 0.5, "confidence": 0.9, "subject": "s"}
+    event = ev(agents["alice"], "finding", body, artifact_id="a", source="intuition")
+    assert decide(event, 1, {}.get, never).flags == frozenset({FLAG_UNEARNED})
+
+
+def test_a_finding_that_supersedes_stamps_its_predecessor_with_the_sequence(agents: dict[str, AgentKey]) -> None:
+    change = decide(claim(agents["bob"], "new", supersedes="old"), 8, {"old": state("old")}.get, never)
+    assert [(s.artifact_id, s.last_seq) for s in change.artifacts] == [("new", 8), ("old", 8)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "author", "message"),
+    [
+        (
+            "verified",
+            {},
+            "alice",
+            "unverified/active -> verified is illegal: alice is the author; another agent must verify",
+        ),
+        (
+            "contradicted",
+            {"contradicted_by": "a1", "reason": "r"},
+            "bob",
+            "unverified/active -> contradicted is illegal: an artifact cannot contradict itself",
+        ),
+        (
+            "contradicted",
+            {"contradicted_by": "ghost", "reason": "r"},
+            "bob",
+            "absent -> contradicted is illegal: contradicting artifact 'ghost' does not exist",
+        ),
+    ],
+    ids=["own-verification", "self-contradiction", "missing-contradictor"],
+)
+def test_a_refused_trust_change_says_exactly_why(
+    agents: dict[str, AgentKey], kind: str, body: dict[str, str], author: str, message: str
+) -> None:
+    with pytest.raises(IllegalTransition) as raised:
+        decide(ev(agents[author], kind, body, artifact_id="a1"), 2, {"a1": state("a1")}.get, never)
+    subject = "ghost" if "ghost" in message else "a1"
+    assert str(raised.value) == f"artifact {subject}: {message}"
+
+
+def test_an_id_already_taken_and_an_unusable_successor_are_refused_with_their_reason(
+    agents: dict[str, AgentKey],
+) -> None:
+    with pytest.raises(IllegalTransition) as raised:
+        decide(claim(agents["alice"], "a1"), 2, {"a1": state("a1")}.get, never)
+    assert str(raised.value) == "artifact a1: exists -> finding is illegal: an artifact with this id already exists"
+    event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
+    with pytest.raises(IllegalTransition) as raised:
+        decide(event, 5, {"a": state("a"), "b": state("b", R)}.get, never)
+    assert str(raised.value) == (
+        "artifact b: rolled_back/active -> supersedes a is illegal: "
+        "a successor must be active and neither contradicted, rolled back nor forgotten"
+    )
+
+
+def test_an_event_id_is_new_repeated_or_in_conflict_by_its_digest() -> None:
+    kept: dict[str, str | None] = {"e1": "d1", "e2": None}
+    assert id_use(kept, "e0", "d0") is IdUse.new
+    assert id_use(kept, "e1", "d1") is IdUse.repeat
+    assert id_use(kept, "e1", "other") is IdUse.conflict
+    assert id_use(kept, "e2", "anything") is IdUse.repeat  # kept, digest unknown: not called a conflict
+
+
+def test_a_fold_applies_an_event_once_and_refuses_its_id_reused_with_other_content(agents: dict[str, AgentKey]) -> None:
+    first = claim(agents["alice"], "a1")
+    reused = draft_event(
+        "finding",
+        {"text": "something else", "impact": 0.5, "confidence": 0.6, "subject": "x"},
+        project="proj",
+        actor=agents["alice"].actor,
+        session_id="s",
+        artifact_id="a2",
+        event_id=first.event_id,
+    )
+    fold = Fold()
+    assert fold.apply(first, 3) is not None
+    assert fold.apply(first, 4) is None
+    assert fold.apply(reused, 5) is None
+    assert fold.refused == {str(first.event_id): event_digest(reused)}
+    assert fold.digests == {str(first.event_id): event_digest(first)}
+    assert (list(fold.artifacts), fold.artifacts["a1"].last_seq) == (["a1"], 3)
+
+
+def test_a_fold_records_the_flags_of_each_flagged_event(agents: dict[str, AgentKey]) -> None:
+    body = {"text": "sure of it", "impact": 0.5, "confidence": 0.9, "subject": "s"}
+    event = ev(agents["alice"], "finding", body, artifact_id="a", source="intuition")
+    assert Fold.of([(event, 1)]).flags == {str(event.event_id): frozenset({FLAG_UNEARNED})}
