@@ -3,6 +3,7 @@ PostgreSQL database of its own per run. A missing component fails the run loudly
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -42,9 +43,9 @@ def project() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A database of this test run's own on the machine's PostgreSQL, dropped at the end."""
+@contextlib.contextmanager
+def postgres_database() -> Iterator[str]:
+    """A database of its own on the machine's PostgreSQL, dropped at the end; fails (never skips) without one."""
     admin = make_url(POSTGRES_ADMIN_URL)
     name = f"epibus_test_{uuid.uuid4().hex[:10]}"
     conninfo = (
@@ -64,6 +65,13 @@ def postgres_url() -> Iterator[str]:
     finally:
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A database of this test run's own, shared by the tests that need one."""
+    with postgres_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

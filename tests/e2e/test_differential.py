@@ -1,0 +1,222 @@
+"""One truth in every store: random histories go through every path that builds state, and every path must
+end with the same artifacts in the same state and the same admitted events.
+
+The paths: the client's fold (`load_project`); the live runner into a SQLite journal and into an edge mirror,
+each with random batch sizes, the mirror restarted part-way; `replay` into a PostgreSQL journal and into a fresh
+mirror (what `reindex` does); `verify --repair` into an empty journal, and that journal's projection rebuilt.
+`test_nodes_agree_after_live_catch_up_and_reindex` adds whole nodes: one live, one catching up, one reindexed.
+
+Each example runs in its own event loop against one nats-server per module, in a project of its own. Set
+EPIBUS_DIFFERENTIAL_EXAMPLES for a longer run (the `long` marker runs 1,000)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nats.js import JetStreamContext
+from sqlalchemy import select
+
+from bus.jetstream import AgentRegistry, ensure_streams
+from bus.knowledge import load_project
+from bus.reader import replay
+from bus.runner import ConsumerRunner
+from bus.server import NatsServer
+from bus.state import ArtifactState
+from bus.subjects import STREAM, events_filter
+from observers.journal import Journal, JournalObserver
+from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.observer import MirrorObserver, payload_state
+from observers.mirror.store import Filter, VectorStore
+from observers.projection import row_to_state
+from observers.schema import artifacts, events
+from observers.verify import verify
+from tests.conftest import postgres_database
+from tests.histories import HashEmbedder, Keys, Op, build, differences, fresh_project, histories, make_keys, publish
+
+EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "200"))
+
+
+@dataclass
+class Bus:
+    server: NatsServer
+    keys: Keys
+    root: Path
+    postgres_url: str
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
+    with postgres_database() as postgres_url:
+        yield from _bus(tmp_path_factory, postgres_url)
+
+
+def _bus(tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterator[Bus]:
+    root = tmp_path_factory.mktemp("differential")
+    server = NatsServer(root / "nats")
+    server.start()
+    keys = make_keys()
+
+    async def register() -> None:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            registry = AgentRegistry(js)
+            for key in keys.agents.values():  # the genuine keys come first: a forged one must never bind
+                await registry.bind(key.actor)
+        finally:
+            await nc.close()
+
+    asyncio.run(register())
+    try:
+        yield Bus(server, keys, root, postgres_url)
+    finally:
+        server.stop()
+
+
+async def journal_states(journal: Journal, project: str) -> dict[str, ArtifactState]:
+    def read() -> dict[str, ArtifactState]:
+        with journal.engine.connect() as conn:
+            rows = conn.execute(select(artifacts).where(artifacts.c.project == project))
+            return {r.artifact_id: row_to_state(r._mapping) for r in rows}
+
+    return await asyncio.to_thread(read)
+
+
+def journal_events(journal: Journal, project: str) -> dict[str, str]:
+    """event id → what the projection made of it (applied, rejected, forgotten)."""
+    with journal.engine.connect() as conn:
+        rows = conn.execute(select(events.c.event_id, events.c.status).where(events.c.project == project))
+        return {row.event_id: row.status for row in rows}
+
+
+async def mirror_states(store: VectorStore, project: str) -> dict[str, ArtifactState]:
+    points = await store.retrieve(await store.point_ids(Filter(equals={"project": project})))
+    states = [payload_state(p.payload) for p in points]
+    assert len({s.artifact_id for s in states}) == len(states), "two points for one artifact"
+    return {s.artifact_id: s for s in states}
+
+
+async def drain(runner: ConsumerRunner, *, steps: int | None = None) -> None:
+    """Step the runner until its consumer has nothing left (or for `steps` fetches)."""
+    done = 0
+    while steps is None or done < steps:
+        fetched = await runner.step()
+        done += 1
+        if fetched == 0:
+            info = await runner.js.consumer_info(STREAM, runner.observer.name)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return
+
+
+def open_journal(url: str) -> Journal:
+    journal = Journal(url)
+    journal.migrate()
+    return journal
+
+
+async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> None:
+    rng = random.Random(seed)
+    project = fresh_project()
+    nc = await nats.connect(bus.server.url)
+    js: JetStreamContext = nc.jetstream()
+    journals: list[Journal] = []
+    stores: list[EdgeVectorStore] = []
+    embedder = HashEmbedder()
+    try:
+        first_seq, _ = await publish(js, build(history, bus.keys, project))
+        start = max(first_seq, 1)
+
+        fold = (await load_project(js, project)).fold
+
+        live_journal = open_journal(f"sqlite:///{workdir / 'live.db'}")
+        journals.append(live_journal)
+        name = f"j-{project}"
+        journal_runner = ConsumerRunner(
+            nc,
+            JournalObserver(live_journal, name=name),
+            filter_subject=events_filter(project),
+            batch_size=rng.randint(1, 40),
+            fetch_timeout_s=0.05,
+        )
+        await drain(journal_runner)
+
+        store = await EdgeVectorStore.open(workdir / "mirror-live", embedder.model_id, embedder.dimension)
+        stores.append(store)
+        mirror_name = f"m-{project}"
+        batch = rng.randint(1, 40)
+
+        def mirror_runner(on: VectorStore) -> ConsumerRunner:
+            observer = MirrorObserver(on, embedder, name=mirror_name, journal=live_journal)
+            return ConsumerRunner(
+                nc, observer, filter_subject=events_filter(project), batch_size=batch, fetch_timeout_s=0.05
+            )
+
+        await drain(mirror_runner(store), steps=rng.randint(1, 3))
+        await store.close()  # a restart part-way: the consumer resumes where the acks left it
+        store = await EdgeVectorStore.open(workdir / "mirror-live", embedder.model_id, embedder.dimension)
+        stores.append(store)
+        await drain(mirror_runner(store))
+
+        pg_journal = open_journal(bus.postgres_url)
+        journals.append(pg_journal)
+        await replay(js, JournalObserver(pg_journal, name="replayed"), start_seq=start, batch_size=rng.randint(1, 40))
+
+        rebuilt = await EdgeVectorStore.open(workdir / "mirror-rebuilt", embedder.model_id, embedder.dimension)
+        stores.append(rebuilt)
+        rebuilder = MirrorObserver(rebuilt, embedder, name="rebuilt", journal=pg_journal)
+        await replay(js, rebuilder, start_seq=start, batch_size=rng.randint(1, 40))
+
+        repaired = open_journal(f"sqlite:///{workdir / 'repaired.db'}")
+        journals.append(repaired)
+        await verify(js, repaired, None, project=project, repair=True)
+        repaired_states = await journal_states(repaired, project)
+        await asyncio.to_thread(repaired.rebuild_projection)
+
+        paths: dict[str, dict[str, ArtifactState]] = {
+            "fold": dict(fold.artifacts),
+            "journal live (sqlite)": await journal_states(live_journal, project),
+            "journal replayed (postgresql)": await journal_states(pg_journal, project),
+            "journal repaired": repaired_states,
+            "journal rebuilt": await journal_states(repaired, project),
+            "mirror live, restarted": await mirror_states(store, project),
+            "mirror rebuilt": await mirror_states(rebuilt, project),
+        }
+        assert differences(paths) == {}, history
+
+        kept = set(fold.digests)
+        rejected = set(fold.rejected)
+        for journal in journals:
+            found = journal_events(journal, project)
+            assert set(found) == kept, (journal.safe_url, sorted(set(found) ^ kept))
+            assert {e for e, status in found.items() if status == "rejected"} == rejected
+        for event_id in fold.refused:
+            assert event_id in kept  # a reused id keeps its first event, everywhere
+    finally:
+        for s in stores:
+            await s.close()
+        for journal in journals:
+            journal.close()
+        await nc.close()
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(history=histories, seed=st.integers(0, 2**32 - 1))
+def test_every_path_that_builds_state_gives_the_same_state(
+    bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
+) -> None:
+    workdir = tmp_path_factory.mktemp("example")
+    asyncio.run(run_paths(bus, history, seed, workdir))

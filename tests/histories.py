@@ -1,0 +1,257 @@
+"""Random histories of a project, for the differential tests: claims of every kind by several agents, the
+changes made to them, and hostile messages mixed in (forged keys, broken signatures, wrong subjects, impossible
+times, reused event ids, exact resends). A history is drawn as plain operations and built into signed messages
+by `build`, so hypothesis can shrink it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import nkeys
+from hypothesis import strategies as st
+from nats.js import JetStreamContext
+
+from bus.event import Envelope, draft_event, encode_event
+from bus.signing import AgentKey
+from bus.state import ArtifactState
+from bus.subjects import event_subject
+from bus.vocab import ResolutionKind
+
+AGENTS = ("alice", "bob", "carol")
+CLAIM_KINDS = ("finding", "unknown", "assumption", "decision", "mistake", "dead_end")
+TEXTS = ("the cache is cold", "p99 doubled", "the index is stale", "retries hide the bug", "disk fills at night")
+RESOLUTIONS = tuple(ResolutionKind)
+
+# (operation, *small integers); targets index the artifacts made so far, modulo their number.
+Op = tuple[Any, ...]
+
+ops = st.one_of(
+    st.tuples(
+        st.just("claim"),
+        st.integers(0, len(CLAIM_KINDS) - 1),
+        st.integers(0, 2),
+        st.integers(0, len(TEXTS) - 1),
+        st.sampled_from(["none", "none", "revises", "supersedes"]),
+        st.integers(0, 50),
+    ),
+    st.tuples(st.just("verify"), st.integers(0, 2), st.integers(0, 50)),
+    st.tuples(st.just("contradict"), st.integers(0, 2), st.integers(0, 50), st.integers(0, 50)),
+    st.tuples(st.just("rollback"), st.integers(0, 2), st.integers(0, 50)),
+    st.tuples(st.just("resolve"), st.integers(0, 2), st.integers(0, 50), st.integers(0, 3), st.integers(0, 50)),
+    st.tuples(st.just("forget"), st.integers(0, 2), st.integers(0, 50)),
+    st.tuples(st.just("claim_on_existing_id"), st.integers(0, 2), st.integers(0, 50)),
+    st.tuples(st.just("forged"), st.integers(0, 2)),
+    st.tuples(st.just("bad_signature"), st.integers(0, 2)),
+    st.tuples(st.just("wrong_subject"), st.integers(0, 2)),
+    st.tuples(st.just("bad_time"), st.sampled_from([1900, 2999, 1, 9999])),
+    st.tuples(st.just("reuse_id"), st.integers(0, 2), st.integers(0, 50)),
+    st.tuples(st.just("resend"), st.integers(0, 50)),
+)
+histories = st.lists(ops, min_size=1, max_size=30)
+
+
+@dataclass(frozen=True)
+class Message:
+    subject: str
+    data: bytes
+    deduplicate: bool  # sent with Nats-Msg-Id (as epibus clients do); hostile resends are sent without it
+
+
+@dataclass
+class Keys:
+    agents: dict[str, AgentKey]
+    mallory_seed: bytes  # signs as other agents: admission must refuse it (their keys are registered)
+
+
+def make_keys() -> Keys:
+    return Keys({a: AgentKey.generate(a) for a in AGENTS}, nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+
+
+def _claim_body(kind: str, text: str, link: str, target: str | None) -> dict[str, Any]:
+    if kind == "finding":
+        body: dict[str, Any] = {"text": text, "impact": 0.5, "confidence": 0.6, "subject": "tests"}
+        if target is not None and link != "none":
+            body[link] = target
+        return body
+    if kind == "unknown":
+        return {"question": text, "impact": 0.0}
+    if kind == "assumption":
+        return {"text": text, "confidence": 0.9}
+    if kind == "decision":
+        return {"choice": text, "rationale": "because", "confidence": 0.5, "reversibility": "exploratory"}
+    if kind == "mistake":
+        return {"mistake": text, "why_wrong": "w", "cost_estimate": "1h", "root_cause": "r", "prevention": "p"}
+    return {"approach": text, "why_failed": "it did not"}
+
+
+class _Builder:
+    def __init__(self, keys: Keys, project: str) -> None:
+        self.keys = keys
+        self.project = project
+        self.artifacts: list[str] = []
+        self.sent: list[Envelope] = []
+        self.messages: list[Message] = []
+
+    def target(self, index: int) -> str:
+        return self.artifacts[index % len(self.artifacts)] if self.artifacts else f"absent-{index}"
+
+    def event(self, agent: str, kind: str, body: dict[str, Any], **fields: Any) -> Envelope:
+        key = self.keys.agents[agent]
+        return key.sign(draft_event(kind, body, project=self.project, actor=key.actor, session_id="s", **fields))
+
+    def send(self, event: Envelope, *, deduplicate: bool = True, subject: str | None = None) -> None:
+        subject = subject or event_subject(event.project, event.kind, event.artifact_id)
+        self.messages.append(Message(subject, encode_event(event), deduplicate))
+        self.sent.append(event)
+
+    def apply(self, op: Op) -> None:
+        name, *args = op
+        getattr(self, f"_{name}")(*args)
+
+    def _claim(self, kind_i: int, agent_i: int, text_i: int, link: str, target_i: int) -> None:
+        kind = CLAIM_KINDS[kind_i]
+        target = self.target(target_i) if self.artifacts else None
+        event = self.event(AGENTS[agent_i], kind, _claim_body(kind, TEXTS[text_i], link, target))
+        self.artifacts.append(event.artifact_id)
+        self.send(event)
+
+    def _verify(self, agent_i: int, target_i: int) -> None:
+        self.send(self.event(AGENTS[agent_i], "verified", {"note": "checked"}, artifact_id=self.target(target_i)))
+
+    def _contradict(self, agent_i: int, target_i: int, by_i: int) -> None:
+        body = {"contradicted_by": self.target(by_i), "reason": "measured"}
+        self.send(self.event(AGENTS[agent_i], "contradicted", body, artifact_id=self.target(target_i)))
+
+    def _rollback(self, agent_i: int, target_i: int) -> None:
+        self.send(self.event(AGENTS[agent_i], "rolled_back", {"reason": "bad"}, artifact_id=self.target(target_i)))
+
+    def _resolve(self, agent_i: int, target_i: int, resolution_i: int, successor_i: int) -> None:
+        resolution = RESOLUTIONS[resolution_i]
+        body: dict[str, Any] = {"resolution": resolution.value}
+        if resolution is ResolutionKind.superseded:
+            body["superseded_by"] = self.target(successor_i)
+        self.send(self.event(AGENTS[agent_i], "resolved", body, artifact_id=self.target(target_i)))
+
+    def _forget(self, agent_i: int, target_i: int) -> None:
+        self.send(self.event(AGENTS[agent_i], "forgotten", {"reason": "privacy"}, artifact_id=self.target(target_i)))
+
+    def _claim_on_existing_id(self, agent_i: int, target_i: int) -> None:
+        body = _claim_body("finding", "a claim on an id in use", "none", None)
+        self.send(self.event(AGENTS[agent_i], "finding", body, artifact_id=self.target(target_i)))
+
+    def _forged(self, agent_i: int) -> None:
+        impostor = AgentKey(AGENTS[agent_i], self.keys.mallory_seed)
+        body = _claim_body("finding", "forged", "none", None)
+        self.send(
+            impostor.sign(draft_event("finding", body, project=self.project, actor=impostor.actor, session_id="s"))
+        )
+
+    def _bad_signature(self, agent_i: int) -> None:
+        event = self.event(AGENTS[agent_i], "finding", _claim_body("finding", "signed", "none", None))
+        tampered = event.model_copy(update={"body": event.body.model_copy(update={"text": "tampered"})})
+        self.send(tampered)
+
+    def _wrong_subject(self, agent_i: int) -> None:
+        event = self.event(AGENTS[agent_i], "finding", _claim_body("finding", "misfiled", "none", None))
+        self.send(event, subject=event_subject(self.project, "unknown", event.artifact_id))
+
+    def _bad_time(self, year: int) -> None:
+        at = datetime(year, 6, 1, tzinfo=UTC)
+        self.send(self.event("alice", "finding", _claim_body("finding", f"dated {year}", "none", None), recorded_at=at))
+
+    def _reuse_id(self, agent_i: int, earlier_i: int) -> None:
+        if not self.sent:
+            return
+        earlier = self.sent[earlier_i % len(self.sent)]
+        body = _claim_body("finding", f"reusing {earlier.event_id}", "none", None)
+        event = self.event(AGENTS[agent_i], "finding", body, event_id=earlier.event_id)
+        self.send(event, deduplicate=False)  # a raw client: JetStream deduplicates only inside its window
+
+    def _resend(self, earlier_i: int) -> None:
+        if self.messages:
+            earlier = self.messages[earlier_i % len(self.messages)]
+            self.messages.append(Message(earlier.subject, earlier.data, False))
+
+
+def build(history: Iterable[Op], keys: Keys, project: str) -> list[Message]:
+    builder = _Builder(keys, project)
+    for op in history:
+        builder.apply(op)
+    return builder.messages
+
+
+async def publish(js: JetStreamContext, messages: Sequence[Message]) -> tuple[int, int]:
+    """Publish in order; returns the first and last stream sequence used (JetStream may drop duplicates)."""
+    seqs: list[int] = []
+    for message in messages:
+        headers = {"Nats-Msg-Id": json.loads(message.data)["event_id"]} if message.deduplicate else None
+        ack = await js.publish(message.subject, message.data, headers=headers)
+        if not ack.duplicate:
+            seqs.append(ack.seq)
+    return (min(seqs), max(seqs)) if seqs else (0, 0)
+
+
+StateKey = tuple[str | None, ...]
+
+
+def state_key(s: ArtifactState) -> StateKey:
+    """What every path must agree on for an artifact: identity, trust, lifecycle, resolution and links."""
+    resolution = s.resolution.value if s.resolution else None
+    return (
+        s.kind,
+        s.author,
+        s.created_event_id,
+        s.trust.value,
+        s.lifecycle.value,
+        resolution,
+        s.revises,
+        s.supersedes,
+        s.superseded_by,
+        s.contradicted_by,
+    )
+
+
+def differences(paths: Mapping[str, Mapping[str, ArtifactState]]) -> dict[str, Any]:
+    """Per path, the artifacts that differ from the first path's (missing, extra, or another state)."""
+    (reference_name, reference), *others = paths.items()
+    want = {aid: state_key(s) for aid, s in reference.items()}
+    found: dict[str, Any] = {}
+    for name, states in others:
+        got = {aid: state_key(s) for aid, s in states.items()}
+        diff = {
+            "missing": sorted(set(want) - set(got)),
+            "extra": sorted(set(got) - set(want)),
+            "differ": {a: {reference_name: want[a], name: got[a]} for a in set(want) & set(got) if want[a] != got[a]},
+        }
+        if any(diff.values()):
+            found[name] = diff
+    return found
+
+
+class HashEmbedder:
+    """Deterministic unit vectors from a text's hash: the differential tests are about state, not meaning,
+    and a real model would spend their time budget embedding the same five texts."""
+
+    model_id = "test/sha256-384"
+    dimension = 384
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        vectors = []
+        for text in texts:
+            seed = hashlib.sha256(text.encode()).digest()
+            raw = [((seed[i % 32] + i) % 17) - 8.0 + 0.5 for i in range(self.dimension)]
+            norm = math.sqrt(sum(v * v for v in raw))
+            vectors.append([v / norm for v in raw])
+        return vectors
+
+
+def fresh_project() -> str:
+    return f"d-{uuid.uuid4().hex[:12]}"
