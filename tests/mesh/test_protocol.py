@@ -176,7 +176,7 @@ def test_a_coordinator_may_cancel_and_the_proposer_may_too() -> None:
 
 def test_a_completion_needs_a_well_formed_sha() -> None:
     working = record_in(S.working)
-    with pytest.raises(InvalidEvent, match="sha.*is required"):
+    with pytest.raises(InvalidEvent, match=r"sha.*is required"):
         step(working, A.complete, completion=None)
     for bad in ("abc123", "A" * 40, "g" * 40, "a" * 41, "a" * 63):
         with pytest.raises(InvalidEvent, match="40 or 64 lowercase hex") as raised:
