@@ -88,14 +88,15 @@ def start_holder(store_dir: Path, *flags: str) -> tuple[subprocess.Popen[str], i
 
 def publish_and_read_back(url: str) -> bytes:
     async def roundtrip() -> bytes:
-        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
-        try:
-            js = nc.jetstream()
-            await js.add_stream(name="PROBE", subjects=["probe.>"])
-            ack = await js.publish("probe.one", b"still serving", timeout=5)
-            return (await js.get_msg("PROBE", ack.seq)).data or b""
-        finally:
-            await nc.close()
+        async with asyncio.timeout(15):  # nats-py's connect can wait forever on a server that is gone
+            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+            try:
+                js = nc.jetstream()
+                await js.add_stream(name="PROBE", subjects=["probe.>"])
+                ack = await js.publish("probe.one", b"still serving", timeout=5)
+                return (await js.get_msg("PROBE", ack.seq)).data or b""
+            finally:
+                await nc.close()
 
     return asyncio.run(roundtrip())
 

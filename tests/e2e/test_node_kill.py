@@ -100,17 +100,18 @@ def stream_event_ids(url: str) -> set[str]:
     """The Nats-Msg-Id of every message in stream EPI, read message by message up to the last sequence."""
 
     async def read() -> set[str]:
-        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info("EPI")
-            ids = set()
-            for seq in range(info.state.first_seq, info.state.last_seq + 1):
-                msg = await js.get_msg("EPI", seq)
-                ids.add((msg.headers or {}).get("Nats-Msg-Id", f"seq {seq} without an id"))
-            return ids
-        finally:
-            await nc.close()
+        async with asyncio.timeout(30):  # nats-py's connect can wait forever on a server that is gone
+            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+            try:
+                js = nc.jetstream()
+                info = await js.stream_info("EPI")
+                ids = set()
+                for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                    msg = await js.get_msg("EPI", seq)
+                    ids.add((msg.headers or {}).get("Nats-Msg-Id", f"seq {seq} without an id"))
+                return ids
+            finally:
+                await nc.close()
 
     return asyncio.run(read())
 
