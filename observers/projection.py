@@ -152,7 +152,7 @@ class BatchState:
                 )
             )
 
-    def forget(self, project: str, artifact_id: str, forgotten_by: str) -> None:
+    def forget(self, project: str, artifact_id: str, forgotten_by: str, forgotten_seq: int) -> None:
         """A privacy delete: the artifact leaves the projection, its events keep an audit row each (who, when,
         which event erased it) with the content gone, and verification notes go too."""
         key = (project, artifact_id)
@@ -168,7 +168,11 @@ class BatchState:
         )
         rows = self.conn.execute(
             select(events.c.event_id, events.c.kind, events.c.actor_id, events.c.recorded_at).where(
-                events.c.project == project, events.c.artifact_id == artifact_id, events.c.event_id != forgotten_by
+                events.c.project == project,
+                events.c.artifact_id == artifact_id,
+                # What came before the forget, in stream order: the same rows however the events were batched.
+                events.c.stream_seq < forgotten_seq,
+                events.c.event_id != forgotten_by,
             )
         ).all()
         for row in rows:
@@ -223,7 +227,7 @@ def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dic
             continue
         state.absorb(event.project, change)
         if event.kind == "forgotten" and change.artifacts:
-            state.forget(event.project, event.artifact_id, str(event.event_id))
+            state.forget(event.project, event.artifact_id, str(event.event_id), seq)
         if change.flags:
             flags = ",".join(sorted(change.flags))
             outcomes.append({"b_id": str(event.event_id), "b_status": "applied", "b_reason": None, "b_flags": flags})
@@ -231,7 +235,8 @@ def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dic
     if outcomes:
         conn.execute(
             update(events)
-            .where(events.c.event_id == bindparam("b_id"))
+            # A row a later forget in this batch redacted keeps its forgotten status.
+            .where(events.c.event_id == bindparam("b_id"), events.c.status != FORGOTTEN)
             .values(status=bindparam("b_status"), reason=bindparam("b_reason"), flags=bindparam("b_flags")),
             outcomes,
         )

@@ -139,6 +139,7 @@ class MirrorObserver:
         states = await self._prefetch(admitted)
         changed: dict[tuple[str, str], ArtifactState] = {}
         created: dict[tuple[str, str], Delivery] = {}
+        forgotten: set[tuple[str, str]] = set()
         for delivery in admitted:
             event = delivery.event
             try:
@@ -148,10 +149,16 @@ class MirrorObserver:
                 continue
             for state in change.artifacts:
                 key = (state.project, state.artifact_id)
+                if state.forgotten:  # gone, as in the journal: a later claim may use the id again
+                    states[key] = None
+                    changed.pop(key, None)
+                    created.pop(key, None)
+                    forgotten.add(key)
+                    continue
                 states[key] = changed[key] = state
             if not event.body.transition:
                 created[(event.project, event.artifact_id)] = delivery
-        await self._write(changed, created)
+        await self._write(changed, created, forgotten)
         self.refused += len(refused)
         return refused
 
@@ -181,32 +188,34 @@ class MirrorObserver:
         return admitted, refused
 
     async def _write(
-        self, changed: dict[tuple[str, str], ArtifactState], created: dict[tuple[str, str], Delivery]
+        self,
+        changed: dict[tuple[str, str], ArtifactState],
+        created: dict[tuple[str, str], Delivery],
+        forgotten: set[tuple[str, str]],
     ) -> None:
-        """Claims are indexed with the state they have at the end of the batch, so a change that arrives in
-        the same batch as its claim is never lost; a claim forgotten in its own batch is never indexed."""
+        """Forgotten artifacts' points go first (a privacy delete: the content leaves the mirror, not just the
+        safe door). Claims are indexed with the state they have at the end of the batch, so a change that
+        arrives in the same batch as its claim is never lost."""
+        for project, artifact_id in sorted(forgotten):
+            where = Filter(equals={"project": project, "artifact_id": artifact_id})
+            await self.store.delete(await self.store.point_ids(where))
+            self.transitions += 1
         claims: list[tuple[Delivery, ArtifactState]] = []
         for key, state in changed.items():
             if key in created:
-                if not state.forgotten:
-                    claims.append((created[key], state))
+                claims.append((created[key], state))
                 continue
             where = Filter(equals={"project": key[0], "artifact_id": key[1]})
-            if state.forgotten:  # a privacy delete: the content leaves the mirror, not just the safe door
-                await self.store.delete(await self.store.point_ids(where))
-            else:
-                await self.store.set_payload(
-                    where, {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS}
-                )
+            await self.store.set_payload(where, {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS})
             self.transitions += 1
         await self._index_claims(claims)
 
-    async def _prefetch(self, batch: Sequence[Delivery]) -> dict[tuple[str, str], ArtifactState]:
+    async def _prefetch(self, batch: Sequence[Delivery]) -> dict[tuple[str, str], ArtifactState | None]:
         """Current states, read from the points' payloads, of every artifact the batch refers to."""
         wanted: dict[str, set[str]] = {}
         for delivery in batch:
             wanted.setdefault(delivery.event.project, set()).update(event_references(delivery.event))
-        states: dict[tuple[str, str], ArtifactState] = {}
+        states: dict[tuple[str, str], ArtifactState | None] = {}
         for project, artifact_ids in wanted.items():
             ids = await self.store.point_ids(
                 Filter(equals={"project": project}, any_of={"artifact_id": sorted(artifact_ids)})
@@ -240,7 +249,9 @@ def claim_payload(state: ArtifactState, delivery: Delivery, node: str) -> dict[s
     }
 
 
-def _state_of(states: dict[tuple[str, str], ArtifactState], project: str, artifact_id: str) -> ArtifactState | None:
+def _state_of(
+    states: dict[tuple[str, str], ArtifactState | None], project: str, artifact_id: str
+) -> ArtifactState | None:
     return states.get((project, artifact_id))
 
 
