@@ -4,17 +4,20 @@ neither loses nor doubles an event (DESIGN §6). Publishers await `sent(event_id
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from bus.admission import TimeBounds
 from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
-from bus.outbox import Outbox
+from bus.outbox import Outbox, OutboxRow
 from bus.publish import send_batch
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ class Forwarder:
         idle_poll_s: float = 1.0,
         max_backoff_s: float = 5.0,
         only_own_rows: bool = False,
+        bounds: TimeBounds | None = None,
     ) -> None:
         self.outbox = outbox
         self._jetstream = jetstream
@@ -55,6 +59,7 @@ class Forwarder:
         self.idle_poll_s = idle_poll_s
         self.max_backoff_s = max_backoff_s
         self.only_own_rows = only_own_rows
+        self.bounds = bounds or TimeBounds.from_env()
         self.stats = ForwarderStats()
         self._wake = asyncio.Event()
         self._waiters: dict[str, list[asyncio.Future[PubAck]]] = {}
@@ -114,6 +119,9 @@ class Forwarder:
             rows = await self.outbox.claim(self.batch_size, lease_s=self.timeout_s * 3, only_own=self.only_own_rows)
             if not rows:
                 return True
+            rows = await self._park_too_old(rows)
+            if not rows:
+                continue
             results = await send_batch(js, rows, max_in_flight=self.max_in_flight, timeout_s=self.timeout_s)
             acked: dict[str, tuple[int, bool]] = {}
             retry: dict[str, str] = {}
@@ -142,9 +150,38 @@ class Forwarder:
             if retry:
                 return False
 
+    async def _park_too_old(self, rows: list[OutboxRow]) -> list[OutboxRow]:
+        """Rows held longer than every node admits (they would all dead-letter them as implausible_time) are
+        parked with the reason, so the publisher learns it now; the rest are returned to be sent."""
+        now = datetime.now(UTC)
+        too_old: dict[str, str] = {}
+        for row in rows:
+            recorded_at = _recorded_at(row.payload)
+            problem = self.bounds.problem(recorded_at, now) if recorded_at is not None else None
+            if problem is not None:
+                too_old[row.event_id] = problem
+        if not too_old:
+            return rows
+        await self.outbox.park(too_old)
+        for event_id, problem in too_old.items():
+            self.stats.rejected += 1
+            log.error("outbox event %s not sent, parked in the outbox: %s", event_id, problem)
+            self._settle(event_id, InvalidEvent(f"event {event_id}", problem))
+        return [row for row in rows if row.event_id not in too_old]
+
     def _count_error(self, error: Exception) -> None:
         self.stats.failed_attempts += 1
         self.stats.last_error = str(error)
         name = type(error).__name__
         self.stats.errors_by_kind[name] = self.stats.errors_by_kind.get(name, 0) + 1
         log.warning("forwarder: %s (events stay in the outbox and are retried)", error)
+
+
+def _recorded_at(payload: bytes) -> datetime | None:
+    """The event's recorded_at, or None when the row is not a readable event (JetStream and every node's
+    admission judge those; the outbox only holds what the client encoded)."""
+    try:
+        value = json.loads(payload).get("recorded_at")
+        return datetime.fromisoformat(value) if isinstance(value, str) else None
+    except (ValueError, AttributeError):
+        return None

@@ -115,3 +115,44 @@ async def test_forgetting_an_artifact_leaves_no_byte_of_its_rows_in_the_outbox_f
     assert [event_id for event_id, _ in stored(outbox.path)] == ["forget", "other"]
     files = [f for f in outbox.path.parent.iterdir() if f.name.startswith("outbox.db")]
     assert [f.name for f in files if secret in f.read_bytes()] == []
+
+
+async def test_an_event_held_longer_than_nodes_admit_is_parked_with_the_reason_not_sent(
+    outbox: Outbox, nats_server, tmp_path: Path
+):
+    from datetime import UTC, datetime, timedelta
+
+    import nats
+
+    from bus.errors import InvalidEvent
+    from bus.event import draft_event, encode_event
+    from bus.forwarder import Forwarder
+    from bus.jetstream import ensure_streams
+    from bus.signing import AgentKey
+    from bus.subjects import event_subject
+
+    key = AgentKey.generate("alice")
+    old = key.sign(
+        draft_event(
+            "unknown",
+            {"question": "still open?", "impact": 0.2},
+            project="p",
+            actor=key.actor,
+            session_id="s",
+            recorded_at=datetime.now(UTC) - timedelta(days=31),
+        )
+    )
+    await outbox.add([OutboxRow(str(old.event_id), event_subject("p", "unknown", old.artifact_id), encode_event(old))])
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        forwarder = Forwarder(outbox, lambda: js)
+        receipt = forwarder.sent(str(old.event_id))
+        assert await forwarder.drain_once() is True
+        with pytest.raises(InvalidEvent, match="EPIBUS_MAX_PUBLISH_DELAY_S"):
+            await receipt
+        assert "before the stream stored it" in (await outbox.parked())[str(old.event_id)]
+        assert (await js.stream_info("EPI")).state.messages == 0
+    finally:
+        await nc.close()
