@@ -7,7 +7,7 @@ mirror (what `reindex` does); `verify --repair` into an empty journal, and that 
 `test_nodes_agree_after_live_catch_up_and_reindex` adds whole nodes: one live, one catching up, one reindexed.
 
 Each example runs in its own event loop against one nats-server per module, in a project of its own. Set
-EPIBUS_DIFFERENTIAL_EXAMPLES for a longer run (the `long` marker runs 1,000)."""
+EPIBUS_DIFFERENTIAL_EXAMPLES to change how many examples run in the suite; `pytest -m long` runs 2,000."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ from tests.conftest import postgres_database
 from tests.histories import HashEmbedder, Keys, Op, build, differences, fresh_project, histories, make_keys, publish
 
 EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "200"))
+LONG_EXAMPLES = 2_000
+QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
 @dataclass
@@ -210,14 +212,18 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
         await nc.close()
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=QUIET)
 @given(history=histories, seed=st.integers(0, 2**32 - 1))
 def test_every_path_that_builds_state_gives_the_same_state(
     bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
 ) -> None:
-    workdir = tmp_path_factory.mktemp("example")
-    asyncio.run(run_paths(bus, history, seed, workdir))
+    asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
+
+
+@pytest.mark.long
+@settings(max_examples=LONG_EXAMPLES, deadline=None, suppress_health_check=QUIET)
+@given(history=histories, seed=st.integers(0, 2**32 - 1))
+def test_every_path_gives_the_same_state_over_a_long_run(
+    bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
+) -> None:
+    asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
