@@ -1,4 +1,4 @@
-"""State changes from the client (DESIGN §4): the project as the stream has it, transitions validated against
+"""State changes from the client: the project as the stream has it, transitions validated against
 it and published with per-artifact compare-and-set, rollback planning and applying. A mixin of EpibusClient."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The epibus client: connect, sign, publish with receipts, through the local outbox by default (DESIGN §6).
+"""The epibus client: connect, sign, publish with receipts, through the local outbox by default.
 
 async with connect(agent="alice") as client:
     receipt = await client.publish(client.event("finding", {...}, project="demo"))

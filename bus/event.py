@@ -1,4 +1,4 @@
-"""The event envelope, the body model of every kind, the kind registry and canonical JSON (DESIGN §3).
+"""The event envelope, the body model of every kind, the kind registry and canonical JSON.
 
 Events are frozen pydantic models with extra="forbid". Bodies are chosen by `kind` through the registry, so
 custom kinds can be added with `register_kind` and an unregistered kind is an InvalidEvent."""

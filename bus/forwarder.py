@@ -1,5 +1,5 @@
 """The forwarder: drains the outbox to JetStream with the events' own Nats-Msg-Id, so a drain after an outage
-neither loses nor doubles an event (DESIGN §6). Publishers await `sent(event_id)` for their receipt."""
+neither loses nor doubles an event. Publishers await `sent(event_id)` for their receipt."""
 
 from __future__ import annotations
 

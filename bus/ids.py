@@ -1,4 +1,4 @@
-"""Event ids (UUIDv7) and the one function that derives a Qdrant point id from an event id (DESIGN §2)."""
+"""Event ids (UUIDv7) and the one function that derives a Qdrant point id from an event id."""
 
 from __future__ import annotations
 

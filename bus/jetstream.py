@@ -1,4 +1,4 @@
-"""Creating and updating the JetStream streams (EPI, EPI_DLQ) and the agent key registry (DESIGN §5, §9).
+"""Creating and updating the JetStream streams (EPI, EPI_DLQ) and the agent key registry.
 
 `ensure_streams` is idempotent and is re-run by clients after every reconnect: a server that lost its
 store (or a new cluster) gets the streams back before anything is published."""
@@ -21,7 +21,7 @@ from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
 from bus.event import Actor
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, DLQ_SUBJECTS, STREAM, STREAM_SUBJECTS
 
-# ≥ 2 min (DESIGN §5); 10 min lets an outbox drain after a short outage still be deduplicated by the server.
+# ≥ 2 min for retried publishes; 10 min lets an outbox drain after a short outage still be deduplicated by the server.
 DUPLICATE_WINDOW_S = 600.0
 JS_TIMEOUT_S = 10.0
 
@@ -96,7 +96,7 @@ async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -
 
 class AgentRegistry:
     """agent_id → public key, in a KV bucket. The first key seen for an agent is bound to it (trust on first
-    use); a different key for the same agent afterwards is a Conflict (DESIGN §9: nobody publishes as
+    use); a different key for the same agent afterwards is a Conflict (nobody publishes as
     another agent)."""
 
     def __init__(self, js: JetStreamContext) -> None:

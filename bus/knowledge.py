@@ -1,5 +1,5 @@
 """What a client knows before it changes state: a project's events folded from the stream, the last stream
-sequence on each artifact's subjects (for compare-and-set), and tombstones (DESIGN §4, §5)."""
+sequence on each artifact's subjects (for compare-and-set), and tombstones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sending encoded events to JetStream: receipts and the bounded, timed-out bulk sender (DESIGN §6).
+"""Sending encoded events to JetStream: receipts and the bounded, timed-out bulk sender.
 
 nats-py never resolves the future of a publish the server rejected (upstream #985), so every future here
 has a deadline, and compare-and-set publishes go through the awaited path instead."""
@@ -52,7 +52,7 @@ class Receipt:
 
 
 def message_headers(event_id: str) -> dict[str, str]:
-    """A fresh headers dict per publish: nats-py writes into the dict it is given (DESIGN §6)."""
+    """A fresh headers dict per publish: nats-py writes into the dict it is given."""
     return {MSG_ID_HEADER: event_id}
 
 

@@ -1,4 +1,4 @@
-"""Asking every node's mirror at once (DESIGN §7): one request on RECALL, every node with a mirror answers,
+"""Asking every node's mirror at once: one request on RECALL, every node with a mirror answers,
 the answers are merged by event id. The answer says which nodes answered, and which failed and why."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Receipts beyond a PubAck: acknowledgements another process's forwarder recorded in the shared outbox, and
-the journal's confirmation (`journaled`) with what the state projection made of each event (DESIGN §6)."""
+the journal's confirmation (`journaled`) with what the state projection made of each event."""
 
 from __future__ import annotations
 

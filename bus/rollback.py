@@ -1,4 +1,4 @@
-"""Rollback planning (DESIGN §4): walk `revises` back to the nearest verified ancestor, roll back the
+"""Rollback planning: walk `revises` back to the nearest verified ancestor, roll back the
 intermediates, and report every descendant built on them as tainted (rolled back too with cascade).
 Pure: plans from artifact states; a cycle or a broken chain is an IllegalTransition, never a loop."""
 

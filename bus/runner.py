@@ -1,6 +1,6 @@
 """The consumer runner every observer shares: a durable pull consumer on EPI that validates each message,
 hands valid events to the observer in batches, acks only after the observer's durable write, and
-dead-letters what it cannot use, with the reason (DESIGN §5, §6, §10.7, §10.10)."""
+dead-letters what it cannot use, with the reason."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class ConsumerRunner:
                 messages = await subscription.fetch(self.batch_size, timeout=self.fetch_timeout_s)
             except TimeoutError:
                 # nats.errors.TimeoutError and a plain asyncio.TimeoutError (nats-py 2.16 _fetch_n) both mean
-                # "no messages yet" (DESIGN §6); it resets nothing.
+                # "no messages yet"; it resets nothing.
                 return 0
             await self.process(messages)
             return len(messages)

@@ -1,4 +1,4 @@
-"""Agent keys (NATS nkeys, ed25519) and event signatures over canonical JSON (DESIGN §3, §9).
+"""Agent keys (NATS nkeys, ed25519) and event signatures over canonical JSON.
 
 An agent's key is created on first use and kept as `<home>/keys/<agent>.nk` with mode 0600."""
 

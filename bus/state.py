@@ -1,4 +1,4 @@
-"""The epistemic state of artifacts and the one function that decides what an event does to it (DESIGN §4).
+"""The epistemic state of artifacts and the one function that decides what an event does to it.
 
 `decide` is pure: given an event and a way to look up current artifact states, it returns the Change the event
 makes or raises IllegalTransition. The client runs it before publishing (validation), the journal's projection
@@ -27,7 +27,7 @@ from bus.event import (
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 
-# The legal trust moves (DESIGN §4). verified → verified appends a verification record.
+# The legal trust moves. verified → verified appends a verification record.
 TRUST_TRANSITIONS: dict[Trust, frozenset[Trust]] = {
     Trust.unverified: frozenset({Trust.verified, Trust.contradicted, Trust.rolled_back}),
     Trust.verified: frozenset({Trust.verified, Trust.contradicted, Trust.rolled_back}),
@@ -129,7 +129,7 @@ class ArtifactState:
 
     @property
     def longevity(self) -> float:
-        """Impact for findings and others that carry it; confidence for assumptions (DESIGN §7)."""
+        """Impact for findings and others that carry it; confidence for assumptions."""
         if self.kind == "assumption":
             return self.confidence or 0.0
         if self.impact is not None:

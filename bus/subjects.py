@@ -1,7 +1,7 @@
-"""The only module that builds subject, stream and bucket names (DESIGN §5).
+"""The only module that builds subject, stream and bucket names.
 
 Events live on `epi.<project>.<kind>.<artifact_id>` in stream EPI (`epi.>`). Dead letters live on
-`epidlq.<consumer>.<reason>` in stream EPI_DLQ: DESIGN §5 sketches `epi.dlq.…`, but JetStream refuses two
+`epidlq.<consumer>.<reason>` in stream EPI_DLQ, not under `epi.dlq.…`: JetStream refuses two
 streams whose subjects overlap (err_code 10065) and EPI must keep `epi.>` so foreign messages on any
 `epi.` subject are captured and quarantined rather than lost."""
 
@@ -30,7 +30,7 @@ VERIFY = "epibus.verify"
 # `progress` inbox).
 REINDEX = "epibus.reindex"
 
-# Mesh state (DESIGN §8): one KV bucket; keys are built only by the functions below.
+# Mesh state: one KV bucket; keys are built only by the functions below.
 MESH_BUCKET = "epibus_mesh"
 MESH_STREAM = f"KV_{MESH_BUCKET}"
 
@@ -74,7 +74,7 @@ def events_filter(project: str | None = None, kind: str | None = None) -> str:
 
 
 def artifact_filter(project: str, artifact_id: str) -> str:
-    """Every event of one artifact, across kinds: the per-artifact compare-and-set scope (DESIGN §5)."""
+    """Every event of one artifact, across kinds: the per-artifact compare-and-set scope."""
     return f"epi.{project}.*.{artifact_id}"
 
 

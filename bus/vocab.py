@@ -1,4 +1,4 @@
-"""The closed vocabularies of DESIGN §4, each value with its one-line help. The only module that defines them."""
+"""The closed vocabularies of the state, each value with its one-line help. The only module that defines them."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class EvidenceKind(StrEnum):
 
 
 class ReceiptLevel(StrEnum):
-    """How far a published event is known to have travelled (DESIGN §6)."""
+    """How far a published event is known to have travelled."""
 
     outboxed = "outboxed"
     published = "published"
@@ -79,7 +79,7 @@ class DeadLetterReason(StrEnum):
 
 
 class TaskState(StrEnum):
-    """Where a mesh task stands (DESIGN §8); terminal states have no exit."""
+    """Where a mesh task stands; terminal states have no exit."""
 
     proposed = "proposed"
     accepted = "accepted"

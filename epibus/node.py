@@ -187,7 +187,7 @@ class Node:
             self._stack.callback(remove_node_info, home, os.getpid())
 
     async def _start_coordinators(self, group: asyncio.TaskGroup, servers: list[str]) -> None:
-        """Mesh coordinator services (DESIGN §8), deciding as the node's agent. A policy that does not exist or
+        """Mesh coordinator services, deciding as the node's agent. A policy that does not exist or
         an agent that is not a coordinator of the project is a start-up error."""
         policies = [(project, parse_policy(spec)) for project, spec in self.config.coordinate]
         key = AgentKey.load_or_create(self.config.home, self.config.agent)

@@ -1,4 +1,4 @@
-"""The mesh work protocol (DESIGN §8): the explicit transition table, its A2A mapping, and `advance`, the one
+"""The mesh work protocol: the explicit transition table, its A2A mapping, and `advance`, the one
 pure function that decides what a message does to a task (the data it works on is in mesh.task).
 
 `advance` is the only place the rules live: the agent API calls it before every compare-and-set write, the

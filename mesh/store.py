@@ -1,4 +1,4 @@
-"""Mesh state in one JetStream KV bucket (DESIGN §5, §8): tasks, each project's coordinators and the
+"""Mesh state in one JetStream KV bucket: tasks, each project's coordinators and the
 capabilities agents advertise. Every write is compare-and-set on the key's revision, so two coordinators (or a
 retried message) cannot both apply a decision. The one choke point from nats-py KV errors to epibus errors."""
 

@@ -1,4 +1,4 @@
-"""Following task revisions in the mesh bucket from a cursor (DESIGN §10.10: a listener that hits errors says
+"""Following task revisions in the mesh bucket from a cursor (a listener that hits errors says
 so loudly and keeps its state; an empty poll never resets what was seen).
 
 The watcher reads the bucket's stream in revision order from `last_seen + 1` with an ephemeral consumer. It

@@ -1,5 +1,5 @@
 """The SQL journal: an append-only `events` table keyed by event_id (SQLite by default, PostgreSQL by URL),
-written with ON CONFLICT DO NOTHING so a redelivered or replayed event lands once (DESIGN §2)."""
+written with ON CONFLICT DO NOTHING so a redelivered or replayed event lands once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The state projection: artifacts' current trust, lifecycle, resolution and links, the verification log and
-tombstones, derived from journaled events in stream order by `bus.state.decide` (DESIGN §4).
+tombstones, derived from journaled events in stream order by `bus.state.decide`.
 
 It runs inside the journal's write transaction, so an event and what it did commit together. An event that
 is illegal at apply time is marked `rejected` with its reason and changes nothing."""

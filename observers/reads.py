@@ -1,4 +1,4 @@
-"""Reads of the epistemic state from the journal (DESIGN §7): the safe door `artifacts`, the separate audit
+"""Reads of the epistemic state from the journal: the safe door `artifacts`, the separate audit
 door `audit_artifacts`, `briefing` and `vocab_report`. Every read takes `as_of`: with it, the state is folded
 from the append-only events recorded by then; without it, the live projection is read."""
 
@@ -173,7 +173,7 @@ class Briefing:
 def briefing(
     journal: Journal, project: str, goal: str | None = None, *, as_of: datetime | None = None, limit: int = 10
 ) -> Briefing:
-    """What a starting agent needs without a query (DESIGN §7)."""
+    """What a starting agent needs without a query."""
     snap = snapshot(journal, project, as_of=as_of)
     safe = [snap.view(s) for s in snap.states.values() if s.safe()]
     recent_since = snap.at - RECENT

@@ -1,6 +1,6 @@
-"""Recall by meaning (DESIGN §7): `recall` is the safe door, `audit_recall` the separate audit door. Hits are
+"""Recall by meaning: `recall` is the safe door, `audit_recall` the separate audit door. Hits are
 ranked by similarity x relevance and carry their state and provenance. A mirror that is missing or fails is an
-error, never an empty list that looks like "no matches" (§10.6)."""
+error, never an empty list that looks like "no matches"."""
 
 from __future__ import annotations
 

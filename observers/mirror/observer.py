@@ -1,9 +1,9 @@
 """The mirror observer: embeds every claim and upserts it as one point with the deterministic point id of
-DESIGN §2, and carries every state transition into the payload of the affected artifacts' points (§10.5),
+its event id, and carries every state transition into the payload of the affected artifacts' points,
 so the safe door never shows a retracted, contradicted or rolled-back item once the transition is mirrored.
 
 A store or model that fails raises Unavailable: the runner holds the batch and retries (the mirror reports
-degraded, the journal is never blocked), and no placeholder vector is ever written (§10.4)."""
+degraded, the journal is never blocked), and no placeholder vector is ever written."""
 
 from __future__ import annotations
 

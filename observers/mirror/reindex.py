@@ -1,5 +1,5 @@
 """Rebuilding a mirror from the stream into a new collection while the live one keeps answering, then swapping
-it in: a directory swap for qdrant-edge, an alias swap for a Qdrant server (DESIGN §2; after a model change,
+it in: a directory swap for qdrant-edge, an alias swap for a Qdrant server (after a model change,
 or to start clean). The caller pauses its mirror consumer around `swap()` and continues after `last_seq`."""
 
 from __future__ import annotations

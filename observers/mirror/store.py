@@ -1,5 +1,5 @@
-"""The vector-store port: where mirror points live, and the only seam between the mirror and a backend
-(DESIGN §2, §10). Every write is idempotent by point id; every backend passes tests/conformance/test_store.py."""
+"""The vector-store port: where mirror points live, and the only seam between the mirror and a backend.
+Every write is idempotent by point id; every backend passes tests/conformance/test_store.py."""
 
 from __future__ import annotations
 
