@@ -1,4 +1,4 @@
-"""Publishing through the client: receipts, dedupe, the outbox across an outage (DESIGN §6)."""
+"""Publishing through the client: receipts, dedupe, the outbox across an outage."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from bus.client import connect
-from bus.errors import Conflict, ConfigError, InvalidEvent, Unavailable
+from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.home import outbox_path
 from bus.jetstream import ensure_streams
 from bus.server import NatsServer

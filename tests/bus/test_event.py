@@ -1,4 +1,4 @@
-"""The envelope: validation, canonical JSON, signatures, ids, the kind registry (DESIGN §2–4)."""
+"""The envelope: validation, canonical JSON, signatures, ids, the kind registry."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The consumer runner: ack after the durable write, dead letters with reasons, no double writes
-(DESIGN §5, §6, §10.7, §10.10)."""
+"""The consumer runner: ack after the durable write, dead letters with reasons, no double writes."""
 
 from __future__ import annotations
 

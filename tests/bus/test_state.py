@@ -1,4 +1,4 @@
-"""The state rules, pure: the transition matrix, links, rollback planning, decay (DESIGN §4, §7)."""
+"""The state rules, pure: the transition matrix, links, rollback planning, decay."""
 
 from __future__ import annotations
 

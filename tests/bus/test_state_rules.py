@@ -39,7 +39,7 @@ BODIES = {
     "contradicted": {"contradicted_by": "other", "reason": "measured otherwise"},
     "rolled_back": {"reason": "built on a bad premise"},
 }
-# (current trust, event kind) -> the trust after it, or the reason it is refused. Written from the design.
+# (current trust, event kind) -> the trust after it, or the reason it is refused. Written by hand, not from the code.
 TRUST_MOVES: dict[tuple[Trust, str], Trust | str] = {
     (U, "verified"): V,
     (U, "contradicted"): C,

@@ -1,5 +1,5 @@
-"""One journal suite, every backend: each case runs on SQLite and on the machine's PostgreSQL
-(DESIGN §2, §10). Reads go back through plain SQL, not through the code that wrote."""
+"""One journal suite, every backend: each case runs on SQLite and on the machine's PostgreSQL.
+Reads go back through plain SQL, not through the code that wrote."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One vector-store suite, every backend (DESIGN §2, §10): each case runs on qdrant-edge, qdrant-client's
+"""One vector-store suite, every backend: each case runs on qdrant-edge, qdrant-client's
 local mode (on disk and in memory) and, where a Docker engine answers, a real Qdrant server."""
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ async def test_point_ids_are_proven_against_storage(store_and_reopen):
     (found,) = await store.retrieve([point_id(event_id)])  # the id is derived again, not remembered
     assert found.id == point_id(event_id)
     assert found.payload["event_id"] == str(event_id)
-    assert (found.payload["model_id"], found.payload["dimension"]) == (MODEL, DIM)  # §10.9 on every point
+    assert (found.payload["model_id"], found.payload["dimension"]) == (MODEL, DIM)  # recorded on every point
     assert (await store.describe()).count == 1
 
 
-async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # §10.2
+async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # re-embedding must never duplicate a point
     store, _ = store_and_reopen
     event_id, p = point(2)
     for _ in range(3):
@@ -91,7 +91,7 @@ async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # §10.2
     assert await store.point_ids() == [point_id(event_id)]
 
 
-async def test_delete_is_proven_by_reading_back(store_and_reopen):  # §10.1
+async def test_delete_is_proven_by_reading_back(store_and_reopen):  # a delete that reports success is not proof
     store, _ = store_and_reopen
     kept, gone = point(4), point(5)
     await store.upsert([kept[1], gone[1]])
@@ -132,7 +132,7 @@ async def test_nothing_matched_is_an_empty_list(store_and_reopen):
     assert await store.search(vector(1), Filter(equals={"project": "nobody"}), limit=5) == []
 
 
-async def test_a_status_change_reaches_the_payload(store_and_reopen):  # §10.5
+async def test_a_status_change_reaches_the_payload(store_and_reopen):  # or safe recall shows a retracted item
     store, _ = store_and_reopen
     target, other = point(6, artifact_id="a1"), point(7, artifact_id="a2")
     await store.upsert([target[1], other[1]])
@@ -145,7 +145,7 @@ async def test_a_status_change_reaches_the_payload(store_and_reopen):  # §10.5
         await store.set_payload(Filter(), {"trust": "x"})
 
 
-async def test_model_mismatch_is_refused(store_and_reopen):  # §10.9
+async def test_model_mismatch_is_refused(store_and_reopen):  # never mix vectors of two models
     store, reopen = store_and_reopen
     with pytest.raises(ModelMismatch, match="5-d"):
         await store.upsert([Point(uuid.uuid4(), [0.1] * 5, {})])
@@ -168,7 +168,7 @@ async def test_points_survive_reopening(store_and_reopen):
         await again.close()
 
 
-async def test_outage_is_not_an_empty_result(store_and_reopen):  # §10.6
+async def test_outage_is_not_an_empty_result(store_and_reopen):  # broken must not look like no matches
     store, _ = store_and_reopen
     await store.close()
     with pytest.raises(Unavailable):

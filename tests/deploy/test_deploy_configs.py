@@ -2,7 +2,7 @@
 consistently, the Dockerfile installs from exactly what it copies, and the cluster config really forms a
 3-node JetStream cluster (run here on loopback) that keeps an R3 stream through the loss of a node.
 
-There is no Docker engine on the development machines (DESIGN §11), so the compose file and the image are
+There is no Docker engine on the development machines, so the compose file and the image are
 checked statically and by running their pieces (server configs, the CMD line, the package build) here.
 """
 
@@ -44,7 +44,7 @@ DOCKERFILE = REPO / "deploy" / "Dockerfile"
 DOCKERIGNORE = REPO / "deploy" / "Dockerfile.dockerignore"
 
 NATS_SERVICES = ("nats-1", "nats-2", "nats-3")
-MIN_NATS = (2, 11)  # DESIGN §11: epibus relies on JetStream features missing before 2.11
+MIN_NATS = (2, 11)  # epibus relies on JetStream features missing before 2.11
 WAIT_S = 30.0  # bound on every wait for servers to start, form a cluster, elect leaders
 
 # The environment each config needs to load; compose provides the same variables (checked below).
@@ -304,7 +304,7 @@ def test_nats_server_accepts_config(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ENV))
 def test_nats_config_fsyncs_every_write(name: str) -> None:
-    # DESIGN §6: Jepsen 2025 found NATS acking writes before fsync and losing them on power failure.
+    # Jepsen 2025 found NATS acking writes before fsync and losing them on power failure.
     assert conf_value(NATS_CONF_DIR / name, "sync_interval") == "always"
 
 
@@ -687,7 +687,7 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
         while len(msgs) < 2 and time.monotonic() < deadline:
             try:
                 msgs += await sub.fetch(2 - len(msgs), timeout=2)
-            except TimeoutError:  # nothing yet; nats-py raises its own or asyncio's (DESIGN §6), both are this
+            except TimeoutError:  # nothing yet; nats-py raises its own or asyncio's, both are this
                 continue
         got_all = [(m.subject, m.data) for m in msgs]
         assert got_all == [("epi.demo.finding.a1", b"one"), ("epi.demo.finding.a2", b"two")]

@@ -1,5 +1,5 @@
 """Failures in the middle of work: NATS killed while publishing, the observer process killed mid-stream.
-Every case ends with each event in the journal exactly once (DESIGN §2, §6)."""
+Every case ends with each event in the journal exactly once."""
 
 from __future__ import annotations
 

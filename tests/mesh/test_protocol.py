@@ -1,5 +1,5 @@
 """The transition table, driven through `advance` for every (state, action) pair: the expected table below is
-written out by hand from DESIGN §8, not derived from the code's table."""
+written out by hand from the protocol's rules, not derived from the code's table."""
 
 from __future__ import annotations
 

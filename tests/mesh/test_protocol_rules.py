@@ -28,7 +28,7 @@ from tests.mesh.test_protocol import (
 )
 
 P, CO, AS = MeshRole.proposer, MeshRole.coordinator, MeshRole.assignee
-# Who may send each message, written from the design (propose is covered on its own below).
+# Who may send each message, written by hand (propose is covered on its own below).
 MAY_SEND: dict[TaskAction, set[MeshRole]] = {
     A.accept: {CO},
     A.decline: {CO},

@@ -1,4 +1,4 @@
-"""Handshake integrity on the watching side (DESIGN §10.10): an inbox stopped and restarted mid-stream, or
+"""Handshake integrity on the watching side: an inbox stopped and restarted mid-stream, or
 cut off by a server restart, misses nothing and repeats nothing; an empty or failed poll resets nothing."""
 
 from __future__ import annotations

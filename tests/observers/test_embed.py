@@ -1,4 +1,4 @@
-"""The offline default embedding model, for real: meaning, the content-hash cache, failures (DESIGN §10.4)."""
+"""The offline default embedding model, for real: meaning, the content-hash cache, failures."""
 
 from __future__ import annotations
 

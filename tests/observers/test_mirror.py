@@ -1,4 +1,4 @@
-"""The mirror and recall on real NATS, a real embedding model and real Qdrant engines (DESIGN §2, §7, §10)."""
+"""The mirror and recall on real NATS, a real embedding model and real Qdrant engines."""
 
 from __future__ import annotations
 

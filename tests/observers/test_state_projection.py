@@ -1,5 +1,5 @@
 """The epistemic state end to end on real NATS and a real journal: client-side validation with
-compare-and-set, the projection, the safe and audit doors, tombstones, as-of (DESIGN §4, §7)."""
+compare-and-set, the projection, the safe and audit doors, tombstones, as-of."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Reconciling stream, journal and mirror by event id, and repairing them (DESIGN §2)."""
+"""Reconciling stream, journal and mirror by event id, and repairing them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from sqlalchemy import text
 
 from bus.client import connect
