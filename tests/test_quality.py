@@ -1,4 +1,5 @@
-"""The code itself: imports go one way between layers, and ruff and mypy --strict are clean (DEVELOPERS.md)."""
+"""The code itself: imports go one way between layers, ruff and mypy --strict are clean (DEVELOPERS.md), and no
+file cites a document outside the repository."""
 
 from __future__ import annotations
 
@@ -45,3 +46,32 @@ def test_mypy_strict_is_clean_on_the_layers():
         [sys.executable, "-m", "mypy", "--strict", "bus", "observers", "mesh"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Written so that this file does not match itself.
+CITATIONS = ("shared/" + "DESIGN", "DESIGN" + ".md", "DESIGN" + " \N{SECTION SIGN}", "\N{SECTION SIGN}")
+
+
+def citations_in(text: str) -> list[tuple[int, str]]:
+    return [
+        (number, line.strip())
+        for number, line in enumerate(text.splitlines(), start=1)
+        if any(citation in line for citation in CITATIONS)
+    ]
+
+
+def test_no_file_cites_the_design_document():
+    """The repository stands on its own: a reason is said in words, not by pointing at a section elsewhere."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    found = []
+    for name in sorted(filter(None, listed.stdout.decode().split("\0"))):
+        path = ROOT / name
+        if not path.is_file():
+            continue  # deleted in the working tree
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary
+        found += [f"{name}:{number}: {line}" for number, line in citations_in(data.decode(errors="replace"))]
+    assert found == [], "\n".join(found)
