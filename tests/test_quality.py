@@ -48,8 +48,9 @@ def test_mypy_strict_is_clean_on_the_layers():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# Written so that this file does not match itself.
-CITATIONS = ("shared/" + "DESIGN", "DESIGN" + ".md", "DESIGN" + " \N{SECTION SIGN}", "\N{SECTION SIGN}")
+# Spelled in pieces so that this file does not match itself.
+DOC = "DES" + "IGN"
+CITATIONS = (f"shared/{DOC}", f"{DOC}.md", f"{DOC} \N{SECTION SIGN}", "\N{SECTION SIGN}")
 
 
 def citations_in(text: str) -> list[tuple[int, str]]:
