@@ -285,6 +285,23 @@ class Envelope(Model):
             raise ValueError("valid_until is before valid_from")
         return self
 
+    @model_validator(mode="after")
+    def _no_nul_characters(self) -> Envelope:
+        # PostgreSQL cannot store NUL in text: one such event would stop every PostgreSQL journal for good.
+        if _holds_nul(self.model_dump()):
+            raise ValueError("a text holds a NUL character (\\u0000); remove it")
+        return self
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_nul(v) for v in value)
+    return False
+
 
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8: the same object always gives the same bytes."""

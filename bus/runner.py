@@ -166,16 +166,19 @@ class ConsumerRunner:
             return len(messages)
 
     async def process(self, messages: Sequence[Msg]) -> None:
+        """Admit, hand over and ack in stream order. A message that must be retried holds everything after it
+        in the batch too (nak'ed with the same delay): an observer never sees a change before its claim."""
         self.stats.fetched += len(messages)
         admitted: list[tuple[Msg, Delivery]] = []
-        for msg in messages:
+        for index, msg in enumerate(messages):
             try:
                 admitted.append((msg, await self.admit(msg)))
             except Rejected as rejection:
                 await self.dead_letter(msg, rejection.reason, rejection.error)
-            except Unavailable as e:
-                await msg.nak(delay=self._delay(msg))  # the key registry did not answer: try again later
+            except Unavailable as e:  # the key registry did not answer: this one and the rest, later
                 self.stats.last_error = str(e)
+                await self._hold(messages[index:])
+                break
         if not admitted:
             return
         try:
@@ -186,15 +189,29 @@ class ConsumerRunner:
             log.error("observer %s failed on a batch of %d: %s", self.observer.name, len(admitted), e)
             if len(admitted) == 1:
                 await self._redeliver_or_dead_letter(admitted[0], e)
-                return
-            for one in admitted:  # one at a time: only the event that fails on its own is held back
-                try:
-                    await self._handle_through_outages([one])
-                except Exception as single:  # noqa: BLE001 - counted, redelivered or dead-lettered
-                    self.stats.handler_failures += 1
-                    await self._redeliver_or_dead_letter(one, single)
+            else:
+                await self._one_at_a_time(admitted)
             return
         self.stats.batches += 1
+
+    async def _one_at_a_time(self, admitted: list[tuple[Msg, Delivery]]) -> None:
+        """Only the event that fails on its own is held back, and with it everything after it; once it is
+        dead-lettered (max_deliver), the rest go on without it, as on every other path."""
+        for index, one in enumerate(admitted):
+            try:
+                await self._handle_through_outages([one])
+            except Exception as single:  # noqa: BLE001 - counted, redelivered or dead-lettered
+                self.stats.handler_failures += 1
+                if not await self._redeliver_or_dead_letter(one, single):
+                    await self._hold([msg for msg, _ in admitted[index + 1 :]], delay_of=one[0])
+                    return
+
+    async def _hold(self, messages: Sequence[Msg], *, delay_of: Msg | None = None) -> None:
+        if not messages:
+            return
+        delay = self._delay(delay_of or messages[0])
+        for msg in messages:
+            await msg.nak(delay=delay)
 
     async def _handle_through_outages(self, admitted: list[tuple[Msg, Delivery]]) -> None:
         """Hand the batch to the observer and ack it after its durable write. While the observer reports
@@ -225,12 +242,13 @@ class ConsumerRunner:
             self.stats.last_stream_seq = max(self.stats.last_stream_seq, delivery.stream_seq)
         self.stats.handled += len(admitted) - len(refused)
 
-    async def _redeliver_or_dead_letter(self, admitted: tuple[Msg, Delivery], error: Exception) -> None:
+    async def _redeliver_or_dead_letter(self, admitted: tuple[Msg, Delivery], error: Exception) -> bool:
+        """True when the event was dead-lettered (it is out of the way), False when it will come back."""
         msg, delivery = admitted
         if delivery.num_delivered >= self.max_deliver:
-            await self.dead_letter(msg, DeadLetterReason.max_deliver, f"{type(error).__name__}: {error}")
-        else:
-            await msg.nak(delay=self._delay(msg))
+            return await self.dead_letter(msg, DeadLetterReason.max_deliver, f"{type(error).__name__}: {error}")
+        await msg.nak(delay=self._delay(msg))
+        return False
 
     def _delay(self, msg: Msg) -> float:
         attempt = msg.metadata.num_delivered
@@ -240,7 +258,7 @@ class ConsumerRunner:
         """Validate one message. Raises Rejected (dead-letter it) or Unavailable (retry it)."""
         return await self.admission.admit_msg(msg)
 
-    async def dead_letter(self, msg: Msg, reason: DeadLetterReason, error: str) -> None:
+    async def dead_letter(self, msg: Msg, reason: DeadLetterReason, error: str) -> bool:
         """Keep the message in EPI_DLQ with the reason, then ack it. If the DLQ does not answer, the message
         is not acked and comes back: a dead letter is never dropped."""
         seq = msg.metadata.sequence.stream
@@ -261,7 +279,8 @@ class ConsumerRunner:
             failure = translate_publish_error(e, subject)
             log.error("dead-lettering stream seq %d failed (%s); it will be redelivered", seq, failure)
             await msg.nak(delay=self._delay(msg))
-            return
+            return False
         await msg.ack()
         self.stats.dead_lettered[reason.value] = self.stats.dead_lettered.get(reason.value, 0) + 1
         log.warning("dead-lettered stream seq %d on %s: %s: %s", seq, msg.subject, reason.value, error)
+        return True

@@ -18,10 +18,10 @@ from nats.aio.subscription import Subscription
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
 
 from bus.admission import Delivery, Refusal, first_of_each_id
-from bus.errors import ConfigError, Unavailable
+from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
 from bus.state import Tombstone
@@ -204,6 +204,10 @@ class Journal:
                     statement = insert.on_conflict_do_nothing(index_elements=["event_id"])
                     conn.execute(statement, [_row(d, datetime.now(UTC)) for d in fresh])
                     project_deliveries(conn, fresh)
+        except (DataError, IntegrityError) as e:
+            # The database refuses these rows, and would every time: not an outage to wait out. The runner
+            # isolates the event that causes it and dead-letters it after its deliveries.
+            raise InvalidEvent("event", f"{self.safe_url} refuses a row of this batch: {type(e).__name__}: {e}") from e
         except SQLAlchemyError as e:
             raise Unavailable("journal", f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
         return Written([str(d.event.event_id) for d in fresh], refused)

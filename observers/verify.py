@@ -87,18 +87,25 @@ async def _stream_deliveries(js: JetStreamContext, project: str | None) -> list[
     return kept
 
 
-def _journal_side(
-    journal: Journal, project: str | None
-) -> tuple[dict[str, str | None], dict[tuple[str, str], ArtifactState]]:
+@dataclass
+class JournalSide:
+    digests: dict[str, str | None]  # every row, the redacted audit rows of forgotten events included
+    forgotten: set[str]  # rows a forget redacted: the stream may have erased their messages, or not yet
+    states: dict[tuple[str, str], ArtifactState]
+
+
+def _journal_side(journal: Journal, project: str | None) -> JournalSide:
     with journal.engine.connect() as conn:
-        query = select(events.c.event_id, events.c.digest).where(events.c.status != FORGOTTEN)
+        query = select(events.c.event_id, events.c.digest, events.c.status)
         states_query = select(artifacts)
         if project is not None:
             query = query.where(events.c.project == project)
             states_query = states_query.where(artifacts.c.project == project)
-        digests = {row.event_id: row.digest for row in conn.execute(query)}
+        rows = conn.execute(query).all()
         states = {(r.project, r.artifact_id): row_to_state(r._mapping) for r in conn.execute(states_query)}
-    return digests, states
+    return JournalSide(
+        {r.event_id: r.digest for r in rows}, {r.event_id for r in rows if r.status == FORGOTTEN}, states
+    )
 
 
 async def verify(
@@ -115,23 +122,25 @@ async def verify(
     rewritten: the journal is append-only."""
     deliveries = await _stream_deliveries(js, project)
     in_stream = {str(d.event.event_id): d for d in deliveries}
-    journaled, states = await asyncio.to_thread(_journal_side, journal, project)
+    side = await asyncio.to_thread(_journal_side, journal, project)
     journal_report = StoreReport(
-        missing=sorted(set(in_stream) - set(journaled)),
-        extra=sorted(set(journaled) - set(in_stream)),
-        mismatched=sorted(e for e, d in journaled.items() if e in in_stream and d not in (None, in_stream[e].digest)),
+        missing=sorted(set(in_stream) - set(side.digests)),
+        extra=sorted(set(side.digests) - set(in_stream) - side.forgotten),
+        mismatched=sorted(
+            e for e, d in side.digests.items() if e in in_stream and d not in (None, in_stream[e].digest)
+        ),
     )
     mirror_report = None
     if mirror is not None:
-        mirror_report = await _mirror_side(mirror.store, states, in_stream, project)
+        mirror_report = await _mirror_side(mirror.store, side.states, in_stream, project)
     report = VerifyReport(len(deliveries), journal_report, mirror_report)
     if not repair or report.clean:
         return report
     if journal_report.missing:
         await asyncio.to_thread(journal.write, [in_stream[e] for e in journal_report.missing])
     if mirror is not None and mirror_report is not None:
-        _, states = await asyncio.to_thread(_journal_side, journal, project)
-        await _repair_mirror(mirror, states, mirror_report, in_stream)
+        side = await asyncio.to_thread(_journal_side, journal, project)
+        await _repair_mirror(mirror, side.states, mirror_report, in_stream)
     again = await verify(js, journal, mirror, project=project, repair=False)
     again.repaired = True
     return again

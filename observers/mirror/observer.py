@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.admission import Delivery, Refusal, conflict_refusal
-from bus.errors import IllegalTransition, Unavailable
+from bus.errors import IllegalTransition, NotFound
 from bus.ids import point_id
 from bus.state import ArtifactState, IdUse, decide, event_references, id_use
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
@@ -121,7 +121,7 @@ class MirrorObserver:
         name: str,
         journal: KeptEvents,
         node: str = "local",
-        journal_wait_s: float = 30.0,
+        journal_wait_s: float = 20.0,  # under the runner's ack wait (30 s), so a wait never causes a redelivery
     ) -> None:
         self.store = store
         self.embedder = embedder
@@ -174,7 +174,13 @@ class MirrorObserver:
             if not missing:
                 break
             if loop.time() > deadline:
-                raise Unavailable("journal", f"{len(missing)} events (first {missing[0]}) are not journaled yet")
+                # Not an outage (the journal answered): it lags far behind, or never kept the event (it
+                # dead-lettered it). The runner spends a delivery; after the last one, the mirror dead-letters it.
+                raise NotFound(
+                    "journaled event",
+                    missing[0],
+                    f"{len(missing)} events of the batch are not in the node's journal after {self.journal_wait_s:g}s",
+                )
             await asyncio.sleep(0.2)
         digests = {event_id: k.digest for event_id, k in kept.items()}
         admitted: list[Delivery] = []

@@ -16,17 +16,19 @@ and a message that stops a node. Each test fails on the code it was written agai
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import uuid
 from pathlib import Path
 
 import nats
+import nkeys
 import pytest
 from sqlalchemy import select
 
 from bus.client import connect
 from bus.errors import Unavailable
-from bus.event import Actor
+from bus.event import Actor, canonical_json
 from bus.ids import point_id
 from bus.jetstream import AgentRegistry, ensure_streams
 from bus.knowledge import load_project
@@ -285,11 +287,17 @@ async def test_a_registry_hiccup_must_not_make_the_journal_keep_a_later_event_un
 async def test_a_nul_character_in_a_claim_does_not_stop_a_postgresql_journal(
     nats_server: NatsServer, tmp_path: Path, project: str, postgres_url: str
 ) -> None:
-    """PostgreSQL text cannot hold NUL; the event model allows it. Journal.write turns the DataError into
-    Unavailable, the runner holds the batch as an outage (in_progress, never spending deliveries), and every
-    later event waits forever. It must be dead-lettered (or stored escaped) and the journal must go on."""
+    """PostgreSQL text cannot hold NUL. Such an event, validly signed by a raw client, used to reach
+    Journal.write, whose DataError was reported as Unavailable: the runner held the batch as an outage forever
+    and every later event waited. The event model refuses NUL now, so every path dead-letters it."""
     key = AgentKey.load_or_create(tmp_path / "alice", "alice")
-    poison = signed(key, "finding", finding(text="a NUL \x00 in the middle"), project)
+    template = signed(key, "finding", finding(text="a NUL in the middle"), project)
+    raw = template.model_dump(mode="json", exclude={"signature"})
+    raw["body"]["text"] = "a NUL \x00 in the middle"
+    seed = (tmp_path / "alice" / "keys" / "alice.nk").read_bytes().strip()
+    signature = base64.urlsafe_b64encode(nkeys.from_seed(seed).sign(canonical_json(raw))).rstrip(b"=").decode()
+    poison_bytes = canonical_json(raw | {"signature": signature})
+    poison = template
     after = signed(key, "finding", finding(text="an ordinary finding published after it"), project)
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
@@ -297,7 +305,7 @@ async def test_a_nul_character_in_a_claim_does_not_stop_a_postgresql_journal(
     journal.migrate()
     await ensure_streams(js)
     await AgentRegistry(js).bind(key.actor)
-    await publish_raw(js, poison)
+    await js.publish(event_subject(project, "finding", poison.artifact_id), poison_bytes)
     await publish_raw(js, after)
     runner = ConsumerRunner(
         nc, JournalObserver(journal, name=f"pg-{project}"), filter_subject=events_filter(project), batch_size=1
@@ -315,7 +323,8 @@ async def test_a_nul_character_in_a_claim_does_not_stop_a_postgresql_journal(
                 f"the journal is stuck: degraded={runner.stats.degraded} outage_retries={runner.stats.outage_retries}"
                 f" last_error={(runner.stats.last_error or '')[:160]!r}"
             )
-        assert event_subject(project, "finding", poison.artifact_id) in {s for _, s in await dlq_reasons(js)}
+        dead = await dlq_reasons(js)
+        assert ("invalid_event", event_subject(project, "finding", poison.artifact_id)) in dead
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

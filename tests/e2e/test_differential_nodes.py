@@ -1,0 +1,109 @@
+"""The differential test with whole nodes: a node that was live while a random history was published, a second
+node that catches up afterwards, and the first node's mirror after `reindex`, against the client's fold. Real
+embedding model, real edge mirrors, the node's own runners. Fewer examples than the in-process paths: each
+starts two nodes (EPIBUS_NODE_EXAMPLES to change it)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from bus.jetstream import AgentRegistry, ensure_streams
+from bus.knowledge import load_project
+from bus.server import NatsServer
+from bus.state import ArtifactState
+from epibus.node import Node, NodeConfig
+from observers.verify import verify
+from tests.e2e.test_differential import journal_events, journal_states, mirror_states
+from tests.e2e.test_one_truth import caught_up
+from tests.histories import Keys, Op, build, differences, fresh_project, histories, make_keys, publish
+
+EXAMPLES = int(os.environ.get("EPIBUS_NODE_EXAMPLES", "6"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, Keys]]:
+    server = NatsServer(tmp_path_factory.mktemp("nodes") / "nats")
+    server.start()
+    keys = make_keys()
+
+    async def register() -> None:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            for key in keys.agents.values():
+                await AgentRegistry(js).bind(key.actor)
+        finally:
+            await nc.close()
+
+    asyncio.run(register())
+    try:
+        yield server, keys
+    finally:
+        server.stop()
+
+
+def node_config(server: NatsServer, home: Path, agent: str) -> NodeConfig:
+    return NodeConfig(home=home, nats_url=server.url, agent=agent, journal_url=f"sqlite:///{home / 'journal.db'}")
+
+
+async def node_states(node: Node, project: str) -> tuple[dict[str, ArtifactState], dict[str, ArtifactState]]:
+    assert node.journal is not None
+    assert node.store is not None
+    return await journal_states(node.journal, project), await mirror_states(node.store, project)
+
+
+async def assert_clean(node: Node, project: str) -> None:
+    assert node.js is not None
+    assert node.journal is not None
+    report = await verify(node.js, node.journal, node.mirror, project=project)
+    assert report.clean, report.as_dict()
+
+
+async def run_nodes(server: NatsServer, keys: Keys, history: list[Op], workdir: Path) -> None:
+    project = fresh_project()
+    paths: dict[str, dict[str, ArtifactState]] = {}
+    nc = await nats.connect(server.url)
+    try:
+        js = nc.jetstream()
+        async with Node(node_config(server, workdir / "live", "live")) as live:
+            await caught_up(live)  # its consumers exist: what follows arrives live, in small batches
+            await publish(js, build(history, keys, project))
+            await caught_up(live)
+            paths["fold"] = dict((await load_project(js, project)).fold.artifacts)
+            paths["live journal"], paths["live mirror"] = await node_states(live, project)
+            await assert_clean(live, project)
+            async with Node(node_config(server, workdir / "second", "second")) as second:
+                await caught_up(second)
+                paths["caught-up journal"], paths["caught-up mirror"] = await node_states(second, project)
+                await assert_clean(second, project)
+                assert second.journal is not None
+                assert live.journal is not None
+                assert journal_events(second.journal, project) == journal_events(live.journal, project)
+            await live.reindex_mirror()
+            _, paths["reindexed mirror"] = await node_states(live, project)
+            await assert_clean(live, project)
+        assert differences(paths) == {}, history
+    finally:
+        await nc.close()
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # shrinking restarts two nodes per step: too slow
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(history=histories)
+def test_nodes_agree_after_live_catch_up_and_reindex(
+    cluster: tuple[NatsServer, Keys], tmp_path_factory: pytest.TempPathFactory, history: list[Op]
+) -> None:
+    server, keys = cluster
+    asyncio.run(run_nodes(server, keys, history, tmp_path_factory.mktemp("nodes-example")))
