@@ -7,20 +7,23 @@ paths report it. A registry that does not answer is `Unavailable`: retry later, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 
+import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
-from bus.errors import ConfigError, Conflict, InvalidEvent
+from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope, decode_event, event_digest
-from bus.jetstream import AgentRegistry
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.signing import verify_signature
-from bus.state import IdUse, id_use
-from bus.subjects import event_subject
+from bus.state import ErasedMap, ErasedRecord, IdUse, erased_record, event_references, id_use
+from bus.subjects import STREAM, event_subject, events_filter
 from bus.vocab import DeadLetterReason
 
 # How far ahead of the stream's clock a publisher's clock may run.
@@ -40,6 +43,8 @@ class Delivery:
     stream_seq: int
     num_delivered: int
     stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
+    # What later `forgotten` events recorded of the erased artifacts this batch refers to (ForgottenArtifacts).
+    erased: ErasedMap = field(default_factory=dict, compare=False)
 
     @cached_property
     def digest(self) -> str:
@@ -182,3 +187,64 @@ class Admission:
         metadata = msg.metadata
         event = await self.admit(msg.subject, msg.data, metadata.timestamp)
         return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
+
+
+class ForgottenArtifacts:
+    """What the stream's `forgotten` events recorded of the artifacts a batch refers to. A path that reads
+    the stream after a forget erased an artifact's messages asks this, so links to that artifact (contradicted
+    by it, superseding it) are decided as the live nodes decided them. Forgotten events are admitted like any
+    other message: a forged one records nothing."""
+
+    def __init__(self, js: JetStreamContext, admission: Admission) -> None:
+        self._js = js
+        self._admission = admission
+        self._records: dict[tuple[str, str], ErasedRecord] = {}
+
+    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """The deliveries, each carrying the batch's records of erased artifacts. Raises Unavailable."""
+        records = await self.for_batch(deliveries)
+        return [replace(d, erased=records) for d in deliveries] if records else list(deliveries)
+
+    async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], ErasedRecord]:
+        """Raises Unavailable if the stream did not answer."""
+        wanted: dict[str, set[str]] = {}
+        for delivery in deliveries:
+            wanted.setdefault(delivery.event.project, set()).update(event_references(delivery.event))
+        found: dict[tuple[str, str], ErasedRecord] = {}
+        for project, artifact_ids in wanted.items():
+            for artifact_id in sorted(artifact_ids & await self._forgotten_ids(project)):
+                record = await self._record(project, artifact_id)
+                if record is not None:
+                    found[(project, artifact_id)] = record
+        return found
+
+    async def _forgotten_ids(self, project: str) -> set[str]:
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                info = await self._js.stream_info(STREAM, subjects_filter=events_filter(project, "forgotten"))
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"forgotten artifacts of {project}: {type(e).__name__} {e}") from e
+        return {subject.rsplit(".", 1)[1] for subject in (info.state.subjects or {})}
+
+    async def _record(self, project: str, artifact_id: str) -> ErasedRecord | None:
+        key = (project, artifact_id)
+        if key in self._records:
+            return self._records[key]
+        subject = event_subject(project, "forgotten", artifact_id)
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                msg = await self._js.get_last_msg(STREAM, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"the forget of {artifact_id}: {type(e).__name__} {e}") from e
+        if msg.seq is None or msg.data is None or msg.time is None:
+            return None
+        try:
+            event = await self._admission.admit(subject, msg.data, msg.time)
+        except Rejected:
+            return None  # dead-lettered wherever it was read: it forgot nothing
+        record = erased_record(event, msg.seq)
+        if record is not None:
+            self._records[key] = record
+        return record

@@ -29,7 +29,7 @@ from pydantic import (
 from bus.errors import ConfigError, InvalidEvent
 from bus.ids import new_event_id
 from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
-from bus.vocab import EpistemicSource, EvidenceKind, ResolutionKind, Reversibility
+from bus.vocab import EpistemicSource, EvidenceKind, Lifecycle, ResolutionKind, Reversibility, Trust
 
 # An encoded, signed event may not exceed 64 KiB: large enough for a long post-mortem, small enough that a
 # flood of them cannot exhaust a node (nats-server's own max_payload is 1 MiB).
@@ -164,10 +164,32 @@ class RolledBackBody(Body):
     reason: Text
 
 
+class ErasedState(Model):
+    """What a forgotten artifact was from stream sequence `seq` on, without its content. A `forgotten` event
+    carries the artifact's states, so a path that reads the stream after the artifact's messages were erased
+    decides what other events did with it (contradicted by it, superseding it) exactly as live nodes did."""
+
+    seq: Annotated[int, Field(ge=1)]
+    kind: Annotated[str, StringConstraints(pattern=KIND_PATTERN.pattern)]
+    author: AgentId
+    created_event_id: uuid.UUID
+    created_at: AwareDatetime
+    impact: Unit | None = None
+    confidence: Unit | None = None
+    revises: ArtifactId | None = None
+    supersedes: ArtifactId | None = None
+    superseded_by: ArtifactId | None = None
+    contradicted_by: ArtifactId | None = None
+    trust: Trust
+    lifecycle: Lifecycle
+    resolution: ResolutionKind | None = None
+
+
 class ForgottenBody(Body):
     kind: ClassVar[str] = "forgotten"
     transition: ClassVar[bool] = True
     reason: Text
+    history: tuple[ErasedState, ...] = ()  # the artifact's states in stream order, content left out
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from bus.recall import (
     free_texts,
     recall_request,
 )
+from bus.state import erased_history
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
 
 
@@ -71,8 +72,11 @@ class FleetRequests:
         messages = list(view.messages.get(artifact_id, []))
         embedded = [view.fold.artifacts[artifact_id].content]
         texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
+        # The artifact's states without its content: paths that read the stream after the erase below decide
+        # what other events did with it (contradicted by it, superseding it) as the live nodes did.
+        history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))]
         receipt = await self.transition(
-            "forgotten", {"reason": reason}, project=project, artifact_id=artifact_id, view=view
+            "forgotten", {"reason": reason, "history": history}, project=project, artifact_id=artifact_id, view=view
         )
         for seq, _ in messages:
             try:

@@ -13,13 +13,20 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.admission import Admission, Rejected
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
 from bus.errors import InvalidEvent, Unavailable
 from bus.event import Envelope
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.reader import read_stream
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Fold, Tombstone, claim_flags
-from bus.subjects import STREAM, TOMBSTONES_BUCKET, artifact_filter, events_filter, parse_event_subject
+from bus.subjects import (
+    STREAM,
+    TOMBSTONES_BUCKET,
+    EventAddress,
+    artifact_filter,
+    events_filter,
+    parse_event_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +53,28 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
     view and the journal's projection agree. Raises Unavailable."""
     admission = Admission(registry or AgentRegistry(js))
     view = ProjectView(project)
+    read: list[tuple[int, EventAddress | None, Delivery | None]] = []
     async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
         for msg in messages:
             seq = msg.metadata.sequence.stream
-            address = parse_event_subject(msg.subject)
-            if address is not None:
-                view.subject_seq[address.artifact_id] = seq
             try:
-                event = await admission.admit(msg.subject, msg.data, msg.metadata.timestamp)
+                delivery: Delivery | None = await admission.admit_msg(msg)
             except Rejected:
-                view.invalid += 1  # the live consumer dead-letters it; it changes no state here either
-                if address is not None:
-                    view.messages.setdefault(address.artifact_id, []).append((seq, None))
-                continue
-            view.messages.setdefault(event.artifact_id, []).append((seq, str(event.event_id)))
-            view.fold.apply(event, seq)
+                delivery = None  # the live consumer dead-letters it; it changes no state here either
+            read.append((seq, parse_event_subject(msg.subject), delivery))
+    admitted = await ForgottenArtifacts(js, admission).attach([d for _, _, d in read if d is not None])
+    erased = admitted[0].erased if admitted else {}
+    for seq, address, delivery in read:
+        if address is not None:
+            view.subject_seq[address.artifact_id] = seq
+        if delivery is None:
+            view.invalid += 1
+            if address is not None:
+                view.messages.setdefault(address.artifact_id, []).append((seq, None))
+            continue
+        event = delivery.event
+        view.messages.setdefault(event.artifact_id, []).append((seq, str(event.event_id)))
+        view.fold.apply(event, seq, erased)
     return view
 
 

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
-from bus.admission import Admission, Delivery, Rejected
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
 from bus.errors import Unavailable
 from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
 from bus.runner import Observer
@@ -221,6 +221,7 @@ async def replay(
     Messages the live runner would dead-letter are reported, not written: the same admission decides."""
     report = ReplayReport()
     admission = admission or Admission(AgentRegistry(js))
+    forgotten = ForgottenArtifacts(js, admission)
     end = await last_sequence(js, STREAM)
     async for messages in read_stream(js, STREAM, start_seq=start_seq, batch_size=batch_size):
         deliveries: list[Delivery] = []
@@ -230,6 +231,7 @@ async def replay(
             except Rejected as rejection:
                 report.rejected.append((msg.metadata.sequence.stream, rejection.reason.value, rejection.error))
         if deliveries:
+            deliveries = await forgotten.attach(deliveries)
             for refusal in await observer.handle(deliveries) or ():
                 report.rejected.append((refusal.stream_seq, refusal.reason.value, refusal.error))
         report.read += len(messages)

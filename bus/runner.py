@@ -16,7 +16,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.admission import Admission, Delivery, Refusal, Rejected
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected
 from bus.errors import Unavailable
 from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
@@ -98,6 +98,7 @@ class ConsumerRunner:
         self.ack_wait_s = ack_wait_s
         self.redelivery_delays_s = tuple(redelivery_delays_s)
         self.admission = Admission(registry or AgentRegistry(self.js))
+        self.forgotten = ForgottenArtifacts(self.js, self.admission)
         self.start_seq = start_seq  # a new durable starts here (a rebuilt mirror already holds what is before)
         self.stats = RunnerStats()
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
@@ -181,6 +182,13 @@ class ConsumerRunner:
                 break
         if not admitted:
             return
+        try:
+            deliveries = await self.forgotten.attach([delivery for _, delivery in admitted])
+        except Unavailable as e:  # the stream did not say what was forgotten: the batch waits
+            self.stats.last_error = str(e)
+            await self._hold([msg for msg, _ in admitted])
+            return
+        admitted = [(msg, delivery) for (msg, _), delivery in zip(admitted, deliveries, strict=True)]
         try:
             await self._handle_through_outages(admitted)
         except Exception as e:  # noqa: BLE001 - not an outage: find the poison event, redeliver the rest

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -18,6 +19,7 @@ from bus.errors import IllegalTransition
 from bus.event import (
     ContradictedBody,
     Envelope,
+    ErasedState,
     FindingBody,
     ForgottenBody,
     ResolvedBody,
@@ -112,6 +114,9 @@ class ArtifactState:
     flags: frozenset[str] = frozenset()
     last_seq: int = 0
     updated_at: datetime | None = None
+    # Rebuilt from a `forgotten` event's history (the content was erased): rules may read it, stores never
+    # write it.
+    erased: bool = False
 
     @property
     def state_label(self) -> str:
@@ -164,6 +169,97 @@ class Change:
 
 
 Lookup = Callable[[str], ArtifactState | None]
+
+
+@dataclass(frozen=True)
+class ErasedRecord:
+    """A forgotten artifact as its `forgotten` event left it: where the forget is in the stream, and the
+    artifact's states before it."""
+
+    forget_seq: int
+    history: tuple[ErasedState, ...]
+
+
+# (project, artifact_id) -> the artifact's forget, for artifacts the stream has a `forgotten` event for.
+ErasedMap = Mapping[tuple[str, str], ErasedRecord]
+
+
+def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
+    """The record a `forgotten` event keeps of its artifact (None for any other event)."""
+    if not isinstance(event.body, ForgottenBody):
+        return None
+    return ErasedRecord(stream_seq, event.body.history)
+
+
+def erased_state_at(record: ErasedRecord, project: str, artifact_id: str, seq: int) -> ArtifactState | None:
+    """The state a forgotten artifact had just before stream sequence `seq`, without its content; None at or
+    after its forget, or before it existed."""
+    if seq >= record.forget_seq:
+        return None
+    before = [h for h in record.history if h.seq < seq]
+    if not before:
+        return None
+    h = before[-1]
+    return ArtifactState(
+        project=project,
+        artifact_id=artifact_id,
+        kind=h.kind,
+        author=h.author,
+        created_event_id=str(h.created_event_id),
+        created_at=h.created_at,
+        content="",
+        content_hash="",
+        impact=h.impact,
+        confidence=h.confidence,
+        source=None,
+        revises=h.revises,
+        supersedes=h.supersedes,
+        superseded_by=h.superseded_by,
+        contradicted_by=h.contradicted_by,
+        trust=h.trust,
+        lifecycle=h.lifecycle,
+        resolution=h.resolution,
+        last_seq=h.seq,
+        erased=True,
+    )
+
+
+def with_erased(lookup: Lookup, erased: ErasedMap, project: str, seq: int) -> Lookup:
+    """`lookup`, falling back on what a later `forgotten` event recorded of an artifact whose messages were
+    erased: every path that reads the stream after a forget decides as the live nodes did before it."""
+
+    def get(artifact_id: str) -> ArtifactState | None:
+        found = lookup(artifact_id)
+        if found is not None or not erased:
+            return found
+        record = erased.get((project, artifact_id))
+        return erased_state_at(record, project, artifact_id, seq) if record is not None else None
+
+    return get
+
+
+def erased_history(states: Sequence[ArtifactState]) -> tuple[ErasedState, ...]:
+    """What a `forgotten` event keeps of an artifact: each of its states in stream order, content left out."""
+    return tuple(
+        ErasedState(
+            seq=s.last_seq,
+            kind=s.kind,
+            author=s.author,
+            created_event_id=uuid.UUID(s.created_event_id),
+            created_at=s.created_at,
+            impact=s.impact,
+            confidence=s.confidence,
+            revises=s.revises,
+            supersedes=s.supersedes,
+            superseded_by=s.superseded_by,
+            contradicted_by=s.contradicted_by,
+            trust=s.trust,
+            lifecycle=s.lifecycle,
+            resolution=s.resolution,
+        )
+        for s in states
+        if not s.erased
+    )
 
 
 def event_references(event: Envelope) -> set[str]:
@@ -368,9 +464,10 @@ class Fold:
     flags: dict[str, frozenset[str]] = field(default_factory=dict)
     digests: dict[str, str | None] = field(default_factory=dict)  # the event kept under each id
     refused: dict[str, str] = field(default_factory=dict)  # event ids reused with other content
+    history: dict[str, list[ArtifactState]] = field(default_factory=dict)  # each artifact's states in order
     last_seq: int = 0
 
-    def apply(self, event: Envelope, stream_seq: int) -> Change | None:
+    def apply(self, event: Envelope, stream_seq: int, erased: ErasedMap | None = None) -> Change | None:
         event_id, digest = str(event.event_id), event_digest(event)
         use = id_use(self.digests, event_id, digest)
         if use is not IdUse.new:
@@ -378,8 +475,9 @@ class Fold:
                 self.refused[event_id] = digest
             return None
         self.digests[event_id] = digest
+        lookup = with_erased(self.artifacts.get, erased or {}, event.project, stream_seq)
         try:
-            change = decide(event, stream_seq, self.artifacts.get, self.tombstones.__contains__)
+            change = decide(event, stream_seq, lookup, self.tombstones.__contains__)
         except IllegalTransition as e:
             self.rejected[event_id] = str(e)
             return None
@@ -389,10 +487,13 @@ class Fold:
 
     def absorb(self, change: Change) -> None:
         for state in change.artifacts:
+            if state.erased:
+                continue  # its forget's history already holds this state
             if state.forgotten:  # a privacy delete: the artifact leaves the state, as it leaves every store
                 self.artifacts.pop(state.artifact_id, None)
                 continue
             self.artifacts[state.artifact_id] = state
+            self.history.setdefault(state.artifact_id, []).append(state)
         if change.verification is not None:
             self.verifications.append(change.verification)
         if change.tombstone is not None:
@@ -401,10 +502,10 @@ class Fold:
             self.flags[change.event_id] = change.flags
 
     @classmethod
-    def of(cls, events: Iterable[tuple[Envelope, int]]) -> Fold:
+    def of(cls, events: Iterable[tuple[Envelope, int]], erased: ErasedMap | None = None) -> Fold:
         fold = cls()
         for event, seq in events:
-            fold.apply(event, seq)
+            fold.apply(event, seq, erased)
         return fold
 
 

@@ -18,7 +18,16 @@ from sqlalchemy.engine import Connection
 from bus.admission import Delivery
 from bus.errors import IllegalTransition
 from bus.event import Envelope, validate_event
-from bus.state import ArtifactState, Change, decide, event_references
+from bus.state import (
+    ArtifactState,
+    Change,
+    ErasedMap,
+    ErasedRecord,
+    decide,
+    erased_record,
+    event_references,
+    with_erased,
+)
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import artifacts, as_utc, events, projection_cursor, tombstones, verifications
 
@@ -123,6 +132,8 @@ class BatchState:
 
     def absorb(self, project: str, change: Change) -> None:
         for state in change.artifacts:
+            if state.erased:
+                continue  # a forgotten artifact's state: its forget's history holds it, no row does
             key = (state.project, state.artifact_id)
             self.states[key] = state
             self.dirty.add(key)
@@ -210,8 +221,9 @@ def _set_cursor(conn: Connection, seq: int) -> None:
     conn.execute(projection_cursor.insert().values(name=CURSOR, last_seq=seq))
 
 
-def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dict[str, str]:
-    """Apply events in stream order; returns {event_id: reason} for those rejected."""
+def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]], erased: ErasedMap) -> dict[str, str]:
+    """Apply events in stream order; returns {event_id: reason} for those rejected. `erased` holds what later
+    forgets recorded of artifacts whose messages the stream no longer has."""
     ordered = sorted(batch, key=lambda pair: pair[1])
     if not ordered:
         return {}
@@ -219,8 +231,9 @@ def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]]) -> dic
     rejected: dict[str, str] = {}
     outcomes = []
     for event, seq in ordered:
+        lookup = with_erased(state.lookup(event.project), erased, event.project, seq)
         try:
-            change = decide(event, seq, state.lookup(event.project), state.tombstoned[event.project].__contains__)
+            change = decide(event, seq, lookup, state.tombstoned[event.project].__contains__)
         except IllegalTransition as e:
             rejected[str(event.event_id)] = str(e)
             outcomes.append({"b_id": str(event.event_id), "b_status": "rejected", "b_reason": str(e), "b_flags": None})
@@ -249,6 +262,9 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
     events), the whole projection is rebuilt from the journal so the state is the stream-order fold."""
     if not deliveries:
         return {}
+    erased: dict[tuple[str, str], ErasedRecord] = {}
+    for delivery in deliveries:
+        erased.update(delivery.erased)
     behind = min(d.stream_seq for d in deliveries) < cursor(conn)
     if behind:
         log.warning("an event arrived behind the projection cursor; rebuilding the projection in stream order")
@@ -259,7 +275,7 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
             )
         )
         return {row.event_id: row.reason for row in found}
-    return apply_events(conn, [(d.event, d.stream_seq) for d in deliveries])
+    return apply_events(conn, [(d.event, d.stream_seq) for d in deliveries], erased)
 
 
 def rebuild(conn: Connection) -> int:
@@ -267,6 +283,7 @@ def rebuild(conn: Connection) -> int:
     for table in (artifacts, verifications, tombstones, projection_cursor):
         conn.execute(delete(table))
     conn.execute(update(events).where(events.c.status != FORGOTTEN).values(status="applied", reason=None, flags=None))
+    erased = forgets_in_journal(conn)
     applied, after = 0, 0
     while True:
         rows = conn.execute(
@@ -278,7 +295,26 @@ def rebuild(conn: Connection) -> int:
         if not rows:
             return applied
         apply_events(
-            conn, [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows if r.status != FORGOTTEN]
+            conn,
+            [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows if r.status != FORGOTTEN],
+            erased,
         )
         applied += len(rows)
         after = rows[-1].stream_seq
+
+
+def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], ErasedRecord]:
+    """What the journal's own `forgotten` events recorded: a rebuild re-applies the links other events had to
+    artifacts whose rows are redacted, as they were applied the first time."""
+    found: dict[tuple[str, str], ErasedRecord] = {}
+    rows = conn.execute(
+        select(events.c.envelope, events.c.stream_seq)
+        .where(events.c.kind == "forgotten", events.c.status != FORGOTTEN)
+        .order_by(events.c.stream_seq)
+    )
+    for row in rows:
+        event = validate_event(json.loads(row.envelope))
+        record = erased_record(event, row.stream_seq)
+        if record is not None:
+            found[(event.project, event.artifact_id)] = record
+    return found

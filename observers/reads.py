@@ -24,7 +24,7 @@ from bus.state import (
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
-from observers.projection import FORGOTTEN, row_to_state
+from observers.projection import FORGOTTEN, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import as_utc, events, verifications
 
@@ -105,7 +105,8 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
             )
             .order_by(events.c.stream_seq)
         )
-        fold = Fold.of((validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows)
+        erased = forgets_in_journal(conn)
+        fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased)
     return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.admission import Admission, Delivery, Rejected, first_of_each_id
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected, first_of_each_id
 from bus.ids import point_id
 from bus.jetstream import AgentRegistry
 from bus.reader import read_stream
@@ -84,7 +84,7 @@ async def _stream_deliveries(js: JetStreamContext, project: str | None) -> list[
             except Rejected:
                 continue  # dead-lettered by the live consumers, never journaled
     kept, _conflicts = first_of_each_id(found, {})
-    return kept
+    return await ForgottenArtifacts(js, admission).attach(kept)
 
 
 @dataclass

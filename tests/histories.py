@@ -10,19 +10,21 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import nats.js.errors
 import nkeys
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
 from bus.event import Envelope, draft_event, encode_event
+from bus.knowledge import load_project
 from bus.signing import AgentKey
-from bus.state import ArtifactState
-from bus.subjects import event_subject
+from bus.state import ArtifactState, erased_history
+from bus.subjects import STREAM, event_subject
 from bus.vocab import ResolutionKind
 
 AGENTS = ("alice", "bob", "carol")
@@ -63,6 +65,7 @@ class Message:
     subject: str
     data: bytes
     deduplicate: bool  # sent with Nats-Msg-Id (as epibus clients do); hostile resends are sent without it
+    forget: tuple[AgentKey, str] | None = None  # made when published, as the client's forget does
 
 
 @dataclass
@@ -141,7 +144,9 @@ class _Builder:
         self.send(self.event(AGENTS[agent_i], "resolved", body, artifact_id=self.target(target_i)))
 
     def _forget(self, agent_i: int, target_i: int) -> None:
-        self.send(self.event(AGENTS[agent_i], "forgotten", {"reason": "privacy"}, artifact_id=self.target(target_i)))
+        target = self.target(target_i)
+        subject = event_subject(self.project, "forgotten", target)
+        self.messages.append(Message(subject, b"", True, forget=(self.keys.agents[AGENTS[agent_i]], target)))
 
     def _claim_on_existing_id(self, agent_i: int, target_i: int) -> None:
         body = _claim_body("finding", "a claim on an id in use", "none", None)
@@ -176,8 +181,9 @@ class _Builder:
         self.send(event, deduplicate=False)  # a raw client: JetStream deduplicates only inside its window
 
     def _resend(self, earlier_i: int) -> None:
-        if self.messages:
-            earlier = self.messages[earlier_i % len(self.messages)]
+        sent = [m for m in self.messages if m.forget is None]
+        if sent:
+            earlier = sent[earlier_i % len(sent)]
             self.messages.append(Message(earlier.subject, earlier.data, False))
 
 
@@ -188,15 +194,44 @@ def build(history: Iterable[Op], keys: Keys, project: str) -> list[Message]:
     return builder.messages
 
 
-async def publish(js: JetStreamContext, messages: Sequence[Message]) -> tuple[int, int]:
-    """Publish in order; returns the first and last stream sequence used (JetStream may drop duplicates)."""
+async def publish(
+    js: JetStreamContext,
+    messages: Sequence[Message],
+    *,
+    before_forget: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[int, int]:
+    """Publish in order; returns the first and last stream sequence used (JetStream may drop duplicates).
+    A forget is done as the client does it: the artifact's history from the fold, the `forgotten` event, then
+    every message on the artifact's subjects erased. `before_forget` runs first (e.g. let live nodes catch up)."""
     seqs: list[int] = []
     for message in messages:
+        if message.forget is not None:
+            if before_forget is not None:
+                await before_forget()
+            seqs.append(await forget(js, *message.forget, project=message.subject.split(".")[1]))
+            continue
         headers = {"Nats-Msg-Id": json.loads(message.data)["event_id"]} if message.deduplicate else None
         ack = await js.publish(message.subject, message.data, headers=headers)
         if not ack.duplicate:
             seqs.append(ack.seq)
     return (min(seqs), max(seqs)) if seqs else (0, 0)
+
+
+async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, project: str) -> int:
+    view = await load_project(js, project)
+    history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))]
+    body = {"reason": "privacy", "history": history}
+    event = key.sign(
+        draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)
+    )
+    ack = await js.publish(event_subject(project, "forgotten", artifact_id), encode_event(event))
+    if artifact_id in view.fold.artifacts:  # the client forgets only what exists, and erases all of it
+        for seq, _ in view.messages.get(artifact_id, []):
+            try:
+                await js.delete_msg(STREAM, seq)
+            except nats.js.errors.NotFoundError:
+                continue
+    return int(ack.seq)
 
 
 StateKey = tuple[str | None, ...]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from bus.admission import Delivery, Refusal, conflict_refusal
 from bus.errors import IllegalTransition, NotFound
 from bus.ids import point_id
-from bus.state import ArtifactState, IdUse, decide, event_references, id_use
+from bus.state import ArtifactState, IdUse, decide, event_references, id_use, with_erased
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
@@ -142,13 +142,18 @@ class MirrorObserver:
         forgotten: set[tuple[str, str]] = set()
         for delivery in admitted:
             event = delivery.event
+            lookup = with_erased(
+                partial(_state_of, states, event.project), delivery.erased, event.project, delivery.stream_seq
+            )
             try:
-                change = decide(event, delivery.stream_seq, partial(_state_of, states, event.project), _no_tombstones)
+                change = decide(event, delivery.stream_seq, lookup, _no_tombstones)
             except IllegalTransition:
                 self.illegal += 1  # the journal records why; the mirror mirrors only what the state allows
                 continue
             for state in change.artifacts:
                 key = (state.project, state.artifact_id)
+                if state.erased:
+                    continue  # a forgotten artifact's state: its forget's history holds it, no point does
                 if state.forgotten:  # gone, as in the journal: a later claim may use the id again
                     states[key] = None
                     changed.pop(key, None)

@@ -95,6 +95,7 @@ async def run_nodes(server: NatsServer, keys: Keys, history: list[Op], workdir: 
         await nc.close()
 
 
+@pytest.mark.timeout(1200)
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
