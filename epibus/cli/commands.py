@@ -13,10 +13,10 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from bus.errors import ConfigError, InvalidEvent, NotFound, Unavailable
-from bus.event import decode_event
+from bus.admission import Admission, Rejected
+from bus.errors import ConfigError, NotFound, Unavailable
 from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url
-from bus.jetstream import NATS_OR_API_ERROR
+from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
 from bus.outbox import Outbox
 from bus.reader import replay, stream_figures
 from bus.server import MIN_SERVER_VERSION
@@ -148,19 +148,20 @@ def tail(
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Follow events live as they reach the stream (invalid messages are shown, marked)."""
+    """Follow events live as they reach the stream (messages the nodes refuse are shown, marked, with the reason)."""
     run(_tail(project, kind, from_start, count, Target(nats, home, agent), as_json))
 
 
-def _tail_line(msg: Msg, as_json: bool) -> None:
+async def _tail_line(msg: Msg, admission: Admission, as_json: bool) -> None:
+    """One line per message; what the nodes' admission refuses is shown with its reason, never as an event."""
     seq = msg.metadata.sequence.stream
     try:
-        event = decode_event(msg.data)
-    except InvalidEvent as e:
+        event = await admission.admit(msg.subject, msg.data, msg.metadata.timestamp)
+    except Rejected as e:
         if as_json:
-            emit_json({"stream_seq": seq, "subject": msg.subject, "invalid": str(e)})
+            emit_json({"stream_seq": seq, "subject": msg.subject, "rejected": e.reason.value, "error": e.error})
         else:
-            console.print(f"{seq:>7} [red]INVALID[/] {msg.subject}: {e}", highlight=False)
+            console.print(f"{seq:>7} [red]REJECTED {e.reason.value}[/] {msg.subject}: {e.error}", highlight=False)
         return
     if as_json:
         emit_json({"stream_seq": seq, "subject": msg.subject, **event.model_dump(mode="json")})
@@ -193,8 +194,9 @@ async def _tail(
         if not as_json:
             err_console.print(f"following {events_filter(project, kind)} (Ctrl-C stops)")
         seen = 0
+        admission = Admission(AgentRegistry(nc.jetstream()))
         async for msg in subscription.messages:
-            _tail_line(msg, as_json)
+            await _tail_line(msg, admission, as_json)
             seen += 1
             if count is not None and seen >= count:
                 break
