@@ -22,7 +22,7 @@ from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope, decode_event, event_digest
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.signing import verify_signature
-from bus.state import ErasedMap, ErasedRecord, IdUse, erased_record, event_references, id_use
+from bus.state import ErasedMap, ErasedRecord, IdUse, erased_record, id_use
 from bus.subjects import STREAM, event_subject, events_filter
 from bus.vocab import DeadLetterReason
 
@@ -49,6 +49,14 @@ class Delivery:
     @cached_property
     def digest(self) -> str:
         return event_digest(self.event)
+
+
+def batch_erased(deliveries: Sequence[Delivery]) -> dict[tuple[str, str], ErasedRecord]:
+    """The records of erased artifacts the deliveries of one batch carry."""
+    erased: dict[tuple[str, str], ErasedRecord] = {}
+    for delivery in deliveries:
+        erased.update(delivery.erased)
+    return erased
 
 
 class Rejected(Exception):
@@ -207,12 +215,11 @@ class ForgottenArtifacts:
 
     async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], ErasedRecord]:
         """Raises Unavailable if the stream did not answer."""
-        wanted: dict[str, set[str]] = {}
-        for delivery in deliveries:
-            wanted.setdefault(delivery.event.project, set()).update(event_references(delivery.event))
         found: dict[tuple[str, str], ErasedRecord] = {}
-        for project, artifact_ids in wanted.items():
-            for artifact_id in sorted(artifact_ids & await self._forgotten_ids(project)):
+        for project in sorted({d.event.project for d in deliveries}):
+            # Every forget of the project, not only those the batch links to: an erased event's id stays
+            # taken whatever artifact a later message under it names.
+            for artifact_id in sorted(await self._forgotten_ids(project)):
                 record = await self._record(project, artifact_id)
                 if record is not None:
                     found[(project, artifact_id)] = record

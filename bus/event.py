@@ -185,11 +185,19 @@ class ErasedState(Model):
     resolution: ResolutionKind | None = None
 
 
+class ErasedEvent(Model):
+    """An event the forget erases from the stream, by id and digest: its id stays taken on every path."""
+
+    event_id: uuid.UUID
+    digest: Sha256
+
+
 class ForgottenBody(Body):
     kind: ClassVar[str] = "forgotten"
     transition: ClassVar[bool] = True
     reason: Text
     history: tuple[ErasedState, ...] = ()  # the artifact's states in stream order, content left out
+    events: tuple[ErasedEvent, ...] = ()  # the artifact's events the forget erases
 
 
 @dataclass(frozen=True)

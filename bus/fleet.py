@@ -31,7 +31,7 @@ from bus.recall import (
     free_texts,
     recall_request,
 )
-from bus.state import erased_history
+from bus.state import erased_events, erased_history
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
 
 
@@ -74,10 +74,12 @@ class FleetRequests:
         texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
         # The artifact's states without its content: paths that read the stream after the erase below decide
         # what other events did with it (contradicted by it, superseding it) as the live nodes did.
-        history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))]
-        receipt = await self.transition(
-            "forgotten", {"reason": reason, "history": history}, project=project, artifact_id=artifact_id, view=view
-        )
+        body = {
+            "reason": reason,
+            "history": [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))],
+            "events": [e.model_dump(mode="json") for e in erased_events(view.fold, messages)],
+        }
+        receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
         for seq, _ in messages:
             try:
                 async with asyncio.timeout(self.publish_timeout_s):

@@ -19,6 +19,7 @@ from bus.errors import IllegalTransition
 from bus.event import (
     ContradictedBody,
     Envelope,
+    ErasedEvent,
     ErasedState,
     FindingBody,
     ForgottenBody,
@@ -178,6 +179,7 @@ class ErasedRecord:
 
     forget_seq: int
     history: tuple[ErasedState, ...]
+    digests: Mapping[str, str] = field(default_factory=dict)  # event id -> digest of each erased event
 
 
 # (project, artifact_id) -> the artifact's forget, for artifacts the stream has a `forgotten` event for.
@@ -188,7 +190,16 @@ def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
     """The record a `forgotten` event keeps of its artifact (None for any other event)."""
     if not isinstance(event.body, ForgottenBody):
         return None
-    return ErasedRecord(stream_seq, event.body.history)
+    digests = {str(e.event_id): e.digest for e in event.body.events}
+    return ErasedRecord(stream_seq, event.body.history, digests)
+
+
+def erased_digests(erased: ErasedMap) -> dict[str, str]:
+    """Every event id the stream's forgets erased, with its digest: taken for good, on every path."""
+    found: dict[str, str] = {}
+    for record in erased.values():
+        found.update(record.digests)
+    return found
 
 
 def erased_state_at(record: ErasedRecord, project: str, artifact_id: str, seq: int) -> ArtifactState | None:
@@ -236,6 +247,15 @@ def with_erased(lookup: Lookup, erased: ErasedMap, project: str, seq: int) -> Lo
         return erased_state_at(record, project, artifact_id, seq) if record is not None else None
 
     return get
+
+
+def erased_events(fold: Fold, messages: Iterable[tuple[int, str | None]]) -> tuple[ErasedEvent, ...]:
+    """What a `forgotten` event keeps of the events it erases: their ids and digests."""
+    return tuple(
+        ErasedEvent(event_id=uuid.UUID(event_id), digest=digest)
+        for _, event_id in messages
+        if event_id is not None and (digest := fold.digests.get(event_id)) is not None
+    )
 
 
 def erased_history(states: Sequence[ArtifactState]) -> tuple[ErasedState, ...]:
@@ -469,7 +489,8 @@ class Fold:
 
     def apply(self, event: Envelope, stream_seq: int, erased: ErasedMap | None = None) -> Change | None:
         event_id, digest = str(event.event_id), event_digest(event)
-        use = id_use(self.digests, event_id, digest)
+        taken = erased_digests(erased) if erased else {}
+        use = id_use(self.digests if event_id not in taken else {**taken, **self.digests}, event_id, digest)
         if use is not IdUse.new:
             if use is IdUse.conflict:
                 self.refused[event_id] = digest

@@ -20,11 +20,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
 
-from bus.admission import Delivery, Refusal, first_of_each_id
+from bus.admission import Delivery, Refusal, batch_erased, first_of_each_id
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
-from bus.state import Tombstone
+from bus.state import Tombstone, erased_digests
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
 from observers.schema import artifacts, as_utc, events, journal_identity, migrate, tombstones
@@ -197,7 +197,9 @@ class Journal:
                     # Writers sharing a database take turns, or one could decide from states another has
                     # not committed yet (SQLite serialises writers by itself at the first INSERT).
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PROJECTION_LOCK_ID})
-                kept = {event_id: k.digest for event_id, k in _kept(conn, ids).items()}
+                kept: dict[str, str | None] = {event_id: k.digest for event_id, k in _kept(conn, ids).items()}
+                for event_id, digest in erased_digests(batch_erased(deliveries)).items():
+                    kept.setdefault(event_id, digest)  # erased from the stream by a forget: the id stays taken
                 fresh, refused = first_of_each_id(deliveries, kept)
                 if fresh:
                     insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)

@@ -15,7 +15,7 @@ from sqlalchemy import and_, bindparam, delete, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from bus.admission import Delivery
+from bus.admission import Delivery, batch_erased
 from bus.errors import IllegalTransition
 from bus.event import Envelope, validate_event
 from bus.state import (
@@ -262,9 +262,7 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
     events), the whole projection is rebuilt from the journal so the state is the stream-order fold."""
     if not deliveries:
         return {}
-    erased: dict[tuple[str, str], ErasedRecord] = {}
-    for delivery in deliveries:
-        erased.update(delivery.erased)
+    erased = batch_erased(deliveries)
     behind = min(d.stream_seq for d in deliveries) < cursor(conn)
     if behind:
         log.warning("an event arrived behind the projection cursor; rebuilding the projection in stream order")

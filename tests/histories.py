@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from bus.event import Envelope, draft_event, encode_event
 from bus.knowledge import load_project
 from bus.signing import AgentKey
-from bus.state import ArtifactState, erased_history
+from bus.state import ArtifactState, erased_events, erased_history
 from bus.subjects import STREAM, event_subject
 from bus.vocab import ResolutionKind
 
@@ -220,7 +220,8 @@ async def publish(
 async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, project: str) -> int:
     view = await load_project(js, project)
     history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))]
-    body = {"reason": "privacy", "history": history}
+    erased = erased_events(view.fold, view.messages.get(artifact_id, [])) if artifact_id in view.fold.artifacts else ()
+    body = {"reason": "privacy", "history": history, "events": [e.model_dump(mode="json") for e in erased]}
     event = key.sign(
         draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)
     )

@@ -13,10 +13,10 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.admission import Delivery, Refusal, conflict_refusal
+from bus.admission import Delivery, Refusal, batch_erased, conflict_refusal
 from bus.errors import IllegalTransition, NotFound
 from bus.ids import point_id
-from bus.state import ArtifactState, IdUse, decide, event_references, id_use, with_erased
+from bus.state import ArtifactState, IdUse, decide, erased_digests, event_references, id_use, with_erased
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
@@ -170,7 +170,8 @@ class MirrorObserver:
     async def _kept_by_journal(self, ordered: list[Delivery]) -> tuple[list[Delivery], list[Refusal]]:
         """The deliveries to apply (the events the journal keeps, at the sequence it kept them) and refusals
         for events that reuse a kept id with other content. Waits a while for a journal that lags behind."""
-        ids = sorted({str(d.event.event_id) for d in ordered})
+        erased = erased_digests(batch_erased(ordered))
+        ids = sorted({str(d.event.event_id) for d in ordered} - set(erased))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.journal_wait_s
         while True:
@@ -187,15 +188,16 @@ class MirrorObserver:
                     f"{len(missing)} events of the batch are not in the node's journal after {self.journal_wait_s:g}s",
                 )
             await asyncio.sleep(0.2)
-        digests = {event_id: k.digest for event_id, k in kept.items()}
+        digests: dict[str, str | None] = {event_id: k.digest for event_id, k in kept.items()}
+        digests.update(erased)  # ids a forget erased stay taken; the journal skipped those events too
         admitted: list[Delivery] = []
         refused: list[Refusal] = []
         for delivery in ordered:
             event_id = str(delivery.event.event_id)
             if id_use(digests, event_id, delivery.digest) is IdUse.conflict:
                 refused.append(conflict_refusal(delivery, digests[event_id] or ""))
-            elif delivery.stream_seq == kept[event_id].stream_seq:
-                admitted.append(delivery)  # else: a repeat of the kept event, sent again later
+            elif event_id in kept and delivery.stream_seq == kept[event_id].stream_seq:
+                admitted.append(delivery)  # else: a repeat of the kept event, or of an erased one
         return admitted, refused
 
     async def _write(

@@ -298,3 +298,37 @@ def test_time_bounds_allow_clock_skew_ahead_and_a_publish_delay_behind() -> None
     assert behind is not None
     assert "EPIBUS_MAX_PUBLISH_DELAY_S" in behind
     assert "before the stream stored it" in behind
+
+
+async def test_an_erased_event_id_stays_taken_on_every_path(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
+    async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
+        claim = alice.event("finding", finding(text="the staging password is in the runbook"), project=project)
+        await alice.publish(claim, wait_for=ReceiptLevel.published)
+        async with mirrored_node(nats_server, tmp_path / "node", "node-a") as node:
+            await caught_up(node)
+            await alice.forget(project, claim.artifact_id, reason="a secret")
+            key = AgentKey.load_or_create(tmp_path / "alice", "alice")
+            reuse = signed(
+                key, "finding", finding(text="new words under the erased id"), project, event_id=claim.event_id
+            )
+            await publish_raw(alice.js, reuse, dedupe=False)  # a raw client, or after the duplicate window
+            await caught_up(node)
+            assert node.journal is not None
+            assert node.store is not None
+            assert [r.status for r in node.journal.query(EventQuery(project=project, kind="finding"))] == ["forgotten"]
+            assert await node.store.retrieve([point_id(claim.event_id)]) == []
+        fresh = Journal(f"sqlite:///{tmp_path / 'replayed.db'}")
+        fresh.migrate()
+        replayed = await replay(alice.js, JournalObserver(fresh, name="replayed"))
+        assert [reason for _, reason, _ in replayed.rejected] == ["duplicate_id_conflict"]
+        assert fresh.query(EventQuery(project=project, kind="finding")) == []
+        fresh.close()
+        assert (await load_project(alice.js, project)).fold.artifacts == {}
+        async with mirrored_node(nats_server, tmp_path / "second", "node-b") as second:
+            await caught_up(second)
+            assert second.journal is not None
+            assert second.store is not None
+            assert second.journal.query(EventQuery(project=project, kind="finding")) == []
+            assert await second.store.retrieve([point_id(claim.event_id)]) == []
