@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
