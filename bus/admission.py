@@ -51,9 +51,9 @@ class Delivery:
         return event_digest(self.event)
 
 
-def batch_erased(deliveries: Sequence[Delivery]) -> dict[tuple[str, str], ErasedRecord]:
+def batch_erased(deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
     """The records of erased artifacts the deliveries of one batch carry."""
-    erased: dict[tuple[str, str], ErasedRecord] = {}
+    erased: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
     for delivery in deliveries:
         erased.update(delivery.erased)
     return erased
@@ -206,52 +206,60 @@ class ForgottenArtifacts:
     def __init__(self, js: JetStreamContext, admission: Admission) -> None:
         self._js = js
         self._admission = admission
-        self._records: dict[tuple[str, str], ErasedRecord] = {}
+        # (project, artifact_id) -> (messages on its `forgotten` subject when read, the forgets they hold)
+        self._records: dict[tuple[str, str], tuple[int, tuple[ErasedRecord, ...]]] = {}
 
     async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         """The deliveries, each carrying the batch's records of erased artifacts. Raises Unavailable."""
         records = await self.for_batch(deliveries)
         return [replace(d, erased=records) for d in deliveries] if records else list(deliveries)
 
-    async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], ErasedRecord]:
+    async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
         """Raises Unavailable if the stream did not answer."""
-        found: dict[tuple[str, str], ErasedRecord] = {}
+        found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
         for project in sorted({d.event.project for d in deliveries}):
             # Every forget of the project, not only those the batch links to: an erased event's id stays
             # taken whatever artifact a later message under it names.
-            for artifact_id in sorted(await self._forgotten_ids(project)):
-                record = await self._record(project, artifact_id)
-                if record is not None:
-                    found[(project, artifact_id)] = record
+            for subject, count in sorted((await self._forget_subjects(project)).items()):
+                records = await self._records_of(project, subject, count)
+                if records:
+                    found[(project, subject.rsplit(".", 1)[1])] = records
         return found
 
-    async def _forgotten_ids(self, project: str) -> set[str]:
+    async def _forget_subjects(self, project: str) -> dict[str, int]:
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
                 info = await self._js.stream_info(STREAM, subjects_filter=events_filter(project, "forgotten"))
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"forgotten artifacts of {project}: {type(e).__name__} {e}") from e
-        return {subject.rsplit(".", 1)[1] for subject in (info.state.subjects or {})}
+        return dict(info.state.subjects or {})
 
-    async def _record(self, project: str, artifact_id: str) -> ErasedRecord | None:
-        key = (project, artifact_id)
-        if key in self._records:
-            return self._records[key]
-        subject = event_subject(project, "forgotten", artifact_id)
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                msg = await self._js.get_last_msg(STREAM, subject)
-        except nats.js.errors.NotFoundError:
-            return None
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"the forget of {artifact_id}: {type(e).__name__} {e}") from e
-        if msg.seq is None or msg.data is None or msg.time is None:
-            return None
-        try:
-            event = await self._admission.admit(subject, msg.data, msg.time)
-        except Rejected:
-            return None  # dead-lettered wherever it was read: it forgot nothing
-        record = erased_record(event, msg.seq)
-        if record is not None:
-            self._records[key] = record
-        return record
+    async def _records_of(self, project: str, subject: str, count: int) -> tuple[ErasedRecord, ...]:
+        """Every admitted forget on one artifact's `forgotten` subject, in stream order (an artifact id can be
+        claimed again after a forget, and forgotten again)."""
+        key = (project, subject.rsplit(".", 1)[1])
+        cached = self._records.get(key)
+        if cached is not None and cached[0] == count:
+            return cached[1]
+        records: list[ErasedRecord] = []
+        seq = 1
+        for _ in range(count):
+            try:
+                async with asyncio.timeout(JS_TIMEOUT_S):
+                    msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"the forgets on {subject}: {type(e).__name__} {e}") from e
+            if msg.seq is None or msg.data is None or msg.time is None:
+                break
+            seq = msg.seq + 1
+            try:
+                event = await self._admission.admit(subject, msg.data, msg.time)
+            except Rejected:
+                continue  # dead-lettered wherever it was read: it forgot nothing
+            record = erased_record(event, msg.seq)
+            if record is not None:
+                records.append(record)
+        self._records[key] = (count, tuple(records))
+        return tuple(records)

@@ -183,6 +183,7 @@ class ErasedState(Model):
     trust: Trust
     lifecycle: Lifecycle
     resolution: ResolutionKind | None = None
+    forgotten: bool = False  # from `seq` on the artifact was gone (an earlier forget of the same id)
 
 
 class ErasedEvent(Model):

@@ -74,10 +74,13 @@ class FleetRequests:
         texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
         # The artifact's states without its content: paths that read the stream after the erase below decide
         # what other events did with it (contradicted by it, superseding it) as the live nodes did.
+        earlier = view.erased.get((project, artifact_id), ())  # forgets of an earlier artifact under this id
         body = {
             "reason": reason,
-            "history": [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))],
-            "events": [e.model_dump(mode="json") for e in erased_events(view.fold, messages)],
+            "history": [
+                h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)
+            ],
+            "events": [e.model_dump(mode="json") for e in erased_events(view.fold, messages, earlier)],
         }
         receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
         for seq, _ in messages:

@@ -18,7 +18,7 @@ from bus.errors import InvalidEvent, Unavailable
 from bus.event import Envelope
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.reader import read_stream
-from bus.state import FLAG_PREVIOUSLY_RETRACTED, Fold, Tombstone, claim_flags
+from bus.state import FLAG_PREVIOUSLY_RETRACTED, ErasedMap, Fold, Tombstone, claim_flags
 from bus.subjects import (
     STREAM,
     TOMBSTONES_BUCKET,
@@ -45,6 +45,7 @@ class ProjectView:
     # every message on each artifact's subjects: (stream seq, event id or None when it was not an event)
     messages: dict[str, list[tuple[int, str | None]]] = field(default_factory=dict)
     invalid: int = 0
+    erased: ErasedMap = field(default_factory=dict)  # what the project's forgets recorded (ForgottenArtifacts)
 
 
 async def load_project(js: JetStreamContext, project: str, registry: AgentRegistry | None = None) -> ProjectView:
@@ -64,6 +65,7 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
             read.append((seq, parse_event_subject(msg.subject), delivery))
     admitted = await ForgottenArtifacts(js, admission).attach([d for _, _, d in read if d is not None])
     erased = admitted[0].erased if admitted else {}
+    view.erased = erased
     for seq, address, delivery in read:
         if address is not None:
             view.subject_seq[address.artifact_id] = seq

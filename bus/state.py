@@ -182,8 +182,9 @@ class ErasedRecord:
     digests: Mapping[str, str] = field(default_factory=dict)  # event id -> digest of each erased event
 
 
-# (project, artifact_id) -> the artifact's forget, for artifacts the stream has a `forgotten` event for.
-ErasedMap = Mapping[tuple[str, str], ErasedRecord]
+# (project, artifact_id) -> the artifact's forgets in stream order, for artifacts the stream has a `forgotten`
+# event for (an id can be claimed again after a forget, and forgotten again).
+ErasedMap = Mapping[tuple[str, str], tuple[ErasedRecord, ...]]
 
 
 def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
@@ -197,8 +198,9 @@ def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
 def erased_digests(erased: ErasedMap) -> dict[str, str]:
     """Every event id the stream's forgets erased, with its digest: taken for good, on every path."""
     found: dict[str, str] = {}
-    for record in erased.values():
-        found.update(record.digests)
+    for records in erased.values():
+        for record in records:
+            found.update(record.digests)
     return found
 
 
@@ -208,7 +210,7 @@ def erased_state_at(record: ErasedRecord, project: str, artifact_id: str, seq: i
     if seq >= record.forget_seq:
         return None
     before = [h for h in record.history if h.seq < seq]
-    if not before:
+    if not before or before[-1].forgotten:
         return None
     h = before[-1]
     return ArtifactState(
@@ -243,24 +245,36 @@ def with_erased(lookup: Lookup, erased: ErasedMap, project: str, seq: int) -> Lo
         found = lookup(artifact_id)
         if found is not None or not erased:
             return found
-        record = erased.get((project, artifact_id))
-        return erased_state_at(record, project, artifact_id, seq) if record is not None else None
+        # The first forget after `seq` describes what the artifact was at `seq`.
+        later = [r for r in erased.get((project, artifact_id), ()) if r.forget_seq > seq]
+        return erased_state_at(later[0], project, artifact_id, seq) if later else None
 
     return get
 
 
-def erased_events(fold: Fold, messages: Iterable[tuple[int, str | None]]) -> tuple[ErasedEvent, ...]:
-    """What a `forgotten` event keeps of the events it erases: their ids and digests."""
-    return tuple(
-        ErasedEvent(event_id=uuid.UUID(event_id), digest=digest)
-        for _, event_id in messages
-        if event_id is not None and (digest := fold.digests.get(event_id)) is not None
-    )
+def erased_events(
+    fold: Fold, messages: Iterable[tuple[int, str | None]], earlier: Sequence[ErasedRecord] = ()
+) -> tuple[ErasedEvent, ...]:
+    """What a `forgotten` event keeps of the events it erases: their ids and digests, and those earlier
+    forgets of the same artifact id kept (this forget erases those forgets' events too)."""
+    digests = {event_id: digest for record in earlier for event_id, digest in record.digests.items()}
+    for _, event_id in messages:
+        if event_id is not None and (digest := fold.digests.get(event_id)) is not None:
+            digests.setdefault(event_id, digest)
+    return tuple(ErasedEvent(event_id=uuid.UUID(e), digest=d) for e, d in sorted(digests.items()))
 
 
-def erased_history(states: Sequence[ArtifactState]) -> tuple[ErasedState, ...]:
-    """What a `forgotten` event keeps of an artifact: each of its states in stream order, content left out."""
-    return tuple(
+def erased_history(states: Sequence[ArtifactState], earlier: Sequence[ErasedRecord] = ()) -> tuple[ErasedState, ...]:
+    """What a `forgotten` event keeps of an artifact: each of its states in stream order, content left out,
+    after those earlier forgets of the same artifact id kept (this forget erases those forgets too)."""
+    kept: list[ErasedState] = []
+    for record in earlier:
+        kept += record.history
+        if record.history:  # from its forget on, that artifact was gone
+            kept.append(record.history[-1].model_copy(update={"seq": record.forget_seq, "forgotten": True}))
+    kept = sorted({(h.seq, h.forgotten): h for h in kept}.values(), key=lambda h: (h.seq, h.forgotten))
+    after = max((h.seq for h in kept), default=0)
+    return tuple(kept) + tuple(
         ErasedState(
             seq=s.last_seq,
             kind=s.kind,
@@ -278,7 +292,7 @@ def erased_history(states: Sequence[ArtifactState]) -> tuple[ErasedState, ...]:
             resolution=s.resolution,
         )
         for s in states
-        if not s.erased
+        if not s.erased and s.last_seq > after
     )
 
 

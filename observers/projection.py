@@ -301,10 +301,10 @@ def rebuild(conn: Connection) -> int:
         after = rows[-1].stream_seq
 
 
-def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], ErasedRecord]:
+def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
     """What the journal's own `forgotten` events recorded: a rebuild re-applies the links other events had to
     artifacts whose rows are redacted, as they were applied the first time."""
-    found: dict[tuple[str, str], ErasedRecord] = {}
+    found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
     rows = conn.execute(
         select(events.c.envelope, events.c.stream_seq)
         .where(events.c.kind == "forgotten", events.c.status != FORGOTTEN)
@@ -314,5 +314,6 @@ def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], ErasedRecord]:
         event = validate_event(json.loads(row.envelope))
         record = erased_record(event, row.stream_seq)
         if record is not None:
-            found[(event.project, event.artifact_id)] = record
+            key = (event.project, event.artifact_id)
+            found[key] = (*found.get(key, ()), record)
     return found

@@ -12,11 +12,11 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected, first_of_each_id
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected, batch_erased, first_of_each_id
 from bus.ids import point_id
 from bus.jetstream import AgentRegistry
 from bus.reader import read_stream
-from bus.state import ArtifactState
+from bus.state import ArtifactState, erased_digests
 from bus.subjects import STREAM, events_filter
 from observers.journal import Journal
 from observers.mirror.observer import STATE_FIELDS, MirrorObserver, claim_payload, state_payload
@@ -83,8 +83,11 @@ async def _stream_deliveries(js: JetStreamContext, project: str | None) -> list[
                 found.append(await admission.admit_msg(msg))
             except Rejected:
                 continue  # dead-lettered by the live consumers, never journaled
-    kept, _conflicts = first_of_each_id(found, {})
-    return await ForgottenArtifacts(js, admission).attach(kept)
+    found = await ForgottenArtifacts(js, admission).attach(found)
+    # Ids a forget erased stay taken: a later message under one is refused by every store.
+    taken: dict[str, str | None] = dict(erased_digests(batch_erased(found)))
+    kept, _conflicts = first_of_each_id(found, taken)
+    return kept
 
 
 @dataclass

@@ -9,18 +9,21 @@ import hashlib
 import json
 import math
 import os
+import random
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import nats
 import nats.js.errors
 import nkeys
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
 from bus.event import Envelope, draft_event, encode_event
+from bus.jetstream import AgentRegistry, ensure_streams
 from bus.knowledge import load_project
 from bus.signing import AgentKey
 from bus.state import ArtifactState, erased_events, erased_history
@@ -35,28 +38,37 @@ RESOLUTIONS = tuple(ResolutionKind)
 # (operation, *small integers); targets index the artifacts made so far, modulo their number.
 Op = tuple[Any, ...]
 
-ops = st.one_of(
-    st.tuples(
-        st.just("claim"),
-        st.integers(0, len(CLAIM_KINDS) - 1),
-        st.integers(0, 2),
-        st.integers(0, len(TEXTS) - 1),
-        st.sampled_from(["none", "none", "revises", "supersedes"]),
-        st.integers(0, 50),
-    ),
-    st.tuples(st.just("verify"), st.integers(0, 2), st.integers(0, 50)),
-    st.tuples(st.just("contradict"), st.integers(0, 2), st.integers(0, 50), st.integers(0, 50)),
-    st.tuples(st.just("rollback"), st.integers(0, 2), st.integers(0, 50)),
-    st.tuples(st.just("resolve"), st.integers(0, 2), st.integers(0, 50), st.integers(0, 3), st.integers(0, 50)),
-    st.tuples(st.just("forget"), st.integers(0, 2), st.integers(0, 50)),
-    st.tuples(st.just("claim_on_existing_id"), st.integers(0, 2), st.integers(0, 50)),
-    st.tuples(st.just("forged"), st.integers(0, 2)),
-    st.tuples(st.just("bad_signature"), st.integers(0, 2)),
-    st.tuples(st.just("wrong_subject"), st.integers(0, 2)),
-    st.tuples(st.just("bad_time"), st.sampled_from([1900, 2999, 1, 9999])),
-    st.tuples(st.just("reuse_id"), st.integers(0, 2), st.integers(0, 50)),
-    st.tuples(st.just("resend"), st.integers(0, 50)),
+TARGETS = range(51)
+AGENT = range(len(AGENTS))
+# The grammar of a history, once: each operation's name and the values each of its arguments may take.
+GRAMMAR: tuple[tuple[str, tuple[Sequence[Any], ...]], ...] = (
+    ("claim", (range(len(CLAIM_KINDS)), AGENT, range(len(TEXTS)), ("none", "none", "revises", "supersedes"), TARGETS)),
+    ("verify", (AGENT, TARGETS)),
+    ("contradict", (AGENT, TARGETS, TARGETS)),
+    ("rollback", (AGENT, TARGETS)),
+    ("resolve", (AGENT, TARGETS, range(len(RESOLUTIONS)), TARGETS)),
+    ("forget", (AGENT, TARGETS)),
+    ("claim_on_existing_id", (AGENT, TARGETS)),
+    ("forged", (AGENT,)),
+    ("bad_signature", (AGENT,)),
+    ("wrong_subject", (AGENT,)),
+    ("bad_time", ((1900, 2999, 1, 9999),)),
+    ("reuse_id", (AGENT, TARGETS)),
+    ("resend", (TARGETS,)),
 )
+ops = st.one_of(
+    *(st.tuples(st.just(name), *(st.sampled_from(list(values)) for values in args)) for name, args in GRAMMAR)
+)
+
+
+def random_history(rng: random.Random, max_size: int = 30) -> list[Op]:
+    """A history drawn without hypothesis (benchmarks), from the same grammar."""
+    return [
+        (name, *(rng.choice(list(values)) for values in args))
+        for name, args in (rng.choice(GRAMMAR) for _ in range(rng.randint(1, max_size)))
+    ]
+
+
 histories = st.lists(ops, min_size=1, max_size=30)
 
 
@@ -72,6 +84,19 @@ class Message:
 class Keys:
     agents: dict[str, AgentKey]
     mallory_seed: bytes  # signs as other agents: admission must refuse it (their keys are registered)
+
+
+async def register_keys(url: str, keys: Keys) -> None:
+    """Bind the genuine agents' keys first, as their first events would: a forged key must never bind."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        registry = AgentRegistry(js)
+        for key in keys.agents.values():
+            await registry.bind(key.actor)
+    finally:
+        await nc.close()
 
 
 def make_keys() -> Keys:
@@ -219,8 +244,10 @@ async def publish(
 
 async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, project: str) -> int:
     view = await load_project(js, project)
-    history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []))]
-    erased = erased_events(view.fold, view.messages.get(artifact_id, [])) if artifact_id in view.fold.artifacts else ()
+    earlier = view.erased.get((project, artifact_id), ())
+    history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)]
+    messages = view.messages.get(artifact_id, [])
+    erased = erased_events(view.fold, messages, earlier) if artifact_id in view.fold.artifacts else ()
     body = {"reason": "privacy", "history": history, "events": [e.model_dump(mode="json") for e in erased]}
     event = key.sign(
         draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)
