@@ -15,6 +15,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
 from bus.jetstream import NATS_OR_API_ERROR
@@ -31,7 +32,6 @@ from bus.recall import (
     free_texts,
     recall_request,
 )
-from bus.state import erased_events, erased_history
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
 
 
@@ -80,7 +80,7 @@ class FleetRequests:
             "history": [
                 h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)
             ],
-            "events": [e.model_dump(mode="json") for e in erased_events(view.fold, messages, earlier)],
+            "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
         }
         receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
         for seq, _ in messages:

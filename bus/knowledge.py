@@ -14,11 +14,13 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
+from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, Unavailable
 from bus.event import Envelope
+from bus.fold import Fold
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
 from bus.reader import read_stream
-from bus.state import FLAG_PREVIOUSLY_RETRACTED, ErasedMap, Fold, Tombstone, claim_flags
+from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags
 from bus.subjects import (
     STREAM,
     TOMBSTONES_BUCKET,

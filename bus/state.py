@@ -2,16 +2,15 @@
 
 `decide` is pure: given an event and a way to look up current artifact states, it returns the Change the event
 makes or raises IllegalTransition. The client runs it before publishing (validation), the journal's projection
-runs it at apply time in stream order, and `Fold` runs it in memory for as-of reads: one set of rules."""
+runs it at apply time in stream order, the mirror on its payloads, and `bus.fold.Fold` in memory: one set of rules."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import re
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 
@@ -19,14 +18,11 @@ from bus.errors import IllegalTransition
 from bus.event import (
     ContradictedBody,
     Envelope,
-    ErasedEvent,
-    ErasedState,
     FindingBody,
     ForgottenBody,
     ResolvedBody,
     RolledBackBody,
     VerifiedBody,
-    event_digest,
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 
@@ -170,130 +166,6 @@ class Change:
 
 
 Lookup = Callable[[str], ArtifactState | None]
-
-
-@dataclass(frozen=True)
-class ErasedRecord:
-    """A forgotten artifact as its `forgotten` event left it: where the forget is in the stream, and the
-    artifact's states before it."""
-
-    forget_seq: int
-    history: tuple[ErasedState, ...]
-    digests: Mapping[str, str] = field(default_factory=dict)  # event id -> digest of each erased event
-
-
-# (project, artifact_id) -> the artifact's forgets in stream order, for artifacts the stream has a `forgotten`
-# event for (an id can be claimed again after a forget, and forgotten again).
-ErasedMap = Mapping[tuple[str, str], tuple[ErasedRecord, ...]]
-
-
-def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
-    """The record a `forgotten` event keeps of its artifact (None for any other event)."""
-    if not isinstance(event.body, ForgottenBody):
-        return None
-    digests = {str(e.event_id): e.digest for e in event.body.events}
-    return ErasedRecord(stream_seq, event.body.history, digests)
-
-
-def erased_digests(erased: ErasedMap) -> dict[str, str]:
-    """Every event id the stream's forgets erased, with its digest: taken for good, on every path."""
-    found: dict[str, str] = {}
-    for records in erased.values():
-        for record in records:
-            found.update(record.digests)
-    return found
-
-
-def erased_state_at(record: ErasedRecord, project: str, artifact_id: str, seq: int) -> ArtifactState | None:
-    """The state a forgotten artifact had just before stream sequence `seq`, without its content; None at or
-    after its forget, or before it existed."""
-    if seq >= record.forget_seq:
-        return None
-    before = [h for h in record.history if h.seq < seq]
-    if not before or before[-1].forgotten:
-        return None
-    h = before[-1]
-    return ArtifactState(
-        project=project,
-        artifact_id=artifact_id,
-        kind=h.kind,
-        author=h.author,
-        created_event_id=str(h.created_event_id),
-        created_at=h.created_at,
-        content="",
-        content_hash="",
-        impact=h.impact,
-        confidence=h.confidence,
-        source=None,
-        revises=h.revises,
-        supersedes=h.supersedes,
-        superseded_by=h.superseded_by,
-        contradicted_by=h.contradicted_by,
-        trust=h.trust,
-        lifecycle=h.lifecycle,
-        resolution=h.resolution,
-        last_seq=h.seq,
-        erased=True,
-    )
-
-
-def with_erased(lookup: Lookup, erased: ErasedMap, project: str, seq: int) -> Lookup:
-    """`lookup`, falling back on what a later `forgotten` event recorded of an artifact whose messages were
-    erased: every path that reads the stream after a forget decides as the live nodes did before it."""
-
-    def get(artifact_id: str) -> ArtifactState | None:
-        found = lookup(artifact_id)
-        if found is not None or not erased:
-            return found
-        # The first forget after `seq` describes what the artifact was at `seq`.
-        later = [r for r in erased.get((project, artifact_id), ()) if r.forget_seq > seq]
-        return erased_state_at(later[0], project, artifact_id, seq) if later else None
-
-    return get
-
-
-def erased_events(
-    fold: Fold, messages: Iterable[tuple[int, str | None]], earlier: Sequence[ErasedRecord] = ()
-) -> tuple[ErasedEvent, ...]:
-    """What a `forgotten` event keeps of the events it erases: their ids and digests, and those earlier
-    forgets of the same artifact id kept (this forget erases those forgets' events too)."""
-    digests = {event_id: digest for record in earlier for event_id, digest in record.digests.items()}
-    for _, event_id in messages:
-        if event_id is not None and (digest := fold.digests.get(event_id)) is not None:
-            digests.setdefault(event_id, digest)
-    return tuple(ErasedEvent(event_id=uuid.UUID(e), digest=d) for e, d in sorted(digests.items()))
-
-
-def erased_history(states: Sequence[ArtifactState], earlier: Sequence[ErasedRecord] = ()) -> tuple[ErasedState, ...]:
-    """What a `forgotten` event keeps of an artifact: each of its states in stream order, content left out,
-    after those earlier forgets of the same artifact id kept (this forget erases those forgets too)."""
-    kept: list[ErasedState] = []
-    for record in earlier:
-        kept += record.history
-        if record.history:  # from its forget on, that artifact was gone
-            kept.append(record.history[-1].model_copy(update={"seq": record.forget_seq, "forgotten": True}))
-    kept = sorted({(h.seq, h.forgotten): h for h in kept}.values(), key=lambda h: (h.seq, h.forgotten))
-    after = max((h.seq for h in kept), default=0)
-    return tuple(kept) + tuple(
-        ErasedState(
-            seq=s.last_seq,
-            kind=s.kind,
-            author=s.author,
-            created_event_id=uuid.UUID(s.created_event_id),
-            created_at=s.created_at,
-            impact=s.impact,
-            confidence=s.confidence,
-            revises=s.revises,
-            supersedes=s.supersedes,
-            superseded_by=s.superseded_by,
-            contradicted_by=s.contradicted_by,
-            trust=s.trust,
-            lifecycle=s.lifecycle,
-            resolution=s.resolution,
-        )
-        for s in states
-        if not s.erased and s.last_seq > after
-    )
 
 
 def event_references(event: Envelope) -> set[str]:
@@ -484,64 +356,6 @@ def _decide_resolution(event: Envelope, body: ResolvedBody, current: ArtifactSta
     if body.resolution is ResolutionKind.retracted:
         tomb = Tombstone(current.content_hash, aid, str(event.event_id), "retracted")
     return Change(str(event.event_id), (updated,), tombstone=tomb)
-
-
-@dataclass
-class Fold:
-    """Project knowledge folded in memory from events in stream order (as-of reads, client validation).
-    Illegal events are recorded in `rejected` with their reason and change nothing."""
-
-    artifacts: dict[str, ArtifactState] = field(default_factory=dict)
-    verifications: list[Verification] = field(default_factory=list)
-    tombstones: dict[str, Tombstone] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)
-    flags: dict[str, frozenset[str]] = field(default_factory=dict)
-    digests: dict[str, str | None] = field(default_factory=dict)  # the event kept under each id
-    refused: dict[str, str] = field(default_factory=dict)  # event ids reused with other content
-    history: dict[str, list[ArtifactState]] = field(default_factory=dict)  # each artifact's states in order
-    last_seq: int = 0
-
-    def apply(self, event: Envelope, stream_seq: int, erased: ErasedMap | None = None) -> Change | None:
-        event_id, digest = str(event.event_id), event_digest(event)
-        taken = erased_digests(erased) if erased else {}
-        use = id_use(self.digests if event_id not in taken else {**taken, **self.digests}, event_id, digest)
-        if use is not IdUse.new:
-            if use is IdUse.conflict:
-                self.refused[event_id] = digest
-            return None
-        self.digests[event_id] = digest
-        lookup = with_erased(self.artifacts.get, erased or {}, event.project, stream_seq)
-        try:
-            change = decide(event, stream_seq, lookup, self.tombstones.__contains__)
-        except IllegalTransition as e:
-            self.rejected[event_id] = str(e)
-            return None
-        self.absorb(change)
-        self.last_seq = max(self.last_seq, stream_seq)
-        return change
-
-    def absorb(self, change: Change) -> None:
-        for state in change.artifacts:
-            if state.erased:
-                continue  # its forget's history already holds this state
-            if state.forgotten:  # a privacy delete: the artifact leaves the state, as it leaves every store
-                self.artifacts.pop(state.artifact_id, None)
-                continue
-            self.artifacts[state.artifact_id] = state
-            self.history.setdefault(state.artifact_id, []).append(state)
-        if change.verification is not None:
-            self.verifications.append(change.verification)
-        if change.tombstone is not None:
-            self.tombstones.setdefault(change.tombstone.content_hash, change.tombstone)
-        if change.flags:
-            self.flags[change.event_id] = change.flags
-
-    @classmethod
-    def of(cls, events: Iterable[tuple[Envelope, int]], erased: ErasedMap | None = None) -> Fold:
-        fold = cls()
-        for event, seq in events:
-            fold.apply(event, seq, erased)
-        return fold
 
 
 def as_of_filter(at: datetime | None) -> Callable[[Envelope], bool]:

@@ -21,10 +21,11 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
 
 from bus.admission import Delivery, Refusal, batch_erased, first_of_each_id
+from bus.erasure import erased_digests
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
-from bus.state import Tombstone, erased_digests
+from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
 from observers.schema import artifacts, as_utc, events, journal_identity, migrate, tombstones

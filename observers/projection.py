@@ -16,18 +16,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from bus.admission import Delivery, batch_erased
+from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.errors import IllegalTransition
 from bus.event import Envelope, validate_event
-from bus.state import (
-    ArtifactState,
-    Change,
-    ErasedMap,
-    ErasedRecord,
-    decide,
-    erased_record,
-    event_references,
-    with_erased,
-)
+from bus.state import ArtifactState, Change, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import artifacts, as_utc, events, projection_cursor, tombstones, verifications
 

@@ -13,12 +13,12 @@ from typing import Any
 from sqlalchemy import func, select
 
 from bus.event import validate_event
+from bus.fold import Fold
 from bus.state import (
     FLAG_PREVIOUSLY_RETRACTED,
     FLAG_UNEARNED,
     UNSAFE_TRUST,
     ArtifactState,
-    Fold,
     Verification,
     relevance,
 )

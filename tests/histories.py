@@ -22,11 +22,12 @@ import nkeys
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
+from bus.erasure import erased_events, erased_history
 from bus.event import Envelope, draft_event, encode_event
 from bus.jetstream import AgentRegistry, ensure_streams
 from bus.knowledge import load_project
 from bus.signing import AgentKey
-from bus.state import ArtifactState, erased_events, erased_history
+from bus.state import ArtifactState
 from bus.subjects import STREAM, event_subject
 from bus.vocab import ResolutionKind
 
@@ -247,7 +248,7 @@ async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, proje
     earlier = view.erased.get((project, artifact_id), ())
     history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)]
     messages = view.messages.get(artifact_id, [])
-    erased = erased_events(view.fold, messages, earlier) if artifact_id in view.fold.artifacts else ()
+    erased = erased_events(view.fold.digests, messages, earlier) if artifact_id in view.fold.artifacts else ()
     body = {"reason": "privacy", "history": history, "events": [e.model_dump(mode="json") for e in erased]}
     event = key.sign(
         draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)

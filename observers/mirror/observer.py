@@ -14,9 +14,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.admission import Delivery, Refusal, batch_erased, conflict_refusal
+from bus.erasure import erased_digests, with_erased
 from bus.errors import IllegalTransition, NotFound
 from bus.ids import point_id
-from bus.state import ArtifactState, IdUse, decide, erased_digests, event_references, id_use, with_erased
+from bus.state import ArtifactState, IdUse, decide, event_references, id_use
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore

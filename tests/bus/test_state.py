@@ -12,13 +12,13 @@ import pytest
 
 from bus.errors import IllegalTransition
 from bus.event import Envelope, draft_event
+from bus.fold import Fold
 from bus.rollback import plan_rollback
 from bus.signing import AgentKey
 from bus.state import (
     FLAG_PREVIOUSLY_RETRACTED,
     FLAG_UNEARNED,
     ArtifactState,
-    Fold,
     content_hash,
     decide,
     relevance,

@@ -12,12 +12,12 @@ import pytest
 
 from bus.errors import IllegalTransition
 from bus.event import Envelope, draft_event, event_digest
+from bus.fold import Fold
 from bus.signing import AgentKey
 from bus.state import (
     FLAG_UNEARNED,
     ArtifactState,
     Change,
-    Fold,
     IdUse,
     Tombstone,
     Verification,
