@@ -21,17 +21,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
-from rich.console import Console
-from rich.table import Table
+# Run as `python bench/catch_up.py`: this folder comes first on sys.path (its mesh.py would shadow the `mesh`
+# package), and the repository root is needed for the tests' history generator.
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
 
-from bus.reader import read_stream
-from bus.server import NatsServer
-from bus.subjects import STREAM
-from epibus.node import Node, NodeConfig
-from observers.verify import verify
-from tests.e2e.test_one_truth import caught_up
-from tests.histories import build, fresh_project, make_keys, publish, random_history, register_keys
+import nats  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from bus.reader import read_stream  # noqa: E402
+from bus.server import NatsServer  # noqa: E402
+from bus.subjects import STREAM  # noqa: E402
+from epibus.node import Node, NodeConfig  # noqa: E402
+from observers.verify import verify  # noqa: E402
+from tests.e2e.test_one_truth import caught_up  # noqa: E402
+from tests.histories import build, fresh_project, make_keys, publish, random_history, register_keys  # noqa: E402
 
 
 async def run(projects: int, seed: int) -> dict[str, Any]:
