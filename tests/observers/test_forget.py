@@ -111,6 +111,19 @@ async def forget_and_prove(client: EpibusClient, project: str, artifact_id: str)
     return await eventually(proven, timeout_s=60)
 
 
+async def publish_and_forget_completely(client: EpibusClient, project: str, text: str) -> ForgetProof:
+    """Publish a claim, forget it, and wait until every node's proof is complete (clean or not)."""
+    claim = client.event("finding", finding(text=text), project=project)
+    await client.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
+    report = await client.forget(project, claim.artifact_id, reason="personal data")
+
+    async def complete() -> ForgetProof | None:
+        proof = await client.prove_forgotten(report)
+        return proof if proof.complete else None
+
+    return await eventually(complete, timeout_s=30)
+
+
 async def publish_and_index(node: Node, client: EpibusClient, project: str, text: str) -> str:
     """Publish a claim and wait until the node has journaled and mirrored it. Returns its artifact id."""
     assert node.mirror is not None
@@ -168,15 +181,7 @@ async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrub
     text_, token = secret_claim()
     config = NodeConfig(home=home, nats_url=nats_server.url, agent="node-a", mirror="off")
     async with Node(config), connect(nats_server.url, agent="alice", home=home) as alice:
-        claim = alice.event("finding", finding(text=text_), project=project)
-        await alice.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
-        report = await alice.forget(project, claim.artifact_id, reason="personal data")
-
-        async def complete() -> ForgetProof | None:
-            proof = await alice.prove_forgotten(report)
-            return proof if proof.complete else None
-
-        proof = await eventually(complete, timeout_s=30)
+        proof = await publish_and_forget_completely(alice, project, text_)
     assert files_holding(home, token) == []
     assert set(proof.nodes["node-a"]["unscrubbable"]) == {"jetstream"}
     assert not proof.clean
@@ -205,15 +210,7 @@ async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, projec
     text_, token = secret_claim()
     config = NodeConfig(home=home, agent="node-a", journal_url=postgres_url, mirror="off")
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
-        claim = alice.event("finding", finding(text=text_), project=project)
-        await alice.publish(claim, wait_for=ReceiptLevel.journaled, timeout_s=30)
-        report = await alice.forget(project, claim.artifact_id, reason="personal data")
-
-        async def complete() -> ForgetProof | None:
-            proof = await alice.prove_forgotten(report)
-            return proof if proof.complete else None
-
-        proof = await eventually(complete, timeout_s=30)
+        proof = await publish_and_forget_completely(alice, project, text_)
     assert files_holding(home, token) == []
     assert set(proof.nodes["node-a"]["unscrubbable"]) == {"journal"}
     assert not proof.clean
