@@ -4,12 +4,22 @@ a given stream sequence, which forget describes it, and what a second forget of 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
-from bus.erasure import ErasedRecord, erased_digests, erased_events, erased_history, erased_state_at, with_erased
-from bus.event import ErasedState
+from bus.erasure import (
+    ErasedRecord,
+    erased_digests,
+    erased_events,
+    erased_history,
+    erased_record,
+    erased_state_at,
+    with_erased,
+)
+from bus.event import ErasedState, draft_event
+from bus.signing import AgentKey
 from bus.state import ArtifactState
-from bus.vocab import Lifecycle, Trust
+from bus.vocab import Lifecycle, ResolutionKind, Trust
 
 AT = datetime(2026, 12, 1, tzinfo=UTC)
 CREATED = uuid.UUID("01a23a00-0000-7000-8000-000000000001")
@@ -118,3 +128,57 @@ def test_states_rebuilt_from_a_history_are_never_recorded_again():
     assert erased_history([erased_state]) == ()
     (kept,) = erased_history([state(4, Trust.verified)])
     assert (kept.seq, kept.trust, kept.resolution) == (4, Trust.verified, None)
+
+
+def full_state(seq: int) -> ArtifactState:
+    """A state with every field that a forget keeps set to something other than its default."""
+    return replace(
+        state(seq, Trust.contradicted),
+        impact=0.25,
+        confidence=0.75,
+        revises="r",
+        supersedes="s",
+        superseded_by="n",
+        contradicted_by="c",
+        lifecycle=Lifecycle.resolved,
+        resolution=ResolutionKind.superseded,
+    )
+
+
+def test_a_state_kept_by_a_forget_comes_back_whole_but_for_its_content():
+    kept = full_state(7)
+    record = ErasedRecord(forget_seq=9, history=erased_history([kept]))
+    back = erased_state_at(record, "p", "a", 8)
+    assert back == replace(kept, content="", content_hash="", erased=True)
+    found = with_erased(lambda _aid: None, {("p", "a"): (record,)}, "p", 8)("a")
+    assert found == back
+
+
+def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is():
+    key = AgentKey.generate("alice")
+    e1, d1 = uuid.UUID("01a23a00-0000-7000-8000-000000000001"), "1" * 64
+    history = erased_history([full_state(7)])
+    body = {
+        "reason": "privacy",
+        "history": [h.model_dump(mode="json") for h in history],
+        "events": [{"event_id": str(e1), "digest": d1}],
+    }
+    forget = key.sign(draft_event("forgotten", body, project="p", actor=key.actor, session_id="s", artifact_id="a"))
+    assert erased_record(forget, 42) == ErasedRecord(42, history, {str(e1): d1})
+    claim = key.sign(
+        draft_event("unknown", {"question": "q?", "impact": 0.1}, project="p", actor=key.actor, session_id="s")
+    )
+    assert erased_record(claim, 43) is None
+
+
+def test_the_marker_of_an_earlier_forget_copies_its_last_state_and_later_states_start_after_it():
+    earlier = (ErasedRecord(forget_seq=10, history=(shell(3), shell(5), shell(6, Trust.verified))),)
+    history = erased_history([state(10), state(11)], earlier)
+    assert [(h.seq, h.trust, h.forgotten) for h in history] == [
+        (3, Trust.unverified, False),
+        (5, Trust.unverified, False),
+        (6, Trust.verified, False),
+        (10, Trust.verified, True),
+        (11, Trust.unverified, False),
+    ]
+    assert [h.seq for h in erased_history([state(1)])] == [1]
