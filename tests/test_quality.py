@@ -1,4 +1,4 @@
-"""The code itself: imports go one way between layers, ruff and mypy --strict are clean (DEVELOPERS.md), and no
+"""The code itself: imports go one way between layers, ruff and mypy --strict are clean, and no
 file cites a document outside the repository."""
 
 from __future__ import annotations
