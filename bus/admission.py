@@ -157,7 +157,17 @@ class TimeBounds:
 
 
 def check_message(subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds) -> Envelope:
-    """Everything admission checks that needs no server: decoding, subject, time and signature."""
+    """Everything admission checks that needs no server: decoding, subject, time and signature. Whatever the
+    bytes are, the answer is the event or Rejected: nothing a publisher sends escapes as another exception."""
+    try:
+        return _check_message(subject, data, stream_time, bounds)
+    except Rejected:
+        raise
+    except Exception as e:  # hostile bytes found a failure no check names: refuse it, with its type
+        raise Rejected(DeadLetterReason.invalid_event, f"undecodable: {type(e).__name__}: {e}"[:1024]) from e
+
+
+def _check_message(subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds) -> Envelope:
     try:
         event = decode_event(data)
     except InvalidEvent as e:

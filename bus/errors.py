@@ -1,10 +1,12 @@
-"""The one error tree of epibus, split by what the caller does next (STYLE: Errors).
+"""The one error tree of epibus, split by what the caller does next.
 
 Every error's str() is one line: what went wrong and how to fix it."""
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class EpibusError(Exception):
@@ -100,3 +102,14 @@ class ConfigError(EpibusError, ValueError):
         if self.allowed is not None:
             message += " (allowed: " + ", ".join(self.allowed) + ")"
         super().__init__(message)
+
+
+def error_summary(error: BaseException, *, limit: int = 1024) -> str:
+    """One line for a failure that is a bug rather than an outage: its type, message and the line that raised
+    it, so a dead letter or a log line says where to look without a traceback."""
+    where = ""
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+    return " ".join(f"{type(error).__name__}: {error}{where}".split())[:limit]

@@ -295,7 +295,12 @@ class Envelope(Model):
     @field_validator("recorded_at", "valid_from", "valid_until")
     @classmethod
     def _utc(cls, value: datetime | None) -> datetime | None:
-        return None if value is None else value.astimezone(UTC)
+        if value is None:
+            return None
+        try:
+            return value.astimezone(UTC)
+        except OverflowError as e:  # e.g. 9999-12-31T23:59:59-23:59 is past datetime.max in UTC
+            raise ValueError(f"{value.isoformat()} is out of range once converted to UTC") from e
 
     @field_validator("body", mode="before")
     @classmethod
@@ -376,6 +381,10 @@ def decode_event(data: bytes) -> Envelope:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidEvent("event", f"is not JSON ({e})") from e
+    except RecursionError as e:
+        raise InvalidEvent("event", "is JSON nested too deeply to decode") from e
+    except ValueError as e:  # e.g. an integer longer than Python's 4300-digit conversion limit
+        raise InvalidEvent("event", f"holds a value JSON cannot decode here ({e})") from e
     if not isinstance(raw, dict):
         raise InvalidEvent("event", f"is a JSON {type(raw).__name__}, expected an object")
     return validate_event(raw)

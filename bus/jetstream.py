@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,12 +19,19 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.kv import KeyValue
 
 from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
-from bus.event import Actor
+from bus.event import MAX_EVENT_BYTES, Actor
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, DLQ_SUBJECTS, STREAM, STREAM_SUBJECTS
 
+log = logging.getLogger(__name__)
 # ≥ 2 min for retried publishes; 10 min lets an outbox drain after a short outage still be deduplicated by the server.
 DUPLICATE_WINDOW_S = 600.0
 JS_TIMEOUT_S = 10.0
+# The largest message the event stream takes: an encoded event plus room for its headers. The server refuses
+# anything bigger at publish, so no reader ever fetches a message no store would accept.
+EVENT_MAX_MSG_BYTES = MAX_EVENT_BYTES + 4096
+# The dead-letter stream holds a whole event message plus the reason headers; larger originals are cut to a
+# prefix with their digest (bus/runner.py dead_letter_copy).
+DLQ_MAX_MSG_BYTES = EVENT_MAX_MSG_BYTES + 8192
 
 # NATS client and JetStream errors that mean "the server did not answer": retry later.
 NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -45,7 +53,9 @@ NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
 NATS_OR_API_ERROR: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.js.errors.APIError)
 
 
-def _stream_config(name: str, subjects: tuple[str, ...], description: str, replicas: int) -> StreamConfig:
+def _stream_config(
+    name: str, subjects: tuple[str, ...], description: str, replicas: int, *, max_msg_bytes: int
+) -> StreamConfig:
     return StreamConfig(
         name=name,
         subjects=list(subjects),
@@ -56,14 +66,31 @@ def _stream_config(name: str, subjects: tuple[str, ...], description: str, repli
         duplicate_window=DUPLICATE_WINDOW_S,
         discard=DiscardPolicy.OLD,
         allow_direct=True,
+        max_msg_size=max_msg_bytes,
+        # Memory is kept until it is forgotten: nothing ages out, and no count or size limit discards events.
+        max_age=0,
+        max_msgs=-1,
+        max_bytes=-1,
     )
 
 
 def stream_configs(replicas: int = 1) -> list[StreamConfig]:
     return [
-        _stream_config(STREAM, STREAM_SUBJECTS, "epibus events", replicas),
-        _stream_config(DLQ_STREAM, DLQ_SUBJECTS, "epibus dead letters", replicas),
+        _stream_config(STREAM, STREAM_SUBJECTS, "epibus events", replicas, max_msg_bytes=EVENT_MAX_MSG_BYTES),
+        _stream_config(DLQ_STREAM, DLQ_SUBJECTS, "epibus dead letters", replicas, max_msg_bytes=DLQ_MAX_MSG_BYTES),
     ]
+
+
+def _drifted(current: StreamConfig, wanted: StreamConfig) -> list[str]:
+    """The managed settings of a stream that differ from what epibus needs (changed by hand or by an older
+    version); each is put back by an update."""
+    managed = ("subjects", "duplicate_window", "num_replicas", "max_msg_size", "max_age", "max_msgs", "max_bytes")
+    return [name for name in managed if _normal(getattr(current, name)) != _normal(getattr(wanted, name))]
+
+
+def _normal(value: Any) -> Any:
+    # The server reports "no limit" as -1 or 0 depending on the field, and nats-py a missing field as None.
+    return -1 if value in (None, 0, -1) else value
 
 
 async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -> None:
@@ -82,12 +109,9 @@ async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -
                     continue
                 if replicas is None:
                     config.num_replicas = current.config.num_replicas
-                drifted = (
-                    current.config.subjects != config.subjects
-                    or current.config.duplicate_window != config.duplicate_window
-                    or current.config.num_replicas != config.num_replicas
-                )
+                drifted = _drifted(current.config, config)
                 if drifted:
+                    log.warning("stream %s drifted (%s); restoring its managed config", config.name, ", ".join(drifted))
                     await js.update_stream(config)
     except NATS_OR_API_ERROR as e:
         # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).

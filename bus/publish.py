@@ -109,7 +109,7 @@ async def send_one(
 
 
 def retrying_unavailable() -> AsyncRetrying:
-    """Bounded retries of Unavailable only (never Conflict), backing off up to 2 s (STYLE: Async)."""
+    """Bounded retries of Unavailable only (never Conflict), backing off up to 2 s."""
     return AsyncRetrying(
         stop=stop_after_attempt(MAX_PUBLISH_ATTEMPTS),
         wait=wait_exponential(multiplier=0.2, max=2.0),

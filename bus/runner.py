@@ -5,6 +5,7 @@ dead-letters what it cannot use, with the reason."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected
-from bus.errors import Unavailable
-from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
+from bus.errors import Unavailable, error_summary
+from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
 from bus.vocab import DeadLetterReason
 
@@ -37,6 +38,9 @@ DLQ_SUBJECT = "Epibus-Dlq-Subject"
 DLQ_STREAM_SEQ = "Epibus-Dlq-Stream-Seq"
 DLQ_CONSUMER = "Epibus-Dlq-Consumer"
 DLQ_AT = "Epibus-Dlq-At"
+DLQ_DIGEST = "Epibus-Dlq-Sha256"  # of the original message, whole
+DLQ_SIZE = "Epibus-Dlq-Size"  # the original message's size in bytes
+DLQ_TRUNCATED = "Epibus-Dlq-Truncated"  # present when only this many first bytes were kept
 
 
 class Observer(Protocol):
@@ -62,10 +66,25 @@ class RunnerStats:
     last_error: str | None = None
     degraded: bool = False  # the observer's store is down; events are held, not dead-lettered
     outage_retries: int = 0
+    internal_errors: int = 0  # failures of the runner itself (bugs), each logged and retried
 
 
 def _header_safe(text: str, limit: int = 1024) -> str:
     return " ".join(text.split())[:limit]
+
+
+def dead_letter_copy(data: bytes, headers: dict[str, str], *, max_payload: int) -> bytes:
+    """What of a message goes to the DLQ. Its digest and size always go in the headers; the whole message when
+    it fits the DLQ's limits, else a prefix (marked truncated), so one huge message never makes the
+    dead-lettering itself fail, or exceed the connection's max payload, which makes the server close it."""
+    headers[DLQ_DIGEST] = hashlib.sha256(data).hexdigest()
+    headers[DLQ_SIZE] = str(len(data))
+    header_bytes = sum(len(k) + len(v) + 4 for k, v in headers.items()) + 64  # + "NATS/1.0" line, Nats-Expected-Stream
+    room = min(max_payload, DLQ_MAX_MSG_BYTES) - header_bytes - len(DLQ_TRUNCATED) - 32
+    if len(data) <= room:
+        return data
+    headers[DLQ_TRUNCATED] = str(room)
+    return data[:room]
 
 
 class ConsumerRunner:
@@ -144,6 +163,13 @@ class ConsumerRunner:
                 if failures_in_a_row >= 3 or isinstance(e, CONSUMER_GONE):
                     await self._drop_subscription()  # the consumer may be gone (new server, deleted): recreate
                 backoff_s = min(5.0, max(0.2, backoff_s * 2))
+            except Exception as e:  # noqa: BLE001 - a bug must not stop the node: counted, logged, retried
+                failures_in_a_row += 1
+                self.stats.internal_errors += 1
+                self.stats.last_error = error_summary(e)
+                log.error("runner %s failed: %s; retrying (nothing acked)", self.observer.name, self.stats.last_error)
+                await self._drop_subscription()
+                backoff_s = min(5.0, max(0.5, backoff_s * 2))
 
     async def _drop_subscription(self) -> None:
         subscription, self._subscription = self._subscription, None
@@ -180,6 +206,13 @@ class ConsumerRunner:
                 self.stats.last_error = str(e)
                 await self._hold(messages[index:])
                 break
+            except Exception as e:  # noqa: BLE001 - not the message's fault alone: spend a delivery, keep order
+                self.stats.handler_failures += 1
+                self.stats.last_error = error_summary(e)
+                log.error("admitting stream seq %d failed: %s", msg.metadata.sequence.stream, self.stats.last_error)
+                if not await self._dead_letter_if_spent(msg, e):
+                    await self._hold(messages[index + 1 :], delay_of=msg)
+                    break
         if not admitted:
             return
         try:
@@ -196,7 +229,7 @@ class ConsumerRunner:
             self.stats.last_error = f"{type(e).__name__}: {e}"
             log.error("observer %s failed on a batch of %d: %s", self.observer.name, len(admitted), e)
             if len(admitted) == 1:
-                await self._redeliver_or_dead_letter(admitted[0], e)
+                await self._dead_letter_if_spent(admitted[0][0], e)
             else:
                 await self._one_at_a_time(admitted)
             return
@@ -210,7 +243,7 @@ class ConsumerRunner:
                 await self._handle_through_outages([one])
             except Exception as single:  # noqa: BLE001 - counted, redelivered or dead-lettered
                 self.stats.handler_failures += 1
-                if not await self._redeliver_or_dead_letter(one, single):
+                if not await self._dead_letter_if_spent(one[0], single):
                     await self._hold([msg for msg, _ in admitted[index + 1 :]], delay_of=one[0])
                     return
 
@@ -250,11 +283,10 @@ class ConsumerRunner:
             self.stats.last_stream_seq = max(self.stats.last_stream_seq, delivery.stream_seq)
         self.stats.handled += len(admitted) - len(refused)
 
-    async def _redeliver_or_dead_letter(self, admitted: tuple[Msg, Delivery], error: Exception) -> bool:
-        """True when the event was dead-lettered (it is out of the way), False when it will come back."""
-        msg, delivery = admitted
-        if delivery.num_delivered >= self.max_deliver:
-            return await self.dead_letter(msg, DeadLetterReason.max_deliver, f"{type(error).__name__}: {error}")
+    async def _dead_letter_if_spent(self, msg: Msg, error: Exception) -> bool:
+        """True when the message was dead-lettered (it is out of the way), False when it will come back."""
+        if msg.metadata.num_delivered >= self.max_deliver:
+            return await self.dead_letter(msg, DeadLetterReason.max_deliver, error_summary(error))
         await msg.nak(delay=self._delay(msg))
         return False
 
@@ -274,15 +306,16 @@ class ConsumerRunner:
             "Nats-Msg-Id": f"{self.observer.name}:{seq}",  # a retried dead-lettering is stored once
             DLQ_REASON: reason.value,
             DLQ_ERROR: _header_safe(error),
-            DLQ_SUBJECT: msg.subject,
+            DLQ_SUBJECT: _header_safe(msg.subject, 512),
             DLQ_STREAM_SEQ: str(seq),
             DLQ_CONSUMER: self.observer.name,
             DLQ_AT: datetime.now(UTC).isoformat(),
         }
+        data = dead_letter_copy(msg.data, headers, max_payload=self.nc.max_payload)
         subject = dlq_subject(self.observer.name, reason.value)
         try:
             async with asyncio.timeout(10):
-                await self.js.publish(subject, msg.data, headers=headers)
+                await self.js.publish(subject, data, headers=headers)
         except NATS_OR_API_ERROR as e:
             failure = translate_publish_error(e, subject)
             log.error("dead-lettering stream seq %d failed (%s); it will be redelivered", seq, failure)

@@ -1,4 +1,4 @@
-"""Choosing a vector store by name: the explicit table of backends (STYLE: Interfaces). Backends are imported
+"""Choosing a vector store by name: the explicit table of backends. Backends are imported
 when chosen: qdrant-client alone takes a second to import, and most commands never touch a store."""
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""Nothing a publisher sends stops a node: poison messages, huge messages and messages over the limit are
+dead-lettered (or refused by the stream) and the node keeps journaling what comes after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+from nats.js.api import StreamConfig
+
+from bus.client import connect
+from bus.jetstream import EVENT_MAX_MSG_BYTES
+from bus.reader import dead_letters
+from bus.runner import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED
+from bus.server import NatsServer
+from bus.subjects import STREAM, event_subject
+from epibus.node import Node, NodeConfig
+from tests.conftest import finding
+from tests.support import eventually, journal_event_ids
+
+# The size that made the dead-letter copy (message + headers) exceed the server's 1 MiB max payload.
+HUGE = 1_048_376
+
+
+def poison_messages(envelope: dict[str, object]) -> list[bytes]:
+    """Each of these once raised out of the runner and stopped the node, again after every restart."""
+    far_future = dict(envelope, recorded_at="9999-12-31T23:59:59.999999-23:59")
+    return [
+        b"[" * 30000 + b"]" * 30000,  # RecursionError in json.loads
+        b'{"event_id": 1' + b"0" * 5000 + b"}",  # ValueError: more than 4300 digits
+        json.dumps(far_future).encode(),  # OverflowError converting to UTC
+    ]
+
+
+async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(node, nats_server, home, project):
+    async with connect(nats_server.url, agent="alice", home=home) as client:
+        template = json.loads(client.event("finding", finding(0), project=project).model_dump_json())
+        raw = await nats.connect(nats_server.url)
+        try:
+            for data in poison_messages(template):
+                await raw.jetstream().publish(event_subject(project, "finding", "poison"), data)
+        finally:
+            await raw.close()
+        after = client.event("finding", finding(1), project=project)
+        await client.publish(after)
+
+        journal_url = node.journal.url
+        await eventually(lambda: journal_event_ids(journal_url, project) == [str(after.event_id)], timeout_s=20)
+        letters = await eventually(lambda: _letters_of(client.js, project, 3), timeout_s=20)
+        assert sorted(m.headers[DLQ_REASON] for m in letters) == ["invalid_event"] * 3
+        assert not any(task.done() for task in node._tasks), "a node service stopped"
+        assert node.runner.stats.internal_errors == 0
+
+
+async def _letters_of(js, project: str, count: int):
+    found = [m for m in await dead_letters(js) if f"epi.{project}." in (m.headers or {}).get("Epibus-Dlq-Subject", "")]
+    return found if len(found) >= count else None
+
+
+async def test_a_message_over_the_event_limit_is_refused_by_the_stream(node, nats_server, project):
+    raw = await nats.connect(nats_server.url)
+    try:
+        js = raw.jetstream()
+        before = (await js.stream_info(STREAM)).state.last_seq
+        with pytest.raises(nats.js.errors.APIError) as refused:
+            await js.publish(event_subject(project, "finding", "x"), b"x" * (EVENT_MAX_MSG_BYTES + 1))
+        assert refused.value.err_code == 10054  # message size exceeds maximum allowed
+        assert (await js.stream_info(STREAM)).state.last_seq == before
+    finally:
+        await raw.close()
+    assert node.nc.is_connected
+
+
+async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_and_prefix(
+    nats_server: NatsServer, home: Path, sqlite_journal_url: str, project: str
+):
+    """A stream made before the size limit (or by hand) may hold a message near the server's max payload: its
+    dead-letter copy once exceeded the max payload and the server closed the node's connection for good."""
+    raw = await nats.connect(nats_server.url)
+    huge = b"h" * HUGE
+    try:
+        js = raw.jetstream()
+        await js.add_stream(StreamConfig(name=STREAM, subjects=["epi.>"]))
+        ack = await js.publish(event_subject(project, "finding", "x"), huge)
+    finally:
+        await raw.close()
+    config = NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")
+    async with Node(config) as node, connect(nats_server.url, agent="alice", home=home) as client:
+        after = client.event("finding", finding(1), project=project)
+        await client.publish(after)
+        await eventually(lambda: journal_event_ids(sqlite_journal_url, project) == [str(after.event_id)], timeout_s=20)
+        (letter,) = await eventually(lambda: _letters_of(client.js, project, 1), timeout_s=20)
+        assert letter.headers[DLQ_STREAM_SEQ] == str(ack.seq)
+        assert letter.headers[DLQ_SIZE] == str(HUGE)
+        assert letter.headers[DLQ_DIGEST] == hashlib.sha256(huge).hexdigest()
+        assert int(letter.headers[DLQ_TRUNCATED]) == len(letter.data) < HUGE
+        assert letter.data == huge[: len(letter.data)]
+        assert node.nc.is_connected
+        info = await client.js.stream_info(STREAM)
+        assert info.config.max_msg_size == EVENT_MAX_MSG_BYTES  # the node put the limit on the old stream
