@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -20,7 +21,15 @@ from nats.js.kv import KeyValue
 
 from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
 from bus.event import MAX_EVENT_BYTES, Actor
-from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, DLQ_SUBJECTS, STREAM, STREAM_SUBJECTS
+from bus.subjects import (
+    AGENT_KEYS_BUCKET,
+    DLQ_STREAM,
+    DLQ_SUBJECTS,
+    MESH_BUCKET,
+    STREAM,
+    STREAM_SUBJECTS,
+    TOMBSTONES_BUCKET,
+)
 
 log = logging.getLogger(__name__)
 # ≥ 2 min for retried publishes; 10 min lets an outbox drain after a short outage still be deduplicated by the server.
@@ -113,9 +122,56 @@ async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -
                 if drifted:
                     log.warning("stream %s drifted (%s); restoring its managed config", config.name, ", ".join(drifted))
                     await js.update_stream(config)
+            if replicas is not None:
+                for name in BUCKETS:
+                    await open_bucket(js, name, replicas=replicas)
     except NATS_OR_API_ERROR as e:
         # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
         raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    name: str
+    history: int
+    description: str
+
+
+# Every KV bucket epibus keeps, in one table: created with the configured replicas, like the streams.
+BUCKETS: dict[str, BucketSpec] = {
+    spec.name: spec
+    for spec in (
+        BucketSpec(AGENT_KEYS_BUCKET, 5, "epibus agent keys and roles"),
+        BucketSpec(TOMBSTONES_BUCKET, 1, "epibus tombstones of retracted and rolled-back claims"),
+        BucketSpec(MESH_BUCKET, 64, "epibus mesh: tasks, coordinators, capabilities"),
+    )
+}
+
+
+async def open_bucket(js: JetStreamContext, name: str, *, replicas: int | None = None, create: bool = True) -> KeyValue:
+    """The bucket, created from its spec when missing (`create=False`: BucketNotFoundError instead). A node
+    passes its replicas and an existing bucket is brought to them; a client passes None and never changes
+    them. Raises nats errors: callers translate them at their own choke point."""
+    spec = BUCKETS[name]
+    try:
+        kv = await js.key_value(name)
+    except nats.js.errors.BucketNotFoundError:
+        if not create:
+            raise
+        return await js.create_key_value(
+            bucket=name,
+            history=spec.history,
+            storage=StorageType.FILE,
+            replicas=replicas or 1,
+            description=spec.description,
+        )
+    if replicas is not None:
+        info = await js.stream_info(f"KV_{name}")
+        if info.config.num_replicas != replicas:
+            log.warning("bucket %s has %s replicas; setting %d", name, info.config.num_replicas, replicas)
+            info.config.num_replicas = replicas
+            await js.update_stream(info.config)
+    return kv
 
 
 class AgentRegistry:
@@ -130,10 +186,7 @@ class AgentRegistry:
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
-            try:
-                self._kv = await self._js.key_value(AGENT_KEYS_BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                self._kv = await self._js.create_key_value(bucket=AGENT_KEYS_BUCKET, history=5)
+            self._kv = await open_bucket(self._js, AGENT_KEYS_BUCKET)
         return self._kv
 
     async def bind(self, actor: Actor) -> None:

@@ -9,7 +9,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -18,7 +17,7 @@ from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, Unavailable
 from bus.event import Envelope
 from bus.fold import Fold
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry, open_bucket
 from bus.reader import read_stream
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags
 from bus.subjects import (
@@ -99,10 +98,7 @@ class TombstoneRegistry:
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
-            try:
-                self._kv = await self._js.key_value(TOMBSTONES_BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                self._kv = await self._js.create_key_value(bucket=TOMBSTONES_BUCKET, history=1)
+            self._kv = await open_bucket(self._js, TOMBSTONES_BUCKET)
         return self._kv
 
     async def hashes(self, project: str, *, timeout_s: float = JS_TIMEOUT_S) -> set[str]:

@@ -76,7 +76,7 @@ class MeshAgent(RosterChanges):
     @property
     def store(self) -> MeshStore:
         if self._store is None or self._store.js is not self.client.js:
-            self._store = MeshStore(self.client.js, replicas=self.client.replicas or 1)
+            self._store = MeshStore(self.client.js, replicas=self.client.replicas)
         return self._store
 
     # -- messages --------------------------------------------------------------------------------------

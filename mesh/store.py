@@ -15,13 +15,12 @@ from typing import TypeVar
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import StorageType
 from nats.js.kv import KeyValue
 from pydantic import AwareDatetime, BaseModel, ValidationError
 
 from bus.errors import Conflict, InvalidEvent, NotFound, Unavailable
 from bus.event import AgentId, Model, ProjectSlug
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.reader import read_stream
 from bus.subjects import (
     MESH_BUCKET,
@@ -38,7 +37,6 @@ from mesh.task import Capability, Step, TaskRecord
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 # KV keeps this many revisions per key: every step of a task stays readable by a watcher that was away.
-MESH_HISTORY = 64
 KV_OPERATION = "KV-Operation"
 
 
@@ -87,10 +85,15 @@ def is_value(msg: Msg) -> bool:
 
 
 class MeshStore:
-    """The mesh bucket, created on first use (history 64, file storage)."""
+    """The mesh bucket, created on first use. `replicas`: None keeps an existing bucket's replicas."""
 
     def __init__(
-        self, js: JetStreamContext, *, replicas: int = 1, timeout_s: float = JS_TIMEOUT_S, create: bool = True
+        self,
+        js: JetStreamContext,
+        *,
+        replicas: int | None = None,
+        timeout_s: float = JS_TIMEOUT_S,
+        create: bool = True,
     ) -> None:
         self.js = js
         self.replicas = replicas
@@ -110,17 +113,9 @@ class MeshStore:
         if self._kv is None:
             async with self._answering("open"):
                 try:
-                    self._kv = await self.js.key_value(MESH_BUCKET)
+                    self._kv = await open_bucket(self.js, MESH_BUCKET, replicas=self.replicas, create=self.create)
                 except nats.js.errors.BucketNotFoundError:
-                    if not self.create:
-                        raise NotFound("mesh bucket", MESH_BUCKET, "nobody has used the mesh on this bus yet") from None
-                    self._kv = await self.js.create_key_value(
-                        bucket=MESH_BUCKET,
-                        history=MESH_HISTORY,
-                        storage=StorageType.FILE,
-                        replicas=self.replicas,
-                        description="epibus mesh: tasks, coordinators, capabilities",
-                    )
+                    raise NotFound("mesh bucket", MESH_BUCKET, "nobody has used the mesh on this bus yet") from None
         return self._kv
 
     async def _get(self, key: str) -> tuple[bytes, int] | None:

@@ -695,3 +695,25 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
             await m.ack()
     finally:
         await nc2.close()
+
+
+@pytest.mark.slow
+async def test_every_stream_and_bucket_takes_the_configured_replicas(cluster: Nodes) -> None:
+    """Under --replicas 3 the buckets once stayed at one replica: losing the server that held them stalled
+    publishing (tombstones unchecked) and the mesh recorder. A bucket a client made first is brought to three."""
+    from bus.jetstream import BUCKETS, ensure_streams
+    from bus.knowledge import TombstoneRegistry
+    from bus.subjects import DLQ_STREAM, STREAM, TOMBSTONES_BUCKET
+
+    nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5)
+    try:
+        js = nc.jetstream(timeout=10)
+        # A client that comes first creates the tombstone bucket with the client default (one replica).
+        await wait_for("a client creating the tombstone bucket", cluster, lambda: TombstoneRegistry(js).hashes("p"))
+        assert (await js.stream_info(f"KV_{TOMBSTONES_BUCKET}")).config.num_replicas == 1
+        await wait_for("the node ensuring streams and buckets", cluster, lambda: ensure_streams(js, replicas=3))
+        names = [STREAM, DLQ_STREAM, *(f"KV_{bucket}" for bucket in BUCKETS)]
+        replicas = {name: (await js.stream_info(name)).config.num_replicas for name in names}
+        assert replicas == dict.fromkeys(names, 3)
+    finally:
+        await nc.close()
