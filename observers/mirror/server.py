@@ -10,9 +10,12 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc  # type: ignore[import-untyped]
+import httpx
 from qdrant_client import QdrantClient, models
+from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 
-from bus.errors import ModelMismatch, Unavailable
+from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,
@@ -27,6 +30,14 @@ from observers.mirror.store import (
 )
 
 DEFAULT_COLLECTION = "epibus"
+GRPC_OUTAGES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+
+
+def _grpc_outage(error: Exception) -> bool:
+    code = getattr(error, "code", None)
+    return isinstance(error, grpc.RpcError) and callable(code) and code() in GRPC_OUTAGES
 
 
 def server_filter(where: Filter) -> models.Filter | None:
@@ -86,12 +97,27 @@ class ServerVectorStore:
             except (ModelMismatch, Unavailable):
                 raise
             except Exception as e:
-                message = " ".join(str(e).split())
-                if "dimension" in message.lower() or "not aligned" in message:
-                    raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
-                raise Unavailable("qdrant", f"{self.location}/{self.collection}: {type(e).__name__}: {message}") from e
+                raise self._translate(e) from e
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, guarded)
+
+    def _translate(self, error: Exception) -> ModelMismatch | Unavailable | ComponentFailed:
+        """The one choke point for qdrant-client errors: only a server that did not answer, or answered that
+        it is busy or down (5xx, 429), is an outage; a refused request (4xx) or a local-mode error is not."""
+        message = " ".join(str(error).split())
+        where = f"{self.location}/{self.collection}"
+        if "dimension" in message.lower() or "not aligned" in message:
+            return ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message)
+        if isinstance(error, UnexpectedResponse):
+            status = error.status_code or 0
+            if status >= 500 or status == 429:
+                return Unavailable("qdrant", f"{where}: HTTP {status}: {message[:300]}")
+            return ComponentFailed("qdrant", f"{where}: HTTP {status}: {message[:300]}")
+        if isinstance(error, ResponseHandlingException | httpx.TransportError | OSError):
+            return Unavailable("qdrant", f"{where}: {type(error).__name__}: {message[:300]}")
+        if _grpc_outage(error):
+            return Unavailable("qdrant", f"{where}: gRPC {message[:300]}")
+        return ComponentFailed("qdrant", f"{where}: {error_summary(error)}")
 
     @property
     def client(self) -> QdrantClient:

@@ -276,3 +276,26 @@ async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_de
         assert runner.max_deliver == 3
     finally:
         await nc.close()
+
+
+async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_stalled(nats_server, home, project):
+    """A store that stays down is held as degraded; once nothing has been acked for the stall limit while
+    events wait, the observer is stalled (stats, an ERROR line), and it recovers when the store does."""
+    observer = OutageObserver("stalling", down_calls=10_000)
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, observer, ack_wait_s=2.0, fetch_timeout_s=0.2) as (runner,),
+    ):
+        watching = asyncio.create_task(runner.watch_progress(interval_s=0.2, stall_after_s=1.0))
+        try:
+            await asyncio.sleep(0.6)
+            assert runner.stats.stalled is False  # idle, nothing waits: not stalled however long
+            events = [client.event("finding", finding(i), project=project) for i in range(5)]
+            await client.publish_many(events)
+            await eventually(lambda: runner.stats.stalled, timeout_s=15)
+            assert runner.stats.pending and runner.stats.pending >= 1
+            observer.down_calls = 0
+            await eventually(lambda: len(observer.written) == 5, timeout_s=20)
+            await eventually(lambda: not runner.stats.stalled, timeout_s=10)
+        finally:
+            watching.cancel()
