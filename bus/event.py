@@ -218,7 +218,7 @@ def register_kind(body: type[Body], *, name: str | None = None) -> KindSpec:
     """Register a body model under its kind name. Idempotent for the same model; a different model under a
     taken name raises ConfigError."""
     kind = name or body.kind
-    if not KIND_PATTERN.match(kind):
+    if not KIND_PATTERN.fullmatch(kind):
         raise ConfigError("kind", f"{kind!r} must match {KIND_PATTERN.pattern}")
     if body.model_config.get("extra") != "forbid":
         raise ConfigError("kind", f"body model for {kind!r} must forbid extra keys (subclass bus.event.Body)")

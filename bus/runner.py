@@ -119,7 +119,7 @@ class ConsumerRunner:
         registry: AgentRegistry | None = None,
         start_seq: int | None = None,
     ) -> None:
-        if not CONSUMER_PATTERN.match(observer.name):
+        if not CONSUMER_PATTERN.fullmatch(observer.name):
             raise ValueError(f"observer name {observer.name!r} must match {CONSUMER_PATTERN.pattern}")
         self.nc = nc
         self.js = nc.jetstream()

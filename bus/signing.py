@@ -45,7 +45,7 @@ class AgentKey:
     @classmethod
     def load_or_create(cls, home: Path, agent_id: str) -> AgentKey:
         """The agent's key from `home/keys`, created (0600) on first use."""
-        if not AGENT_PATTERN.match(agent_id):
+        if not AGENT_PATTERN.fullmatch(agent_id):
             raise ConfigError("agent", f"{agent_id!r} must match {AGENT_PATTERN.pattern}")
         path = home / "keys" / f"{agent_id}.nk"
         if path.exists():

@@ -56,7 +56,9 @@ def parse_event_subject(subject: str) -> EventAddress | None:
     if len(parts) != 4 or parts[0] != "epi":
         return None
     _, project, kind, artifact_id = parts
-    if not (PROJECT_PATTERN.match(project) and KIND_PATTERN.match(kind) and ARTIFACT_PATTERN.match(artifact_id)):
+    if not (
+        PROJECT_PATTERN.fullmatch(project) and KIND_PATTERN.fullmatch(kind) and ARTIFACT_PATTERN.fullmatch(artifact_id)
+    ):
         return None
     return EventAddress(project, kind, artifact_id)
 
@@ -64,9 +66,9 @@ def parse_event_subject(subject: str) -> EventAddress | None:
 def events_filter(project: str | None = None, kind: str | None = None) -> str:
     """A consumer filter for one project and/or one kind; every event when both are None.
     Raises ConfigError for a project or kind that no subject could hold."""
-    if project is not None and not PROJECT_PATTERN.match(project):
+    if project is not None and not PROJECT_PATTERN.fullmatch(project):
         raise ConfigError("project", f"{project!r} must match {PROJECT_PATTERN.pattern}")
-    if kind is not None and not KIND_PATTERN.match(kind):
+    if kind is not None and not KIND_PATTERN.fullmatch(kind):
         raise ConfigError("kind", f"{kind!r} must match {KIND_PATTERN.pattern}")
     if project is None and kind is None:
         return "epi.>"
