@@ -25,7 +25,16 @@ from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
 from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
-from bus.home import default_agent, epibus_home, outbox_path, resolve_nats_url
+from bus.home import (
+    NodeFollower,
+    default_agent,
+    epibus_home,
+    explicit_nats_url,
+    outbox_path,
+    read_node_info,
+    resolve_nats_url,
+    split_servers,
+)
 from bus.ids import new_event_id
 from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
@@ -58,8 +67,13 @@ class EpibusClient(StateChanges, FleetRequests):
         max_in_flight: int = 512,
         replicas: int | None = None,
         only_own_rows: bool = True,
+        follow: NodeFollower | None = None,
+        offline: bool = False,
     ) -> None:
         self.servers = list(servers)
+        self.follow = follow  # the servers came from node.json: find the node again if it moves
+        # Sign and outbox without connecting: receipts are `outboxed`, a node's forwarder sends the events later.
+        self.offline = offline
         self.key = key
         self.session_id = session_id or str(new_event_id())
         self.goal_id = goal_id
@@ -104,9 +118,14 @@ class EpibusClient(StateChanges, FleetRequests):
             raise
 
     async def _start(self) -> None:
+        if self.offline and self._outbox_path is None:
+            raise ConfigError("outbox", "an offline client needs the outbox: nothing else would keep its events")
         if self._outbox_path is not None:
             self.outbox = await Outbox(self._outbox_path).open()
             self._stack.push_async_callback(self.outbox.close)
+        if self.offline:
+            return
+        if self.outbox is not None:
             self.forwarder = Forwarder(
                 self.outbox,
                 self._jetstream_if_connected,
@@ -146,6 +165,7 @@ class EpibusClient(StateChanges, FleetRequests):
             self.servers,
             name=f"epibus:{self.key.agent_id}",
             timeout_s=self.connect_timeout_s,
+            follow=self.follow,
             reconnected_cb=self._on_reconnected,
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
@@ -187,7 +207,8 @@ class EpibusClient(StateChanges, FleetRequests):
     def js(self) -> JetStreamContext:
         """One context per connection: each context owns the reply subscription of its async publishes."""
         if self.nc is None:
-            raise Unavailable("nats", f"not connected to {', '.join(self.servers)}")
+            where = ", ".join(self.servers) or "a node: none was running, so this client only outboxes"
+            raise Unavailable("nats", f"not connected to {where}")
         if self._js is None:
             self._js = self.nc.jetstream(timeout=self.publish_timeout_s)
         return self._js
@@ -327,6 +348,12 @@ class EpibusClient(StateChanges, FleetRequests):
             raise ConfigError("wait_for", "'indexed' needs the vector mirror, which is not built yet", allowed=allowed)
         if level is ReceiptLevel.outboxed and self.outbox is None:
             raise ConfigError("wait_for", "'outboxed' needs the outbox; connect with outbox=True", allowed=allowed)
+        if level is ReceiptLevel.journaled and self.offline:
+            raise ConfigError(
+                "wait_for",
+                "'journaled' needs a running node and none runs (this client only outboxes); "
+                "start one with `epibus up`, or wait for 'published' and get an `outboxed` receipt",
+            )
         return level
 
     async def _flags(self, events: Sequence[Envelope], *, strict: bool) -> dict[str, tuple[str, ...]]:
@@ -347,13 +374,14 @@ class EpibusClient(StateChanges, FleetRequests):
 
     async def _publish_through_outbox(self, rows: list[OutboxRow], timeout_s: float) -> list[Receipt]:
         assert self.outbox is not None
-        assert self.forwarder is not None
+        forwarder = self.forwarder  # None when offline: the rows wait for a node's forwarder
         # Register before the rows exist, or a forwarder mid-drain could send them unobserved.
-        futures = {row.event_id: self.forwarder.sent(row.event_id) for row in rows}
+        futures = {row.event_id: forwarder.sent(row.event_id) for row in rows} if forwarder is not None else {}
         acks: dict[str, tuple[int, bool]] = {}
         try:
             await self.outbox.add(rows)
-            self.forwarder.wake()
+            if forwarder is not None:
+                forwarder.wake()
             if self.connected:
                 acks = await await_acks(futures, self.outbox, timeout_s)
         finally:
@@ -441,10 +469,13 @@ def _link(event: Envelope, name: str) -> str | None:
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` or `async with connect()`
-    """Connect an agent to the bus, finding the running local node unless `nats_url` is given.
+    """Connect an agent to the bus, finding the running local node unless `nats_url` is given (and following
+    it to new ports if it restarts elsewhere).
 
     `outbox=True` (default) keeps events durable in `<home>/outbox.db` before sending; `outbox=False` sends
-    directly and raises Unavailable when NATS does not answer."""
+    directly and raises Unavailable when NATS does not answer. With no URL given and no node running, raises
+    ConfigError, unless `offline_without_node`: then the client only outboxes (`EpibusClient.offline`) and the
+    node's forwarder sends the events when it starts."""
 
     def __init__(
         self,
@@ -453,17 +484,25 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
         agent: str | None = None,
         home: Path | str | None = None,
         outbox: bool | Path = True,
+        offline_without_node: bool = False,
         **options: Any,
     ) -> None:
         self.home = epibus_home(home)
-        self.servers = [u.strip() for u in resolve_nats_url(nats_url, self.home).split(",") if u.strip()]
-        self.key = AgentKey.load_or_create(self.home, agent or default_agent())
+        explicit = explicit_nats_url(nats_url)
         self.outbox = outbox_path(self.home) if outbox is True else (outbox or None)
+        self.offline = (
+            offline_without_node and explicit is None and self.outbox is not None and read_node_info(self.home) is None
+        )
+        self.servers = [] if self.offline else split_servers(resolve_nats_url(explicit, self.home))
+        self.follow = NodeFollower(self.home, self.servers) if explicit is None and not self.offline else None
+        self.key = AgentKey.load_or_create(self.home, agent or default_agent())
         self.options = options
         self._client: EpibusClient | None = None
 
     async def _open(self) -> EpibusClient:
-        client = EpibusClient(self.servers, self.key, outbox=self.outbox, **self.options)
+        client = EpibusClient(
+            self.servers, self.key, outbox=self.outbox, follow=self.follow, offline=self.offline, **self.options
+        )
         await client.start()
         return client
 

@@ -1,17 +1,21 @@
 """Where a machine's epibus state lives (EPIBUS_HOME, default ~/.epibus) and how commands find the running
-local node: `epibus up` records itself in `<home>/node.json`; everything else reads it."""
+local node: `epibus up` records itself in `<home>/node.json`; everything else reads it, and a connection that
+follows the node re-reads it when the node stops answering (`NodeFollower`)."""
 
 from __future__ import annotations
 
 import getpass
 import json
+import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bus.errors import ConfigError
 
+log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
 
 
@@ -87,19 +91,57 @@ def remove_node_info(home: Path, pid: int) -> None:
         path.unlink()
 
 
+def explicit_nats_url(explicit: str | None) -> str | None:
+    """--nats, else $EPIBUS_NATS_URL; None means "the local node, wherever node.json says it runs"."""
+    return explicit or os.environ.get("EPIBUS_NATS_URL") or None
+
+
 def resolve_nats_url(explicit: str | None, home: Path) -> str:
     """--nats, else $EPIBUS_NATS_URL, else the running local node. Raises ConfigError naming the fixes."""
-    url = explicit or os.environ.get("EPIBUS_NATS_URL")
+    url = explicit_nats_url(explicit)
     if url:
         return url
     node = read_node_info(home)
     if node is None:
         raise ConfigError(
             "nats",
-            f"no epibus node is running under {home}; start one with `epibus up` or pass --nats URL "
-            "(or set EPIBUS_NATS_URL)",
+            f"no epibus node is running under {home}, and this needs one: reads and state changes work on the "
+            "node's current state (only `epibus publish` can wait in the outbox); start one with `epibus up` or "
+            "pass --nats URL (or set EPIBUS_NATS_URL)",
         )
     return node.nats_url
+
+
+def split_servers(url: str) -> list[str]:
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+class NodeFollower:
+    """Where the local node runs, for a connection whose URL came from node.json: asked again after every
+    failed (re)connect attempt, so a node restarted on other ports is found without restarting its clients."""
+
+    def __init__(self, home: Path, servers: Sequence[str]) -> None:
+        self.home = home
+        self.servers = list(servers)
+        self.moves = 0
+        self.unreadable = 0  # node.json could not be read (counted and logged; the old servers are kept)
+
+    def moved(self) -> list[str] | None:
+        """The node's servers when node.json names a live node elsewhere than `servers`, else None."""
+        try:
+            node = read_node_info(self.home)
+        except ConfigError as e:
+            self.unreadable += 1
+            log.warning("cannot tell where the local node went: %s", e)
+            return None
+        if node is None:
+            return None  # stopped: it comes back where it was (its ports are kept), or says where in node.json
+        servers = split_servers(node.nats_url)
+        if servers == self.servers:
+            return None
+        self.servers = servers
+        self.moves += 1
+        return servers
 
 
 def resolve_journal_url(explicit: str | None, home: Path) -> str:

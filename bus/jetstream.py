@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 
 from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
 from bus.event import MAX_EVENT_BYTES, Actor
+from bus.home import NodeFollower
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_STREAM,
@@ -232,15 +233,22 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, OSError)
 
 
-async def open_nats(servers: Sequence[str], *, name: str, timeout_s: float, **callbacks: Any) -> NatsClient:
+async def open_nats(
+    servers: Sequence[str], *, name: str, timeout_s: float, follow: NodeFollower | None = None, **callbacks: Any
+) -> NatsClient:
     """A reconnecting NATS connection, or Unavailable (naming the last connection error) if none is made
-    within timeout_s. Connection errors go to `error_cb` if given, never to nats-py's traceback logging."""
+    within timeout_s. Connection errors go to `error_cb` if given, never to nats-py's traceback logging.
+    With `follow`, every failed attempt asks where the local node runs now and reconnects there if it moved."""
     nc = NatsClient()
-    errors: list[BaseException] = []
+    errors: list[BaseException] = []  # only the last: an outage of hours fails an attempt every second
     user_error_cb = callbacks.pop("error_cb", None)
 
     async def remember(error: Exception) -> None:
-        errors.append(error)
+        errors[:] = [error]
+        moved = follow.moved() if follow is not None and not nc.is_closed else None
+        if moved:
+            log.warning("the local node now runs at %s; reconnecting there", ", ".join(moved))
+            nc.set_server_pool(moved)  # the next reconnect attempt uses it
         if user_error_cb is not None:
             await user_error_cb(error)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.errors import ConfigError, Conflict, Unavailable
+from bus.ports import ServerPorts, keep_ports, port_taken, raise_for_taken_port, read_ports
 from bus.server_guard import SPAWNER, StoreLock, die_with_parent, servers_on, terminate
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ def server_version(binary: Path) -> tuple[int, int, int]:
 class NatsServer:
     """A nats-server child process with JetStream. `start()` returns once JetStream answers /healthz.
 
-    The first start picks free ports; restarts reuse them, so clients reconnect to the same URL.
+    The first start picks free ports; restarts reuse them, so clients reconnect to the same URL. With
+    `keep_ports` they are kept in `<store>/ports.json` and reused by every later start, in any process (a port
+    given explicitly wins and is kept); a kept port another process holds is a ConfigError naming it.
 
     The server never outlives the process that started it: it is forked from one long-lived thread with a
     parent-death signal (SIGKILL), so even `kill -9` of the owner takes it down; it runs in a session of its own
@@ -74,6 +77,8 @@ class NatsServer:
         *,
         host: str = "127.0.0.1",
         port: int = -1,
+        monitor_port: int = -1,
+        keep_ports: bool = False,
         server_name: str = "epibus",
         sync_always: bool = True,
         extra_config: str = "",
@@ -82,7 +87,8 @@ class NatsServer:
         self.store_dir = store_dir
         self.host = host
         self.port = port
-        self.monitor_port = -1
+        self.monitor_port = monitor_port
+        self.keep_ports = keep_ports
         self.server_name = server_name
         self.sync_always = sync_always
         self.extra_config = extra_config
@@ -125,19 +131,25 @@ class NatsServer:
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Start the process and wait until JetStream is healthy. Raises Unavailable with the log's tail, or
-        Conflict when another live process runs a server on this store directory."""
+        Conflict when another live process runs a server on this store directory, ConfigError when a port it
+        is to listen on is taken."""
         if self._process is not None and self._process.poll() is None:
             return
         deadline = time.monotonic() + timeout_s
         self._claim_store(deadline)
+        self._choose_ports()
         config = self._write_config()
         self._process = self._spawn(config)
         self._lock.record(self._process.pid)
         ports_file = self.store_dir / f"nats-server_{self._process.pid}.ports"
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
+                if "address already in use" in self._log_tail():
+                    self._require_free_ports()  # taken between the check and the listen
                 raise Unavailable("nats-server", f"exited with {self._process.returncode}: {self._log_tail()}")
             if ports_file.exists() and self._read_ports(ports_file) and self._healthy():
+                if self.keep_ports:
+                    keep_ports(self.store_dir, ServerPorts(self.port, self.monitor_port))
                 return
             time.sleep(0.05)
         self.kill()
@@ -189,6 +201,20 @@ class NatsServer:
         for pid in servers_on(self.store_dir):  # we hold the lock: no other server here has a live owner
             log.warning("stopping nats-server pid %d running on %s without its lock", pid, self.store_dir)
             terminate(pid)
+
+    def _choose_ports(self) -> None:
+        """Ports not given nor learned by an earlier start of this object come from ports.json (keep_ports),
+        else nats-server picks free ones (-1); a port to reuse must be free."""
+        kept = read_ports(self.store_dir) if self.keep_ports else None
+        if kept is not None:
+            self.port = self.port if self.port > 0 else kept.client
+            self.monitor_port = self.monitor_port if self.monitor_port > 0 else kept.monitor
+        self._require_free_ports()
+
+    def _require_free_ports(self) -> None:
+        for role, port, option in (("client", self.port, "--port"), ("monitor", self.monitor_port, "--monitor-port")):
+            if port > 0 and port_taken(self.host, port):
+                raise_for_taken_port(role, self.host, port, option)
 
     def _read_ports(self, ports_file: Path) -> bool:
         try:

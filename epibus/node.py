@@ -54,6 +54,9 @@ MESH_KINDS = (mesh_events.TASK_KIND, mesh_events.COORDINATORS_KIND)
 class NodeConfig:
     home: Path
     nats_url: str | None = None  # None: run the embedded nats-server under home/nats
+    # The embedded server's ports; None: the ports kept from an earlier start (free ones at the first)
+    port: int | None = None
+    monitor_port: int | None = None
     journal_url: str | None = None  # None: SQLite file under home
     replicas: int = 1
     agent: str = "node"  # names the node's NATS connection
@@ -124,9 +127,16 @@ class Node:
 
     async def _start(self) -> None:
         home = self.config.home
+        if self.config.nats_url is not None and (self.config.port or self.config.monitor_port):
+            raise ConfigError("--port", "only the embedded nats-server has ports to set; drop --port or --nats")
         home.mkdir(parents=True, exist_ok=True)
         if self.config.nats_url is None:
-            self.server = NatsServer(home / "nats")
+            self.server = NatsServer(
+                home / "nats",
+                port=self.config.port or -1,
+                monitor_port=self.config.monitor_port or -1,
+                keep_ports=True,  # clients following this node find it where it was before a restart
+            )
             self._stack.callback(self.server.stop)  # first: a start that fails half-way still frees the store
             await asyncio.to_thread(self.server.start)
         self.journal = Journal(self.config.journal_url or default_journal_url(home))

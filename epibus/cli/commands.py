@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections import Counter
 from typing import Annotated, Any
@@ -10,17 +11,17 @@ from typing import Annotated, Any
 import typer
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from bus.admission import Admission, Rejected
-from bus.errors import ConfigError, NotFound, Unavailable
+from bus.errors import ConfigError, NotFound
+from bus.follow import StreamFollower
 from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url
-from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
+from bus.jetstream import AgentRegistry
 from bus.outbox import Outbox
 from bus.reader import replay, stream_figures
 from bus.server import MIN_SERVER_VERSION
-from bus.subjects import events_filter
+from bus.subjects import STREAM, events_filter
 from bus.vocab import TaskState
 from epibus.cli.common import (
     AgentOpt,
@@ -47,6 +48,14 @@ from observers.journal import EventQuery, Journal, JournalObserver
 @handles_errors
 def up(
     nats: NatsOpt = None,
+    port: Annotated[
+        int | None,
+        typer.Option("--port", min=1, max=65535, help="The embedded nats-server's client port; kept for later starts."),
+    ] = None,
+    monitor_port: Annotated[
+        int | None,
+        typer.Option("--monitor-port", min=1, max=65535, help="Its monitoring port; kept for later starts."),
+    ] = None,
     journal: JournalOpt = None,
     replicas: Annotated[
         int,
@@ -70,7 +79,8 @@ def up(
     as_json: JsonOpt = False,
 ) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, the
-    vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate)."""
+    vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate).
+    The embedded server listens on the same ports at every start (free ones at the first, or --port)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
     pairs = [c.partition("=") for c in coordinate or []]
@@ -79,6 +89,8 @@ def up(
     config = NodeConfig(
         home=epibus_home(home),
         nats_url=nats,
+        port=port,
+        monitor_port=monitor_port,
         journal_url=journal,
         replicas=replicas,
         agent=agent or default_agent(),
@@ -185,21 +197,21 @@ async def _tail(
 ) -> None:
     nc = await target.connect()
     try:
-        policy = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
         subject = events_filter(project, kind)
-        try:
-            subscription = await nc.jetstream().subscribe(subject, ordered_consumer=True, deliver_policy=policy)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"cannot follow {subject}: {e}; is this the epibus NATS (stream EPI)?") from e
+        # Rides out a node restart: resumes after the last event shown, so none is missed or shown twice.
+        follower = StreamFollower(
+            nc.jetstream(), STREAM, subject, start_seq=1 if from_start else None, closed=lambda: nc.is_closed
+        )
         if not as_json:
             err_console.print(f"following {events_filter(project, kind)} (Ctrl-C stops)")
         seen = 0
         admission = Admission(AgentRegistry(nc.jetstream()))
-        async for msg in subscription.messages:
-            await _tail_line(msg, admission, as_json)
-            seen += 1
-            if count is not None and seen >= count:
-                break
+        async with contextlib.aclosing(follower.messages()) as messages:
+            async for msg in messages:
+                await _tail_line(msg, admission, as_json)
+                seen += 1
+                if count is not None and seen >= count:
+                    break
     finally:
         await nc.close()
 

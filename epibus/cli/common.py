@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bus.errors import ConfigError, EpibusError
-from bus.home import default_agent, epibus_home, resolve_nats_url
+from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
 from bus.jetstream import open_nats
 
 T = TypeVar("T")
@@ -72,7 +72,8 @@ def handles_errors(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 def emit_json(data: Any) -> None:
-    print(json.dumps(data, default=str, sort_keys=True))
+    # flushed: a watcher's lines (tail, inbox --watch) reach a pipe as they happen, not a buffer at a time
+    print(json.dumps(data, default=str, sort_keys=True), flush=True)
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
@@ -118,5 +119,9 @@ class Target:
     agent: str | None
 
     async def connect(self) -> NatsClient:
-        servers = resolve_nats_url(self.nats, epibus_home(self.home)).split(",")
-        return await open_nats(servers, name=f"epibus-cli:{self.agent or default_agent()}", timeout_s=5)
+        """A connection to --nats, or to the local node, followed to wherever it runs after a restart."""
+        home = epibus_home(self.home)
+        servers = split_servers(resolve_nats_url(self.nats, home))
+        follow = NodeFollower(home, servers) if explicit_nats_url(self.nats) is None else None
+        name = f"epibus-cli:{self.agent or default_agent()}"
+        return await open_nats(servers, name=name, timeout_s=5, follow=follow)

@@ -25,6 +25,7 @@ from epibus.cli.common import (
     NatsOpt,
     console,
     emit_json,
+    err_console,
     handles_errors,
     run,
     table,
@@ -175,10 +176,13 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
     )
     event = key.sign(draft)
     encode_event(event)  # the size limit, too
+    # No node running and no --nats: the event waits in the home's outbox, signed as it would be sent now, and
+    # the node's forwarder sends it (same event id) when it starts.
     async with connect(
         o["nats"],
         agent=key.agent_id,
         home=home,
+        offline_without_node=True,
         publish_timeout_s=o["timeout_s"],
         connect_timeout_s=min(5.0, o["timeout_s"]),
     ) as client:
@@ -186,9 +190,15 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
     if o["as_json"]:
         emit_json({"ok": True, **receipt.as_dict(), "artifact_id": event.artifact_id})
         return
+    if client.offline:
+        err_console.print(
+            f"no epibus node is running under {home}: the event waits in the outbox until `epibus up`",
+            markup=False,
+            highlight=False,
+        )
     console.print(
         table(
-            f"published {kind}",
+            f"{'published' if receipt.level is not ReceiptLevel.outboxed else 'outboxed'} {kind}",
             ["event_id", "artifact_id", "level", "stream_seq", "duplicate", "flags"],
             [
                 [

@@ -1,0 +1,143 @@
+"""Following a stream live, across reconnects and server restarts: every matching message once, in stream order.
+
+An ephemeral pull consumer reads from the last sequence handed out; when it errs or vanishes (a restarted server
+drops it) a new one starts right after that sequence, and anything at or below it is skipped. nats-py's ordered
+consumer is not used: it notices a restarted server only after two missed heartbeats (10 s), and when it had
+delivered nothing yet it starts again from the stream's first message."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus.errors import Unavailable
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.reader import last_sequence
+
+log = logging.getLogger(__name__)
+RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
+CONSUMER_CHECK_S = 3.0  # an idle follower confirms its consumer still exists this often
+MAX_BACKOFF_S = 2.0
+
+
+@dataclass
+class FollowStats:
+    delivered: int = 0
+    skipped_seen: int = 0  # messages at or below the last sequence that a new consumer delivered again
+    resubscribed: int = 0
+    errors: int = 0
+    last_error: str | None = None
+
+
+class StreamFollower:
+    """`async for msg in StreamFollower(js, STREAM, subject).messages():` from `start_seq` (None: only messages
+    newer than the stream's last one now). Raises Unavailable if the first subscription fails (no such stream,
+    no server) or once the connection is closed for good; later errors are logged, counted and ridden out."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        filter_subject: str,
+        *,
+        start_seq: int | None = None,
+        closed: Callable[[], bool],
+        batch_size: int = 256,
+        poll_timeout_s: float = 1.0,
+    ) -> None:
+        self.js = js
+        self.stream = stream
+        self.filter_subject = filter_subject
+        self.start_seq = start_seq
+        self.closed = closed  # True once the connection is closed for good (not merely reconnecting)
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.last_seq = 0  # the highest stream sequence handed out (or skipped as older than start_seq)
+        self.stats = FollowStats()
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._checked_at = time.monotonic()
+
+    async def messages(self) -> AsyncGenerator[Msg, None]:
+        if self.start_seq is None:
+            self.last_seq = await last_sequence(self.js, self.stream)
+        else:
+            self.last_seq = max(0, self.start_seq - 1)
+        try:
+            await self._subscribe()
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"cannot follow {self.filter_subject} on stream {self.stream}: {e}") from e
+        backoff_s = 0.0
+        while True:
+            try:
+                batch = await self._poll()
+            except RETRYABLE as e:
+                if self.closed():
+                    raise Unavailable("nats", f"following {self.filter_subject}: the connection was closed") from e
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(e).__name__}: {e}"
+                log.warning("following %s: %s; resuming after seq %d", self.filter_subject, e, self.last_seq)
+                await self._drop_subscription()
+                backoff_s = min(MAX_BACKOFF_S, max(0.2, backoff_s * 2))
+                await asyncio.sleep(backoff_s)
+                continue
+            backoff_s = 0.0
+            for msg in batch:
+                seq = msg.metadata.sequence.stream
+                if seq <= self.last_seq:
+                    self.stats.skipped_seen += 1
+                    continue
+                self.last_seq = seq
+                self.stats.delivered += 1
+                yield msg
+
+    async def _poll(self) -> list[Msg]:
+        subscription = await self._subscribe()
+        try:
+            messages = await subscription.fetch(self.batch_size, timeout=self.poll_timeout_s)
+        except TimeoutError:  # nats' and asyncio's alike: nothing new
+            await self._confirm_consumer(subscription)
+            return []
+        self._checked_at = time.monotonic()
+        return messages
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        if self._subscription is None:
+            config = ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self.last_seq + 1,
+                filter_subject=self.filter_subject,
+                inactive_threshold=60.0,
+                mem_storage=True,
+            )
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                self._subscription = await self.js.pull_subscribe(
+                    self.filter_subject, stream=self.stream, config=config
+                )
+            self.stats.resubscribed += 1
+            self._checked_at = time.monotonic()
+        return self._subscription
+
+    async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
+        """Fetches on a consumer that a restarted server dropped just time out: ask for it now and then, and
+        let the error start a new one."""
+        if time.monotonic() - self._checked_at < CONSUMER_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            await subscription.consumer_info()
+
+    async def _drop_subscription(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except RETRYABLE as e:  # the connection may be gone with it
+                log.info("following %s: dropping the old subscription: %s", self.filter_subject, e)
