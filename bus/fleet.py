@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
@@ -14,6 +15,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from pydantic import ValidationError
 
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
@@ -26,13 +28,27 @@ from bus.recall import (
     ForgetProof,
     ForgetReport,
     RecallAnswer,
+    Replies,
     ask_all,
     content_fingerprints,
     fan_out,
     free_texts,
     recall_request,
 )
+from bus.requests import (
+    ForgetProofReply,
+    ForgetProofRequest,
+    ReindexProgress,
+    ReindexReply,
+    ReindexRequest,
+    VerifyReply,
+    VerifyRequest,
+    build_request,
+    describe_invalid,
+)
 from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
+
+log = logging.getLogger(__name__)
 
 
 class FleetCore(Protocol):
@@ -109,49 +125,54 @@ class FleetRequests:
                 await self.js.get_msg(STREAM, seq)
             except nats.js.errors.NotFoundError:
                 erased.append(seq)
-        request = {
-            "project": report.project,
-            "artifact_id": report.artifact_id,
-            "event_ids": [e for _, e in report.messages if e],
-            "fingerprints": report.fingerprints,
-            "embedded_texts": report.embedded_texts,
-            "scrub": scrub,
-        }
-        answers = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, timeout_s=timeout_s)
-        return ForgetProof(report, erased, {str(a.get("node")): a for a in answers})
+        request = build_request(
+            ForgetProofRequest,
+            project=report.project,
+            artifact_id=report.artifact_id,
+            event_ids=[e for _, e in report.messages if e],
+            fingerprints=report.fingerprints,
+            embedded_texts=report.embedded_texts,
+            scrub=scrub,
+        )
+        replies = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, ForgetProofReply, timeout_s=timeout_s)
+        nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
+        return ForgetProof(report, erased, nodes, replies.malformed)
 
     async def verify_nodes(
         self: FleetCore, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
     ) -> list[dict[str, Any]]:
-        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked).
-        Raises Unavailable when no node answered."""
-        request = {"project": project, "repair": repair}
-        answers = await fan_out(self._require_nc(), VERIFY, request, timeout_s=timeout_s)
-        if not answers:
-            raise Unavailable("verify", f"no node answered within {timeout_s}s; is `epibus up` running?")
-        return answers
+        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked). A reply
+        that is no node's answer is listed as a failed answer (`error`: malformed reply, and why). Raises
+        Unavailable when no node answered."""
+        request = build_request(VerifyRequest, project=project, repair=repair)
+        replies = await fan_out(self._require_nc(), VERIFY, request, VerifyReply, timeout_s=timeout_s)
+        return _answers_of("verify", replies, timeout_s)
 
     async def reindex_nodes(
         self: FleetCore, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
     ) -> list[dict[str, Any]]:
         """Ask every node to rebuild its mirror from the stream into a new collection and swap it in.
-        `progress(node, done_seq, last_seq)` is called as they go. Raises Unavailable if no node answered."""
+        `progress(node, done_seq, last_seq)` is called as they go. A reply that is no node's answer is listed as
+        a failed answer. Raises Unavailable if no node answered."""
         nc = self._require_nc()
         inbox = nc.new_inbox()
 
         async def on_progress(msg: Msg) -> None:
+            try:
+                update = ReindexProgress.model_validate_json(msg.data)
+            except ValidationError as e:  # not a node's progress: the answer itself still tells
+                log.warning("progress update on %s ignored: %s", inbox, describe_invalid(ReindexProgress, e))
+                return
             if progress is not None:
-                update = json.loads(msg.data)
-                progress(str(update["node"]), int(update["done"]), int(update["total"]))
+                progress(update.node, update.done, update.total)
 
         subscription = await nc.subscribe(inbox, cb=on_progress)
         try:
-            answers = await fan_out(nc, REINDEX, {"progress": inbox}, timeout_s=timeout_s)
+            request = build_request(ReindexRequest, progress=inbox)
+            replies = await fan_out(nc, REINDEX, request, ReindexReply, timeout_s=timeout_s)
         finally:
             await subscription.unsubscribe()
-        if not answers:
-            raise Unavailable("reindex", f"no node answered within {timeout_s}s; is `epibus up` running?")
-        return answers
+        return _answers_of("reindex", replies, timeout_s)
 
     async def recall(
         self: FleetCore,
@@ -183,6 +204,18 @@ class FleetRequests:
         """The audit door: every mirrored item whatever its state, with that state."""
         request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
         return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+
+
+def _answers_of(service: str, replies: Replies[Any], timeout_s: float) -> list[dict[str, Any]]:
+    """Each node's answer as a dict, then each malformed reply as a failed one. Raises Unavailable when no node
+    answered (malformed replies are no node's answer)."""
+    if not replies.answers:
+        bad = "; ".join(f"{origin}: {why}" for origin, why in replies.malformed.items())
+        raise Unavailable(
+            service, f"no node answered within {timeout_s}s; is `epibus up` running?" + (f" ({bad})" if bad else "")
+        )
+    answers = [a.model_dump(mode="json") for a in replies.answers]
+    return answers + [{"node": origin, "error": why} for origin, why in replies.malformed.items()]
 
 
 async def _message_texts(js: JetStreamContext, seqs: list[int], timeout_s: float) -> list[str]:

@@ -8,17 +8,20 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, get_args
+from typing import Any, Generic, TypeVar, get_args
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from pydantic import BaseModel
 
-from bus.errors import ConfigError, Unavailable
+from bus.errors import Unavailable
 from bus.event import Body, Text
 from bus.jetstream import NATS_UNAVAILABLE
-from bus.subjects import PROJECT_PATTERN, RECALL
+from bus.requests import ErrorReply, Malformed, RecallReply, RecallRequest, build_request, read_reply
+from bus.subjects import RECALL
 
 SETTLE_S = 0.3  # after the first answer, how long to wait for the other nodes
+R = TypeVar("R", bound=BaseModel)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class ForgetProof:
     report: ForgetReport
     erased_seqs: list[int]
     nodes: dict[str, dict[str, Any]]
+    malformed: dict[str, str] = field(default_factory=dict)  # replies that were no node's answer, and why
 
     @property
     def stream_clean(self) -> bool:
@@ -147,6 +151,7 @@ class ForgetProof:
             "fingerprints": len(self.report.fingerprints),
             "provable": self.provable,
             "nodes": {n: a | {"clean": self.node_clean(n)} for n, a in self.nodes.items()},
+            "malformed_replies": self.malformed,
             "complete": self.complete,
             "clean": self.clean,
         }
@@ -161,75 +166,100 @@ def recall_request(
     include_resolved: bool,
     as_of: datetime | None,
     audit: bool,
-) -> dict[str, Any]:
-    if not PROJECT_PATTERN.match(project):
-        raise ConfigError("project", f"{project!r} must match {PROJECT_PATTERN.pattern}")
-    if not query.strip():
-        raise ConfigError("query", "is empty; say what to recall")
-    return {
-        "query": query,
-        "project": project,
-        "k": k,
-        "kinds": kinds,
-        "include_resolved": include_resolved,
-        "as_of": as_of.isoformat() if as_of else None,
-        "audit": audit,
-    }
+) -> RecallRequest:
+    """Raises ConfigError naming the argument no node would accept (a project no subject could hold, an empty
+    query, k out of range...)."""
+    return build_request(
+        RecallRequest,
+        query=query,
+        project=project,
+        k=k,
+        kinds=kinds,
+        include_resolved=include_resolved,
+        as_of=as_of,
+        audit=audit,
+    )
 
 
-async def fan_out(nc: NatsClient, subject: str, request: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
-    """Publish one request that every node answers; collect the JSON answers until timeout_s, or SETTLE_S
-    after the last one came in. An empty list means no node answered."""
+@dataclass
+class Replies(Generic[R]):
+    """What came back from a fan-out: each node's answer (its reply, or the error it answered with), and the
+    replies that were neither, by who sent them (the node they name, else their arrival order) with why."""
+
+    answers: list[R | ErrorReply] = field(default_factory=list)
+    malformed: dict[str, str] = field(default_factory=dict)
+
+    def add_malformed(self, reply: Malformed, arrived: int) -> None:
+        origin = reply.origin or f"reply {arrived}"
+        while origin in self.malformed:  # two bad replies naming one node: keep both
+            origin += "'"
+        self.malformed[origin] = f"malformed reply: {reply.reason}"
+
+
+async def fan_out(
+    nc: NatsClient, subject: str, request: BaseModel, reply_model: type[R], *, timeout_s: float
+) -> Replies[R]:
+    """Publish one request that every node answers; collect the answers until timeout_s, or SETTLE_S after the
+    last one came in. Each reply is read with `reply_model`: one that does not fit (not JSON, the wrong shape,
+    too big) is recorded as malformed, never taken as an answer. No answers means no node answered."""
     inbox = nc.new_inbox()
-    replies: asyncio.Queue[Msg] = asyncio.Queue()
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def collect(msg: Msg) -> None:
-        await replies.put(msg)
+        await queue.put(msg)
 
     subscription = await nc.subscribe(inbox, cb=collect)
-    answers: list[dict[str, Any]] = []
+    replies: Replies[R] = Replies()
+    arrived = 0
     first_s = 0.0
     try:
-        await nc.publish(subject, json.dumps(request).encode(), reply=inbox)
+        await nc.publish(subject, request.model_dump_json().encode(), reply=inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
             # After the first answer the others get SETTLE_S more (slow work: as long as the first took).
-            wait_s = deadline - loop.time() if not answers else min(max(SETTLE_S, first_s), deadline - loop.time())
+            wait_s = deadline - loop.time() if not arrived else min(max(SETTLE_S, first_s), deadline - loop.time())
             try:
-                msg = await asyncio.wait_for(replies.get(), timeout=max(0.0, wait_s))
+                msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, wait_s))
             except TimeoutError:
                 break
             if not msg.data:  # a status message (503: no responders), not an answer
-                if (msg.headers or {}).get("Status") == "503" and not answers:
+                if (msg.headers or {}).get("Status") == "503" and not arrived:
                     break
                 continue
-            if not answers:
+            if not arrived:
                 first_s = timeout_s - (deadline - loop.time())
-            answers.append(json.loads(msg.data))
+            arrived += 1
+            reply = read_reply(msg.data, reply_model, max_bytes=nc.max_payload)
+            if isinstance(reply, Malformed):
+                replies.add_malformed(reply, arrived)
+            else:
+                replies.answers.append(reply)
     except NATS_UNAVAILABLE as e:
         raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
     finally:
         await subscription.unsubscribe()
-    return answers
+    return replies
 
 
-async def ask_all(nc: NatsClient, request: dict[str, Any], *, timeout_s: float = 3.0) -> RecallAnswer:
-    """Fan out, merge by event id (best score kept), rank. Raises Unavailable when no node answered."""
-    answer = RecallAnswer(request["query"], request["project"])
+async def ask_all(nc: NatsClient, request: RecallRequest, *, timeout_s: float = 3.0) -> RecallAnswer:
+    """Fan out, merge by event id (best score kept), rank. Nodes that answered with an error and replies that
+    were malformed are named in failed_nodes. Raises Unavailable when no node answered with hits."""
+    answer = RecallAnswer(request.query, request.project)
     merged: dict[str, dict[str, Any]] = {}
-    for body in await fan_out(nc, RECALL, request, timeout_s=timeout_s):
-        node = str(body.get("node"))
-        if "error" in body:
-            answer.failed_nodes[node] = str(body["error"])
+    replies = await fan_out(nc, RECALL, request, RecallReply, timeout_s=timeout_s)
+    for reply in replies.answers:
+        if isinstance(reply, ErrorReply):
+            answer.failed_nodes[reply.node] = reply.error
             continue
-        answer.nodes.append(node)
-        for hit in body["hits"]:
-            best = merged.get(hit["event_id"])
-            if best is None or hit["score"] > best["score"]:
-                merged[hit["event_id"]] = hit | {"answered_by": node}
+        answer.nodes.append(reply.node)
+        for hit in reply.hits:
+            best = merged.get(hit.event_id)
+            if best is None or hit.score > best["score"]:
+                merged[hit.event_id] = hit.model_dump(mode="json") | {"answered_by": reply.node}
+    answer.failed_nodes |= replies.malformed
     if not answer.nodes:
         why = "; ".join(f"{n}: {e}" for n, e in answer.failed_nodes.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")
-    answer.hits = sorted(merged.values(), key=lambda h: -h["score"])[: int(request["k"])]
+    answer.hits = sorted(merged.values(), key=lambda h: -h["score"])[: request.k]
     return answer

@@ -4,7 +4,6 @@ the journal's confirmation (`journaled`) with what the state projection made of 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -18,10 +17,9 @@ from bus.errors import Unavailable
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.outbox import Outbox
 from bus.publish import Receipt
+from bus.requests import LOOKUP_CHUNK, ErrorReply, LookupReply, LookupRequest, Malformed, read_reply
 from bus.subjects import JOURNAL_LOOKUP
 from bus.vocab import ReceiptLevel
-
-LOOKUP_CHUNK = 1000  # event ids per lookup request: ~40 KB, far below NATS's 1 MiB max_payload
 
 
 async def await_acks(
@@ -67,17 +65,25 @@ async def wait_journaled(
         for start in range(0, len(asking) if nc is not None else 0, LOOKUP_CHUNK):  # stay under max_payload
             assert nc is not None
             try:
-                chunk = json.dumps(asking[start : start + LOOKUP_CHUNK]).encode()
-                answer = json.loads((await nc.request(JOURNAL_LOOKUP, chunk, timeout=2)).data)
+                chunk = LookupRequest(asking[start : start + LOOKUP_CHUNK]).model_dump_json().encode()
+                data = (await nc.request(JOURNAL_LOOKUP, chunk, timeout=2)).data
             except nats.errors.NoRespondersError:
                 last_problem = "no journal observer answered; is `epibus up` running?"
                 break
             except NATS_UNAVAILABLE as e:
                 last_problem = f"{type(e).__name__} {e}"
                 break
-            missing -= set(answer["journaled"])
-            outcomes |= answer.get("outcomes", {})
-            last_problem = answer.get("error") or "the journal has not written them yet"
+            answer = read_reply(data, LookupReply, max_bytes=nc.max_payload)
+            if isinstance(answer, Malformed):  # not a journal's answer: ask again, and say so if none comes
+                last_problem = f"malformed journal lookup reply from {answer.origin or 'an unnamed process'}: "
+                last_problem += answer.reason
+                continue
+            if isinstance(answer, ErrorReply):
+                last_problem = f"journal {answer.node}: {answer.error}"
+                continue
+            missing -= set(answer.journaled)
+            outcomes |= {event_id: o.model_dump(mode="json") for event_id, o in answer.outcomes.items()}
+            last_problem = "the journal has not written them yet"
         if missing:
             await asyncio.sleep(delay_s)
             delay_s = min(0.2, delay_s * 2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -15,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from pydantic import BaseModel
 
 from bus.client import EpibusClient
 from bus.errors import ConfigError, EpibusError, Unavailable
@@ -25,10 +24,22 @@ from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_inf
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
+from bus.requests import (
+    ForgetProofReply,
+    ForgetProofRequest,
+    RecallReply,
+    RecallRequest,
+    ReindexProgress,
+    ReindexReply,
+    ReindexRequest,
+    VerifyReply,
+    VerifyRequest,
+)
+from bus.responder import Handler, Req, Responder, serve
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.signing import AgentKey
-from bus.subjects import PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
+from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from bus.tasks import cancel_and_wait
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
@@ -99,6 +110,7 @@ class Node:
         self._mirror_task: asyncio.Task[None] | None = None
         self._group: asyncio.TaskGroup | None = None
         self._reindexing = asyncio.Lock()
+        self.services: dict[str, Responder[Any, Any]] = {}  # request subject -> its responder (and counts)
         self.js: JetStreamContext | None = None
         self._streams_ready = False
         self.server_restarts = 0
@@ -155,10 +167,10 @@ class Node:
         await self._ensure_streams()
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
-        await self.nc.subscribe(PROVE_FORGOTTEN, cb=self._prove_forgotten)
-        await self.nc.subscribe(VERIFY, cb=self._verify)
-        await self.nc.subscribe(REINDEX, cb=self._answer_reindex)
-        await self.observer.serve_lookups(self.nc)
+        await self._serve(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, self._prove_forgotten)
+        await self._serve(VERIFY, VerifyRequest, VerifyReply, self._verify)
+        await self._serve(REINDEX, ReindexRequest, ReindexReply, self._answer_reindex)
+        self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(self.nc)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
         self._stack.push_async_callback(outbox.close)
@@ -244,27 +256,29 @@ class Node:
             self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.config.agent
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
-        await self.nc.subscribe(RECALL, cb=self._answer_recall)
+        await self._serve(RECALL, RecallRequest, RecallReply, self._answer_recall)
 
     async def _close_store(self) -> None:
         if self.store is not None:
             await self.store.close()
 
-    async def _answer_reindex(self, msg: Msg) -> None:
+    async def _serve(
+        self, subject: str, request_model: type[Req], reply_model: type[BaseModel], handle: Handler[Req]
+    ) -> None:
+        """Answer a request subject through the one responder: every request gets a reply, counted per service."""
+        assert self.nc is not None
         node = self.config.agent
-        try:
-            progress_subject = json.loads(msg.data).get("progress")
+        self.services[subject] = await serve(self.nc, subject, request_model, reply_model, handle, node=node)
 
-            async def progress(done: int, total: int) -> None:
-                if progress_subject and self.nc is not None:
-                    update = {"node": node, "done": done, "total": total}
-                    await self.nc.publish(progress_subject, json.dumps(update).encode())
+    async def _answer_reindex(self, request: ReindexRequest) -> dict[str, Any]:
+        node = self.config.agent
 
-            reply: dict[str, Any] = {"node": node} | await self.reindex_mirror(progress)
-        except (EpibusError, ValueError, OSError) as e:
-            log.error("reindex failed: %s", e)
-            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
-        await msg.respond(json.dumps(reply).encode())
+        async def progress(done: int, total: int) -> None:
+            if request.progress and self.nc is not None:
+                update = ReindexProgress(node=node, done=done, total=total)
+                await self.nc.publish(request.progress, update.model_dump_json().encode())
+
+        return await self.reindex_mirror(progress)
 
     async def reindex_mirror(self, progress: Progress | None = None) -> dict[str, Any]:
         """Rebuild the mirror from the stream into a new collection while the old one keeps answering, swap
@@ -300,70 +314,48 @@ class Node:
                     log.warning("old mirror consumer %s not deleted: %s", old_name, e)
             return {"points": rebuilt.points, "last_seq": rebuilt.last_seq, "rejected": rebuilt.rejected}
 
-    async def _verify(self, msg: Msg) -> None:
+    async def _verify(self, request: VerifyRequest) -> dict[str, Any]:
         """Reconcile this node's journal and mirror against the stream (and repair, when asked)."""
         assert self.journal is not None
         assert self.js is not None
-        node = self.config.agent
-        try:
-            request = json.loads(msg.data)
-            report = await verify(
-                self.js, self.journal, self.mirror, project=request.get("project"), repair=bool(request.get("repair"))
-            )
-            reply: dict[str, Any] = {"node": node} | report.as_dict()
-        except (EpibusError, ValueError, KeyError) as e:
-            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
-        await msg.respond(json.dumps(reply).encode())
+        report = await verify(self.js, self.journal, self.mirror, project=request.project, repair=request.repair)
+        return report.as_dict()
 
-    async def _prove_forgotten(self, msg: Msg) -> None:
+    async def _prove_forgotten(self, request: ForgetProofRequest) -> dict[str, Any]:
         """Finish a forget on this node's files (when asked) and prove it: rows, points and bytes."""
         assert self.journal is not None
-        node = self.config.agent
-        try:
-            files = NodeFiles(
-                self.config.home,
-                self.journal,
-                outbox=self.forwarder.outbox if self.forwarder else None,
-                cache=self.embedder,
-                store=self.store,
-                nats_store=self.server.store_dir if self.server else None,
-                nats_url=self.nats_url,
-            )
-            reply: dict[str, Any] = {"node": node} | await prove_forgotten(files, json.loads(msg.data))
-        except (EpibusError, ValueError, KeyError) as e:
-            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
-        await msg.respond(json.dumps(reply).encode())
+        files = NodeFiles(
+            self.config.home,
+            self.journal,
+            outbox=self.forwarder.outbox if self.forwarder else None,
+            cache=self.embedder,
+            store=self.store,
+            nats_store=self.server.store_dir if self.server else None,
+            nats_url=self.nats_url,
+        )
+        return await prove_forgotten(files, request.model_dump())
 
-    async def _answer_recall(self, msg: Msg) -> None:
-        """Answer a recall request from this node's mirror: hits, or the error that kept it from answering."""
+    async def _answer_recall(self, request: RecallRequest) -> dict[str, Any]:
+        """Answer a recall request from this node's mirror."""
         assert self.store is not None
         assert self.embedder is not None
-        node = self.config.agent
-        try:
-            request = json.loads(msg.data)
-            kinds = request.get("kinds")
-            if request.get("audit"):
-                result = await audit_recall(
-                    self.store, self.embedder, request["query"], request["project"], k=int(request["k"]), kinds=kinds
-                )
-            else:
-                as_of = datetime.fromisoformat(request["as_of"]) if request.get("as_of") else None
-                result = await recall(
-                    self.store,
-                    self.embedder,
-                    request["query"],
-                    request["project"],
-                    k=int(request["k"]),
-                    kinds=kinds,
-                    include_resolved=bool(request.get("include_resolved")),
-                    as_of=as_of,
-                    journal=self.journal,
-                )
-            reply: dict[str, Any] = {"node": node, "hits": [h.as_dict() for h in result.hits]}
-        except (EpibusError, ValueError, KeyError) as e:
-            log.warning("recall request failed on this node: %s", e)
-            reply = {"node": node, "error": f"{type(e).__name__}: {e}"}
-        await msg.respond(json.dumps(reply).encode())
+        if request.audit:
+            result = await audit_recall(
+                self.store, self.embedder, request.query, request.project, k=request.k, kinds=request.kinds
+            )
+        else:
+            result = await recall(
+                self.store,
+                self.embedder,
+                request.query,
+                request.project,
+                k=request.k,
+                kinds=request.kinds,
+                include_resolved=request.include_resolved,
+                as_of=request.as_of,
+                journal=self.journal,
+            )
+        return {"hits": [h.as_dict() for h in result.hits]}
 
     async def _watch_server(self, server: NatsServer) -> None:
         """The embedded server is ours: if it exits, say so once and start it again on the same ports

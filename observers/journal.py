@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
@@ -25,6 +23,8 @@ from bus.erasure import erased_digests
 from bus.errors import ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
+from bus.requests import LookupReply, LookupRequest
+from bus.responder import Responder, serve
 from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
@@ -367,17 +367,13 @@ class JournalObserver:
                 self.tombstone_sync_failures += 1
                 log.error("tombstone %s not published to the KV registry: %s", tombstone.content_hash[:12], e)
 
-    async def serve_lookups(self, nc: NatsClient) -> Subscription:
-        async def answer(msg: Msg) -> None:
-            try:
-                asked = [str(e) for e in json.loads(msg.data)]
-                found = await asyncio.to_thread(self.journal.outcomes, asked)
-                reply: dict[str, Any] = {"journaled": sorted(found), "outcomes": found}
-            except (ValueError, TypeError) as e:
-                reply = {"journaled": [], "error": f"bad lookup request: {e}"}
-            except SQLAlchemyError as e:
-                log.error("journal lookup failed: %s", e)
-                reply = {"journaled": [], "error": f"journal unavailable: {e}"}
-            await msg.respond(json.dumps(reply).encode())
+    async def serve_lookups(self, nc: NatsClient) -> Responder[LookupRequest, LookupReply]:
+        """Answer JOURNAL_LOOKUP from now on: every request gets the outcomes of the ids it asks, or an error."""
+        return await serve(nc, JOURNAL_LOOKUP, LookupRequest, LookupReply, self._lookup, node=self.name)
 
-        return await nc.subscribe(JOURNAL_LOOKUP, cb=answer)
+    async def _lookup(self, request: LookupRequest) -> dict[str, Any]:
+        try:
+            found = await asyncio.to_thread(self.journal.outcomes, request.root)
+        except SQLAlchemyError as e:
+            raise Unavailable("journal", f"lookup in {self.journal.safe_url} failed: {type(e).__name__}: {e}") from e
+        return {"journaled": sorted(found), "outcomes": found}

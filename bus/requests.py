@@ -1,0 +1,279 @@
+"""What a client asks of the nodes over core NATS request subjects, and what they answer: one model per request
+and per reply. The asking side builds its requests and reads every reply through them; the answering side
+refuses a request that does not fit, naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, RootModel, StringConstraints, ValidationError
+from pydantic_core import ErrorDetails, from_json
+
+from bus.errors import ConfigError
+from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
+
+MAX_K = 1000  # hits per recall: more would not fit in one reply
+MAX_TEXT_CHARS = 16_000  # as long as an event's longest free text, so any content can be a query
+MAX_KINDS = 64
+MAX_IDS = 10_000  # event ids in one request; a journal lookup asks LOOKUP_CHUNK at a time
+LOOKUP_CHUNK = 1000  # event ids per lookup request: ~40 KB, far below NATS's 1 MiB max_payload
+MAX_FINGERPRINTS = 100_000
+MAX_NAME_CHARS = 200  # a node's name in a reply
+MAX_SAMPLE = 1000
+MAX_ERROR_CHARS = 2000  # an error line in a reply: a huge message is cut, so the reply fits any max_payload
+MAX_VALUE_CHARS = 60  # how much of a refused value an error quotes
+# A subject a node may publish to: dot-separated tokens, no wildcards, no whitespace.
+SUBJECT_PATTERN = r"^[^\s.*>]+(\.[^\s.*>]+)*$"
+EVENT_ID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+
+Project = Annotated[str, StringConstraints(pattern=PROJECT_PATTERN.pattern)]
+Kind = Annotated[str, StringConstraints(pattern=KIND_PATTERN.pattern)]
+ArtifactId = Annotated[str, StringConstraints(pattern=ARTIFACT_PATTERN.pattern)]
+EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_PATTERN)]
+NodeName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+Count = Annotated[int, Field(ge=0)]
+Score = Annotated[float, Field(allow_inf_nan=False)]
+Texts = Annotated[list[Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]], Field(max_length=100)]
+
+
+class Message(BaseModel):
+    """A request or a reply: strict (no "5" for 5, no true for 1), and no field it does not declare."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# Requests, in the wire format clients have always sent.
+
+
+class RecallRequest(Message):
+    query: Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT_CHARS, pattern=r"\S")] = Field(
+        description=f"a non-blank string of at most {MAX_TEXT_CHARS} characters"
+    )
+    project: Project = Field(description=f"a project slug matching {PROJECT_PATTERN.pattern}")
+    k: Annotated[int, Field(ge=1, le=MAX_K)] = Field(10, description=f"an integer from 1 to {MAX_K}")
+    kinds: Annotated[list[Kind], Field(max_length=MAX_KINDS)] | None = Field(
+        None, description=f"null or a list of at most {MAX_KINDS} kind names matching {KIND_PATTERN.pattern}"
+    )
+    include_resolved: bool = Field(False, description="true or false")
+    as_of: AwareDatetime | None = Field(None, description="null or an ISO 8601 time with a timezone")
+    audit: bool = Field(False, description="true or false")
+
+
+class VerifyRequest(Message):
+    project: Project | None = Field(None, description=f"null or a project slug matching {PROJECT_PATTERN.pattern}")
+    repair: bool = Field(False, description="true or false")
+
+
+class ForgetProofRequest(Message):
+    project: Project = Field(description=f"a project slug matching {PROJECT_PATTERN.pattern}")
+    artifact_id: ArtifactId = Field(description=f"an artifact id matching {ARTIFACT_PATTERN.pattern}")
+    event_ids: Annotated[list[EventId], Field(max_length=MAX_IDS)] = Field(
+        description=f"a list of at most {MAX_IDS} event ids (UUIDs)"
+    )
+    fingerprints: Annotated[
+        list[Annotated[str, StringConstraints(min_length=1, max_length=1000)]], Field(max_length=MAX_FINGERPRINTS)
+    ] = Field([], description=f"a list of at most {MAX_FINGERPRINTS} strings of 1 to 1000 characters")
+    embedded_texts: Texts = Field([], description=f"a list of at most 100 strings of {MAX_TEXT_CHARS} chars or fewer")
+    scrub: bool = Field(False, description="true or false")
+
+
+class ReindexRequest(Message):
+    progress: Annotated[str, StringConstraints(max_length=255, pattern=SUBJECT_PATTERN)] | None = Field(
+        None, description="null or a NATS subject without wildcards, at most 255 characters"
+    )
+
+
+class LookupRequest(RootModel[Annotated[list[EventId], Field(max_length=LOOKUP_CHUNK)]]):
+    """Which of these event ids are journaled? A bare JSON list, as it has always been sent."""
+
+    model_config = ConfigDict(frozen=True, strict=True)
+    root: Annotated[list[EventId], Field(max_length=LOOKUP_CHUNK)] = Field(
+        description=f"a JSON list of at most {LOOKUP_CHUNK} event ids (UUIDs)"
+    )
+
+
+# Replies. Every service answers an ErrorReply when it cannot answer with its own reply.
+
+
+class ErrorReply(Message):
+    node: NodeName
+    error: Annotated[str, StringConstraints(max_length=MAX_ERROR_CHARS)]
+
+
+class RecallHitReply(Message):
+    artifact_id: str
+    event_id: str
+    kind: str
+    content: str
+    similarity: Score
+    relevance: Score
+    score: Score
+    state: dict[str, Any]
+    provenance: dict[str, Any]
+
+
+class RecallReply(Message):
+    node: NodeName
+    hits: Annotated[list[RecallHitReply], Field(max_length=MAX_K)]
+
+
+class StoreCheckReply(Message):
+    missing: Count
+    extra: Count
+    stale: Count
+    mismatched: Count
+    clean: bool
+    sample_missing: Annotated[list[str], Field(max_length=MAX_SAMPLE)]
+    sample_extra: Annotated[list[str], Field(max_length=MAX_SAMPLE)]
+    sample_stale: Annotated[list[str], Field(max_length=MAX_SAMPLE)]
+    sample_mismatched: Annotated[list[str], Field(max_length=MAX_SAMPLE)]
+
+
+class VerifyReply(Message):
+    node: NodeName
+    stream_events: Count
+    journal: StoreCheckReply
+    mirror: StoreCheckReply | None
+    repaired: bool
+    clean: bool
+
+
+class ForgetProofReply(Message):
+    node: NodeName
+    journal_rows: Count
+    journal_content_left: Count
+    projection_rows: Count
+    mirror_points: Count
+    scrubbed: dict[str, int | bool]
+    cached_vectors: Count
+    files: list[str]
+    unreadable: list[str]
+    scanned: Count
+    unscrubbable: dict[str, str]
+
+
+class ReindexReply(Message):
+    node: NodeName
+    points: Count
+    last_seq: Count
+    rejected: Count
+
+
+class ReindexProgress(Message):
+    """Published on a reindex request's `progress` subject as a node goes."""
+
+    node: NodeName
+    done: Count
+    total: Count
+
+
+class LookupOutcome(Message):
+    status: str
+    reason: str | None
+    flags: list[str]
+
+
+class LookupReply(Message):
+    node: NodeName = "journal"  # journal observers before this model sent no name
+    journaled: Annotated[list[str], Field(max_length=LOOKUP_CHUNK)]
+    outcomes: dict[str, LookupOutcome] = {}
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def build_request(model: type[R], **fields: Any) -> R:
+    """A request from the asking side's own arguments. Raises ConfigError naming the first field that does not
+    fit, what it was and what is allowed."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        raise ConfigError(model.__name__, refusal(model, e.errors()[0])) from e
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A reply that is not the answer it claims to be: who sent it (its `node`, if it names one) and why."""
+
+    origin: str | None
+    reason: str
+
+
+def read_reply(data: bytes, model: type[R], *, max_bytes: int) -> R | ErrorReply | Malformed:
+    """One reply to a request: the service's answer, the error it answered with, or why it is neither."""
+    if len(data) > max_bytes:
+        return Malformed(None, f"reply of {len(data)} bytes is over {max_bytes}")
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as answer_error:
+        try:
+            return ErrorReply.model_validate_json(data)
+        except ValidationError:
+            return Malformed(_claimed_node(data), "; ".join(refusal(model, e) for e in answer_error.errors()[:3]))
+
+
+def _claimed_node(data: bytes) -> str | None:
+    try:
+        claimed = from_json(data)
+    except ValueError:
+        return None
+    node = claimed.get("node") if isinstance(claimed, dict) else None
+    return node if isinstance(node, str) and 0 < len(node) <= MAX_NAME_CHARS else None
+
+
+def describe_invalid(model: type[BaseModel], error: ValidationError) -> str:
+    """One line for a request that does not fit its model: each refused field (up to three), its value and
+    what is allowed. Unknown fields come first: a misspelt field is also a missing one, and the cause."""
+    errors = sorted(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    line = "; ".join(refusal(model, e) for e in errors[:3])
+    if len(errors) > 3:
+        line += f" (and {len(errors) - 3} more)"
+    return line
+
+
+def describe_undecodable(model: type[BaseModel], data: bytes, error: UnicodeDecodeError) -> str:
+    """One line for a request body that is not UTF-8 text."""
+    problem = f"not UTF-8 ({error.reason} at byte {error.start})"
+    return f"body={_shown(data)} refused: {problem}; allowed: {_allowed(model, ())}"
+
+
+def refusal(model: type[BaseModel], error: ErrorDetails) -> str:
+    """`field=value refused: problem; allowed: ...` for one validation error of `model`."""
+    where = _where(error)
+    if error["type"] == "missing":
+        return f"{where} is missing; allowed: {_allowed(model, error['loc'])}"
+    problem = error["msg"]
+    if error["type"] == "json_invalid":
+        problem = f"not JSON ({error.get('ctx', {}).get('error', problem)})"
+    elif error["type"] == "extra_forbidden":
+        problem = f"{where} is not a field of this request"
+    return f"{where}={_shown(error.get('input'))} refused: {problem}; allowed: {_allowed(model, error['loc'])}"
+
+
+def _where(error: ErrorDetails) -> str:
+    where = "body" if error["loc"] and isinstance(error["loc"][0], int) else ""  # an item of a bare list
+    for part in error["loc"]:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
+    return where or "body"
+
+
+def _allowed(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    fields = model.model_fields
+    top = loc[0] if loc else None
+    if isinstance(top, str) and top in fields and fields[top].description:
+        return str(fields[top].description)
+    if isinstance(model, type) and issubclass(model, RootModel):
+        return str(fields["root"].description)
+    return "a JSON object with the fields " + ", ".join(fields)
+
+
+def _shown(value: Any) -> str:
+    """The value as JSON, as the asker sent it; cut to MAX_VALUE_CHARS."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    text = json.dumps(value, default=repr)
+    if len(text) <= MAX_VALUE_CHARS:
+        return text
+    return f"{text[:MAX_VALUE_CHARS]}...({len(text)} chars)"

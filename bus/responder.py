@@ -1,0 +1,154 @@
+"""The one way a process answers a core NATS request: decode the body, validate it with the service's request
+model, call the handler, reply. Every request with a reply subject gets a reply: the answer, or an error line
+naming the refused field or the handler's exception. An asker can then tell a refusal from a node that is not
+there."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import MaxPayloadError
+from pydantic import BaseModel, ValidationError
+
+from bus.errors import ConfigError, error_summary
+from bus.jetstream import NATS_UNAVAILABLE
+from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
+
+log = logging.getLogger(__name__)
+# What publishing a reply can run into: the connection is gone, or the server lowered max_payload since the check.
+REPLY_NOT_SENT: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, MaxPayloadError)
+
+Req = TypeVar("Req", bound=BaseModel)
+Rep = TypeVar("Rep", bound=BaseModel)
+Handler = Callable[[Req], Awaitable[dict[str, Any]]]
+
+
+@dataclass
+class ServiceCounts:
+    """What one service did with the requests it got."""
+
+    answered: int = 0  # replied with the handler's answer
+    refused: int = 0  # the request did not fit its model: replied with the field and what is allowed
+    failed: int = 0  # the handler raised: replied with the exception
+    unanswerable: int = 0  # no reply subject: nobody to answer, ignored
+    unsent: int = 0  # the reply could not be published (connection lost)
+
+
+class Responder(Generic[Req, Rep]):
+    """Answers one request subject as `node`: `handle` gets a validated request and returns the reply's fields
+    (without `node`); the reply is checked against `reply_model` before it is sent, as the asker will check it."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        subject: str,
+        request_model: type[Req],
+        reply_model: type[Rep],
+        handle: Handler[Req],
+        *,
+        node: str,
+    ) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.request_model = request_model
+        self.reply_model = reply_model
+        self.handle = handle
+        try:  # every reply names the node, so a name no reply could carry is refused now, not at the first error
+            ErrorReply(node=node, error="")
+        except ValidationError as e:
+            raise ConfigError("node", f"{node!r} cannot name a reply: {refusal(ErrorReply, e.errors()[0])}") from e
+        self.node = node
+        self.counts = ServiceCounts()
+        self.subscription: Subscription | None = None
+
+    async def serve(self) -> Subscription:
+        """Subscribe (no queue group: every process answering this subject answers every request)."""
+        self.subscription = await self.nc.subscribe(self.subject, cb=self.answer)
+        return self.subscription
+
+    async def answer(self, msg: Msg) -> None:
+        if not msg.reply:
+            self.counts.unanswerable += 1
+            log.warning("%s request without a reply subject ignored (%d)", self.subject, self.counts.unanswerable)
+            return
+        await self._send(msg.reply, await self._reply_to(msg.data))
+
+    async def _reply_to(self, data: bytes) -> bytes:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.counts.refused += 1
+            return self._error(describe_undecodable(self.request_model, data, e))
+        try:
+            request = self.request_model.model_validate_json(text)
+        except ValidationError as e:
+            self.counts.refused += 1
+            return self._error(describe_invalid(self.request_model, e))
+        try:
+            body = await self.handle(request)
+            reply = json.dumps({"node": self.node} | body, allow_nan=False).encode()
+        except Exception as e:  # noqa: BLE001 - answered, counted and logged: a silent node looks absent
+            return self._failed(f"{type(e).__name__}: {e}", e)
+        problem = _reply_problem(self.reply_model, reply, max_bytes=self.nc.max_payload)
+        if problem is not None:
+            return self._failed(problem, None)
+        self.counts.answered += 1
+        return reply
+
+    def _failed(self, error: str, cause: Exception | None) -> bytes:
+        self.counts.failed += 1
+        summary = error_summary(cause, limit=MAX_ERROR_CHARS) if cause is not None else _one_line(error)
+        log.error("%s request failed (%d so far): %s", self.subject, self.counts.failed, summary)
+        return self._error(error)
+
+    def _error(self, error: str) -> bytes:
+        return ErrorReply(node=self.node, error=_one_line(error)).model_dump_json().encode()
+
+    async def _send(self, reply_subject: str, data: bytes) -> None:
+        try:
+            await self.nc.publish(reply_subject, data)
+        except REPLY_NOT_SENT as e:
+            self.counts.unsent += 1
+            log.warning("%s reply not sent: %s %s", self.subject, type(e).__name__, e)
+
+
+def _one_line(error: str) -> str:
+    """An error as one line, cut to MAX_ERROR_CHARS so that the reply fits any server's max_payload."""
+    line = " ".join(error.split())
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[: MAX_ERROR_CHARS - 20] + f"...({len(line)} chars)"
+    return line
+
+
+def _reply_problem(model: type[BaseModel], reply: bytes, *, max_bytes: int) -> str | None:
+    """Why this process's own answer would be refused by its askers (a bug here, or an answer too big for one
+    message), or None."""
+    if len(reply) > max_bytes:
+        return f"the reply is {len(reply)} bytes, over the server's max_payload {max_bytes}; ask for less"
+    try:
+        model.model_validate_json(reply)
+    except ValidationError as e:
+        return f"the reply does not fit {model.__name__}: {refusal(model, e.errors()[0])}"
+    return None
+
+
+async def serve(
+    nc: NatsClient,
+    subject: str,
+    request_model: type[Req],
+    reply_model: type[Rep],
+    handle: Handler[Req],
+    *,
+    node: str,
+) -> Responder[Req, Rep]:
+    """Answer `subject` with `handle` from now on; the returned responder holds the service's counts."""
+    responder = Responder(nc, subject, request_model, reply_model, handle, node=node)
+    await responder.serve()
+    return responder

@@ -1,0 +1,108 @@
+"""The one responder every request service uses: whatever the handler does, the asker gets one reply that fits in
+a message, and the service counts what happened. Real nats-server; the handlers are the test's own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from bus.errors import ConfigError
+from bus.requests import MAX_ERROR_CHARS, ErrorReply, VerifyReply, VerifyRequest
+from bus.responder import Responder, serve
+from bus.server import NatsServer
+
+SUBJECT = "epibus.test.service"
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NatsClient]:
+    client = await nats.connect(nats_server.url)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def serving(nc: NatsClient, handle: Any) -> Responder[VerifyRequest, VerifyReply]:
+    return await serve(nc, SUBJECT, VerifyRequest, VerifyReply, handle, node="node-t")
+
+
+async def ask(nc: NatsClient, body: bytes = b"{}") -> dict[str, Any]:
+    reply: dict[str, Any] = json.loads((await nc.request(SUBJECT, body, timeout=2)).data)
+    return reply
+
+
+async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_counted(nc, caplog):
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        raise RuntimeError(f"the store fell over while checking {request.project}")
+
+    responder = await serving(nc, handle)
+    with caplog.at_level(logging.ERROR, logger="bus.responder"):
+        reply = await ask(nc, b'{"project": "p"}')
+    assert reply == {"node": "node-t", "error": "RuntimeError: the store fell over while checking p"}
+    assert (responder.counts.failed, responder.counts.answered) == (1, 0)
+    (record,) = [r for r in caplog.records if r.name == "bus.responder"]
+    assert "RuntimeError" in record.getMessage()
+    assert "test_responder.py" in record.getMessage()  # where it was raised
+
+
+async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_message(nc):
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        raise ValueError("x" * (3 << 20))
+
+    responder = await serving(nc, handle)
+    reply = ErrorReply.model_validate(await ask(nc))
+    assert reply.error.startswith("ValueError: xxx")
+    assert len(reply.error) <= MAX_ERROR_CHARS
+    assert reply.error.endswith(f"({len('ValueError: ') + (3 << 20)} chars)")
+    assert responder.counts.failed == 1
+
+
+async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_error(nc):
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        return {"stream_events": "many"}
+
+    responder = await serving(nc, handle)
+    reply = await ask(nc)
+    assert reply["error"].startswith("the reply does not fit VerifyReply: ")
+    assert responder.counts.failed == 1
+
+
+async def test_an_answer_over_the_servers_max_payload_is_answered_as_an_error(nc):
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        return {"padding": "x" * (nc.max_payload + 1)}
+
+    responder = await serving(nc, handle)
+    reply = await ask(nc)
+    assert "over the server's max_payload" in reply["error"]
+    assert responder.counts.failed == 1
+
+
+async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_sent_with_the_node(nc):
+    seen: list[VerifyRequest] = []
+
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        seen.append(request)
+        check = {"missing": 0, "extra": 0, "stale": 0, "mismatched": 0, "clean": True}
+        samples = {"sample_missing": [], "sample_extra": [], "sample_stale": [], "sample_mismatched": []}
+        return {"stream_events": 0, "journal": check | samples, "mirror": None, "repaired": False, "clean": True}
+
+    responder = await serving(nc, handle)
+    reply = VerifyReply.model_validate(await ask(nc, b'{"project": "p", "repair": true}'))
+    assert (reply.node, reply.clean) == ("node-t", True)
+    assert seen == [VerifyRequest(project="p", repair=True)]
+    assert (responder.counts.answered, responder.counts.refused, responder.counts.failed) == (1, 0, 0)
+
+
+async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc):
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(ConfigError, match="cannot name a reply"):
+        await serve(nc, SUBJECT, VerifyRequest, VerifyReply, handle, node="")
