@@ -8,6 +8,7 @@ import os
 import typer
 
 from epibus.cli import commands, dlq, mesh, mesh_views, recall, state, verify
+from epibus.cli.display import SafeFormatter
 from epibus.cli.publish import publish_app, register_publish_commands
 
 app = typer.Typer(
@@ -41,8 +42,7 @@ app.command("reindex")(recall.reindex_command)
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=os.environ.get("EPIBUS_LOG_LEVEL", "WARNING").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()  # stderr; a logged remote text must not reach the terminal raw
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=os.environ.get("EPIBUS_LOG_LEVEL", "WARNING").upper(), handlers=[handler])
     app()

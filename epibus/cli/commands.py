@@ -38,6 +38,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import shown
 from epibus.node import Node, NodeConfig
 from mesh.store import MeshStore
 from observers.journal import EventQuery, Journal, JournalObserver
@@ -113,7 +114,7 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
     async with Node(config) as node:
         assert node.info is not None
         version = node.nc.connected_server_version if node.nc else None
-        shown = f"{version.major}.{version.minor}.{version.patch}" if version else None
+        release = f"{version.major}.{version.minor}.{version.patch}" if version else None
         where = {
             "ok": True,
             "status": "running",
@@ -126,24 +127,27 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "embedded_server": node.info.embedded_server,
             "mirror": f"{config.mirror} ({node.store.__class__.__name__})" if node.store else "off",
             "embedding_model": node.embedder.model_id if node.embedder else None,
-            "server_version": shown,
+            "server_version": release,
             "coordinating": [f"{c.project} ({c.policy.name})" for c in node.coordinators],
         }
         if as_json:
             emit_json(where)
         else:
             console.print(table("epibus node", ["what", "where"], [[k, v] for k, v in where.items() if k != "ok"]))
-            console.print("Ctrl-C stops the node.")
+            console.print(shown("Ctrl-C stops the node."))
         if version is not None and (version.major, version.minor) < MIN_SERVER_VERSION[:2]:
             err_console.print(
-                f"[yellow]warning:[/] nats-server {version} is older than 2.11; "
-                "per-artifact compare-and-set and other features need 2.11+"
+                shown(
+                    ("warning:", "yellow"),
+                    f" nats-server {version} is older than 2.11; "
+                    "per-artifact compare-and-set and other features need 2.11+",
+                )
             )
         await stop.wait()
     if as_json:
         emit_json({"ok": True, "status": "stopped"})
     else:
-        console.print("epibus node stopped")
+        console.print(shown("epibus node stopped"))
 
 
 # -- tail -------------------------------------------------------------------------------------------------
@@ -173,16 +177,21 @@ async def _tail_line(msg: Msg, admission: Admission, as_json: bool) -> None:
         if as_json:
             emit_json({"stream_seq": seq, "subject": msg.subject, "rejected": e.reason.value, "error": e.error})
         else:
-            console.print(f"{seq:>7} [red]REJECTED {e.reason.value}[/] {msg.subject}: {e.error}", highlight=False)
+            console.print(shown(f"{seq:>7} ", (f"REJECTED {e.reason.value}", "red"), f" {msg.subject}: {e.error}"))
         return
     if as_json:
         emit_json({"stream_seq": seq, "subject": msg.subject, **event.model_dump(mode="json")})
         return
-    text = event.body.content_text().replace("\n", " ")
     console.print(
-        f"{seq:>7} {event.recorded_at:%H:%M:%S} [cyan]{event.project}[/] [bold]{event.kind}[/] "
-        f"{event.artifact_id[:13]} [green]{event.actor.agent_id}[/] {text[:100]}",
-        highlight=False,
+        shown(
+            f"{seq:>7} {event.recorded_at:%H:%M:%S} ",
+            (event.project, "cyan"),
+            " ",
+            (event.kind, "bold"),
+            f" {event.artifact_id[:13]} ",
+            (event.actor.agent_id, "green"),
+            f" {event.body.content_text()[:100]}",  # one line: shown() turns newlines into spaces
+        ),
         soft_wrap=True,
     )
 
@@ -203,7 +212,7 @@ async def _tail(
             nc.jetstream(), STREAM, subject, start_seq=1 if from_start else None, closed=lambda: nc.is_closed
         )
         if not as_json:
-            err_console.print(f"following {events_filter(project, kind)} (Ctrl-C stops)")
+            err_console.print(shown(f"following {subject} (Ctrl-C stops)"))
         seen = 0
         admission = Admission(AgentRegistry(nc.jetstream()))
         async with contextlib.aclosing(follower.messages()) as messages:
@@ -331,7 +340,7 @@ async def _replay(from_seq: int, rebuild_state: bool, journal: str | None, targe
         return
     console.print(table("replay", ["what", "count"], [[k, v] for k, v in summary.items() if k != "ok"]))
     for seq, reason, error in report.rejected[:20]:
-        console.print(f"  rejected seq {seq}: {reason}: {error}", highlight=False)
+        console.print(shown(f"  rejected seq {seq}: {reason}: {error}"), soft_wrap=True)
 
 
 # -- stats ------------------------------------------------------------------------------------------------

@@ -16,12 +16,13 @@ from typing import Annotated, Any, TypeVar
 import typer
 from nats.aio.client import Client as NatsClient
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from bus.errors import ConfigError, EpibusError
 from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
 from bus.jetstream import open_nats
+from epibus.cli.display import shown
 
 T = TypeVar("T")
 
@@ -54,7 +55,7 @@ def fail(message: str, *, as_json: bool, code: int = 1) -> typer.Exit:
     if as_json:
         print(json.dumps({"ok": False, "error": message}))
     else:
-        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        err_console.print(shown(("error:", "bold red"), " ", message), soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -77,12 +78,17 @@ def emit_json(data: Any) -> None:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    t = Table(title=title, show_lines=False)
+    """A table whose title and cells are shown literally (see `display.shown`); a cell may wrap at newlines."""
+    t = Table(title=shown(title), show_lines=False)
     for column in columns:
-        t.add_column(column, overflow="fold")
+        t.add_column(shown(column), overflow="fold")
     for row in rows:
-        t.add_row(*("" if v is None else str(v) for v in row))
+        t.add_row(*(_cell(v) for v in row))
     return t
+
+
+def _cell(value: Any) -> Text:
+    return Text("") if value is None else shown(str(value), multiline=True)
 
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")

@@ -24,6 +24,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import shown
 
 dlq_app = typer.Typer(
     help="Dead letters: events a consumer gave up on or refused, with the reason.", no_args_is_help=True
@@ -96,7 +97,7 @@ def dlq_replay(
     if as_json:
         emit_json({"ok": True, "replayed": replayed})
     else:
-        console.print(f"replayed {len(replayed)} dead letter(s): {replayed}")
+        console.print(shown(f"replayed {len(replayed)} dead letter(s): {replayed}"))
 
 
 async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, target: Target) -> list[int]:

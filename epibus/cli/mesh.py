@@ -26,6 +26,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import shown
 from mesh.agent import MeshAgent, Outcome
 from mesh.peer import require_commit
 from mesh.store import TaskEntry
@@ -81,13 +82,14 @@ def _show_outcome(outcome: Outcome, as_json: bool) -> None:
     moved = f"{step.from_state} -> {step.to_state}" if step.from_state else str(step.to_state)
     again = " (already applied: same outcome, no new event)" if outcome.duplicate else ""
     console.print(
-        f"task {outcome.record.task_id} [{outcome.record.proposal.project}]: {step.action} ({moved}), "
-        f"revision {outcome.revision}, message {step.message_id}{again}",
-        highlight=False,
+        shown(
+            f"task {outcome.record.task_id} [{outcome.record.proposal.project}]: {step.action} ({moved}), "
+            f"revision {outcome.revision}, message {step.message_id}{again}"
+        ),
         soft_wrap=True,
     )
     if outcome.record.child_id and step.child_id:
-        console.print(f"counter-proposal: task {step.child_id}", highlight=False)
+        console.print(shown(f"counter-proposal: task {step.child_id}"), soft_wrap=True)
 
 
 def task_row(entry: TaskEntry, why: str | None = None) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from epibus.cli.common import (
     handles_errors,
     table,
 )
+from epibus.cli.display import shown
 from epibus.cli.mesh import (
     MessageIdOpt,
     ProjectOpt,
@@ -202,8 +203,7 @@ async def _watch_inbox(
             print(json.dumps(note.as_json(), sort_keys=True), flush=True)
         else:
             console.print(
-                f"r{note.revision} [{note.project}] task {note.task_id} {note.state}: {note.title} — {note.why}",
-                highlight=False,
+                shown(f"r{note.revision} [{note.project}] task {note.task_id} {note.state}: {note.title} — {note.why}"),
                 soft_wrap=True,
             )
         told += 1
@@ -212,7 +212,7 @@ async def _watch_inbox(
 
     inbox_ = Inbox(mesh, notify, project=project, cursor=cursor)
     if not as_json:
-        err_console.print(f"watching the inbox of {mesh.agent} after revision {cursor.load()} (Ctrl-C stops)")
+        err_console.print(shown(f"watching the inbox of {mesh.agent} after revision {cursor.load()} (Ctrl-C stops)"))
     await _until_stopped(inbox_.run(), done)
 
 
@@ -261,7 +261,7 @@ def coordinate(
                 {"ok": True, "status": "coordinating", "project": project, "agent": mesh.agent, "policy": chosen.name}
             )
         else:
-            err_console.print(f"{mesh.agent} coordinates {project} with policy {chosen.name} (Ctrl-C stops)")
+            err_console.print(shown(f"{mesh.agent} coordinates {project} with policy {chosen.name} (Ctrl-C stops)"))
         await _until_stopped(service.run(), asyncio.Event())
         figures = {
             "decided": dict(service.stats.decided),
@@ -274,7 +274,7 @@ def coordinate(
         if as_json:
             emit_json({"ok": True, "status": "stopped", **figures})
         else:
-            err_console.print(f"stopped: {figures}")
+            err_console.print(shown(f"stopped: {figures}"), soft_wrap=True)
 
     run_mesh(nats, agent, home, work)
 
@@ -293,7 +293,7 @@ def advertise(
     if as_json:
         emit_json({"ok": True, **advertised.model_dump(mode="json")})
     else:
-        console.print(f"{advertised.agent} advertises {', '.join(advertised.capabilities)}", highlight=False)
+        console.print(shown(f"{advertised.agent} advertises {', '.join(advertised.capabilities)}"), soft_wrap=True)
 
 
 AgentArg = Annotated[str, typer.Argument(help="The agent.")]
@@ -303,7 +303,7 @@ def _show_roster(project: str, coordinators: tuple[str, ...], as_json: bool) -> 
     if as_json:
         emit_json({"ok": True, "project": project, "coordinators": list(coordinators)})
     else:
-        console.print(f"coordinators of {project}: {', '.join(coordinators) or 'none'}", highlight=False)
+        console.print(shown(f"coordinators of {project}: {', '.join(coordinators) or 'none'}"), soft_wrap=True)
 
 
 @coordinators_app.command("add")

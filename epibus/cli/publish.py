@@ -30,6 +30,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import shown
 
 publish_app = typer.Typer(
     help="Publish an event. One subcommand per kind: `epibus publish finding --help`.", no_args_is_help=True
@@ -192,9 +193,8 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
         return
     if client.offline:
         err_console.print(
-            f"no epibus node is running under {home}: the event waits in the outbox until `epibus up`",
-            markup=False,
-            highlight=False,
+            shown(f"no epibus node is running under {home}: the event waits in the outbox until `epibus up`"),
+            soft_wrap=True,
         )
     console.print(
         table(

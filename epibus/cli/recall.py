@@ -25,6 +25,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import plain, shown
 
 QueryArg = Annotated[str, typer.Argument(help="What to recall, in words.")]
 ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug (required: recall is scoped).")]
@@ -57,7 +58,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
         )
     )
     for node, error in answer.failed_nodes.items():
-        err_console.print(f"[yellow]warning:[/] node {node} did not answer: {error}", highlight=False)
+        err_console.print(shown(("warning:", "yellow"), f" node {node} did not answer: {error}"), soft_wrap=True)
 
 
 @handles_errors
@@ -245,13 +246,17 @@ def reindex_command(
     """Rebuild every node's mirror from the stream into a new collection and swap it in (after a model
     change, or to start clean); the old mirror keeps answering until the swap."""
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err_console, disable=as_json
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err_console,
+        disable=as_json,
     ) as bar:
         tasks: dict[str, TaskID] = {}
 
         def advance(node: str, done: int, total: int) -> None:
             if node not in tasks:
-                tasks[node] = bar.add_task(f"reindexing on {node}", total=total)
+                tasks[node] = bar.add_task(plain(f"reindexing on {node}"), total=total)
             bar.update(tasks[node], completed=done, total=total)
 
         async def ask() -> list[dict[str, object]]:

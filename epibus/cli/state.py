@@ -29,6 +29,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.display import shown
 from observers.journal import Journal
 from observers.reads import ArtifactView, artifacts, audit_artifacts, briefing, vocab_report
 
@@ -150,7 +151,7 @@ def rollback(
     title = f"rollback of {artifact_id} to verified {plan.verified_ancestor}" + ("" if apply else " (dry run)")
     console.print(table(title, ["artifact", "action", "role"], rows))
     if apply:
-        console.print(f"rolled back {len(receipts)} artifact(s)")
+        console.print(shown(f"rolled back {len(receipts)} artifact(s)"))
 
 
 async def _rollback(
@@ -311,4 +312,4 @@ def vocab_report_command(
     rows.append(["unearned confidence", report.unearned_confidence])
     console.print(table(f"vocabulary report for {project} ({report.artifacts} artifacts)", ["what", "count"], rows))
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(shown(("warning:", "yellow"), f" {warning}"), soft_wrap=True)
