@@ -19,9 +19,10 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
+from bus.errors import Conflict, EpibusError, InvalidEvent, MalformedRecord, Unavailable
 from bus.event import MAX_EVENT_BYTES, Actor
 from bus.home import NodeFollower
+from bus.records import Quarantine, decode_agent_key
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_STREAM,
@@ -184,6 +185,7 @@ class AgentRegistry:
         self._js = js
         self._kv: KeyValue | None = None
         self._known: dict[str, str] = {}
+        self.quarantine = Quarantine("agent key registry")
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
@@ -191,7 +193,8 @@ class AgentRegistry:
         return self._kv
 
     async def bind(self, actor: Actor) -> None:
-        """Bind the actor's key to its agent id, or confirm it is already bound. Raises Conflict, Unavailable."""
+        """Bind the actor's key to its agent id, or confirm it is already bound. Raises Conflict (another key
+        is bound, or the bound record is unreadable: quarantined, never trusted), Unavailable."""
         if self._known.get(actor.agent_id) == actor.public_key:
             return
         try:
@@ -202,7 +205,7 @@ class AgentRegistry:
                     bound = actor.public_key
                 except nats.js.errors.KeyWrongLastSequenceError:
                     entry = await kv.get(actor.agent_id)
-                    bound = (entry.value or b"").decode()
+                    bound = self._decode(entry.value or b"", actor.agent_id, entry.revision)
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         if bound != actor.public_key:
@@ -212,6 +215,17 @@ class AgentRegistry:
                 fix=f"use the agent's original key (keys/{actor.agent_id}.nk) or another agent name",
             )
         self._known[actor.agent_id] = bound
+
+    def _decode(self, data: bytes, agent_id: str, revision: int | None) -> str:
+        try:
+            return decode_agent_key(data, key=agent_id, revision=revision)
+        except MalformedRecord as e:
+            self.quarantine.add(e)
+            raise Conflict(
+                f"agent {agent_id}",
+                f"its registered key is unreadable ({e.reason})",
+                fix=f"nobody publishes as {agent_id} until it is rewritten or deleted (nats kv del {e.bucket} {e.key})",
+            ) from e
 
 
 WRONG_LAST_SEQUENCE = 10071

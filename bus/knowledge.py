@@ -14,11 +14,12 @@ from nats.js.kv import KeyValue
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
 from bus.erasure import ErasedMap
-from bus.errors import InvalidEvent, Unavailable
+from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.event import Envelope
 from bus.fold import Fold
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry, open_bucket
 from bus.reader import read_stream
+from bus.records import Quarantine, decode_tombstone_key
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags
 from bus.subjects import (
     STREAM,
@@ -95,6 +96,7 @@ class TombstoneRegistry:
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
         self._kv: KeyValue | None = None
+        self.quarantine = Quarantine("tombstone registry")
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
@@ -102,7 +104,8 @@ class TombstoneRegistry:
         return self._kv
 
     async def hashes(self, project: str, *, timeout_s: float = JS_TIMEOUT_S) -> set[str]:
-        """Every tombstoned content hash of a project, in one request (the keys of the KV stream)."""
+        """Every tombstoned content hash of a project, in one request (the keys of the KV stream). A key that
+        is not `<project>.<content hash>` is quarantined and left out: it can flag or refuse nothing."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._bucket()
@@ -111,7 +114,13 @@ class TombstoneRegistry:
                 )
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"tombstones of {project}: {type(e).__name__} {e}") from e
-        return {subject.rsplit(".", 1)[1] for subject in (info.state.subjects or {})}
+        found: set[str] = set()
+        for subject in info.state.subjects or {}:
+            try:
+                found.add(decode_tombstone_key(subject, project=project))
+            except MalformedRecord as e:
+                self.quarantine.add(e)
+        return found
 
     async def record(self, project: str, tombstone: Tombstone) -> None:
         value = json.dumps(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from bus.client import EpibusClient
-from bus.errors import ConfigError, EpibusError, Unavailable
+from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
@@ -79,16 +80,33 @@ class NodeConfig:
     coordinate: tuple[tuple[str, str], ...] = ()
 
 
-async def supervised(name: str, run: Callable[[], Awaitable[None]], *, restart_after_s: float = 5.0) -> None:
-    """Run a service loop; if it fails, log it loudly and start it again, so one service's failure never
-    takes the node's other services (journal, forwarder, mirror) down with it."""
+# How often each supervised service failed since the process started (each failure is also logged).
+service_failures: Counter[str] = Counter()
+
+
+async def supervised(
+    name: str, run: Callable[[], Awaitable[None]], *, restart_after_s: float = 5.0, max_backoff_s: float = 300.0
+) -> None:
+    """Run a service loop; if it fails, with an epibus error or a bug, log it loudly (where it was raised),
+    count it in `service_failures` and start it again, so one service's failure never takes the node's other
+    services (journal, forwarder, mirror) down with it. The wait doubles with each failure in a row, up to
+    max_backoff_s; a run that lasted longer than that starts the count again. Cancellation is not caught."""
+    loop = asyncio.get_running_loop()
+    in_a_row = 0
     while True:
+        started = loop.time()
         try:
             await run()
             return
         except EpibusError as e:
-            log.error("%s failed: %s; restarting in %.0fs", name, e, restart_after_s)
-        await asyncio.sleep(restart_after_s)
+            failure = str(e)
+        except Exception as e:  # noqa: BLE001 - a bug in one service must not stop the node: logged, counted, restarted
+            failure = error_summary(e)
+        in_a_row = 1 if loop.time() - started > max_backoff_s else in_a_row + 1
+        delay_s = min(max_backoff_s, restart_after_s * 2 ** (in_a_row - 1))
+        service_failures[name] += 1
+        log.error("%s failed: %s; restarting in %gs", name, failure, delay_s)
+        await asyncio.sleep(delay_s)
 
 
 class Node:

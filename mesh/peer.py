@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
+from bus.errors import ConfigError, Forbidden, InvalidEvent, MalformedRecord, Unavailable
 from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.events import require_trusted_acceptance
@@ -81,6 +81,24 @@ def concern(agent: str, record: TaskRecord, *, coordinates: bool, capabilities: 
     return None
 
 
+async def advertised_capabilities(mesh: MeshAgent) -> frozenset[str]:
+    """What the agent advertises. An unreadable record (the store quarantines it) reads as nothing: the agent
+    is offered less work, never work meant for others."""
+    try:
+        advertised = await mesh.store.get_capabilities(mesh.agent)
+    except MalformedRecord:
+        return frozenset()
+    return frozenset(advertised.capabilities) if advertised else frozenset()
+
+
+async def coordinates(mesh: MeshAgent, project: str) -> bool:
+    """Whether the agent coordinates `project`. An unreadable roster (the store quarantines it) reads as no."""
+    try:
+        return mesh.agent in await mesh.coordinators(project)
+    except MalformedRecord:
+        return False
+
+
 class Inbox:
     """Follows the mesh for one agent and calls `notify` once per revision that concerns it."""
 
@@ -115,11 +133,10 @@ class Inbox:
     async def _context(self, project: str) -> tuple[bool, frozenset[str]]:
         if time.monotonic() - self._context_at > CONTEXT_REFRESH_S:
             self._coordinated.clear()
-            advertised = await self.mesh.store.get_capabilities(self.mesh.agent)
-            self._capabilities = frozenset(advertised.capabilities) if advertised else frozenset()
+            self._capabilities = await advertised_capabilities(self.mesh)
             self._context_at = time.monotonic()
         if project not in self._coordinated:
-            self._coordinated[project] = self.mesh.agent in await self.mesh.coordinators(project)
+            self._coordinated[project] = await coordinates(self.mesh, project)
         return self._coordinated[project], self._capabilities
 
     async def _handle(self, entry: TaskEntry) -> None:

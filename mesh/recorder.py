@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 
-from bus.errors import Conflict, InvalidEvent
+from bus.errors import Conflict, InvalidEvent, MalformedRecord
 from bus.event import Envelope, encode_event
 from bus.jetstream import JS_TIMEOUT_S, AgentRegistry, ensure_streams
 from bus.outbox import OutboxRow
@@ -21,6 +21,7 @@ from bus.subjects import event_subject
 from bus.vocab import TaskAction
 from mesh.events import verify_step
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
+from mesh.task import Step
 from mesh.watch import Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class RecorderStats:
     children_created: int = 0
     unsigned: int = 0
     forged: int = 0
-    refused: int = 0
+    refused: int = 0  # published nowhere, or its counter-proposal not created: logged with the reason
 
 
 class MeshRecorder:
@@ -75,10 +76,27 @@ class MeshRecorder:
             log.error("mesh recorder: revision %d of task %s refused: %s", entry.revision, record.task_id, e)
             return
         if step.action is TaskAction.change and step.child_id is not None:
-            store = MeshStore(self._js())
-            if await store.get_task(record.proposal.project, step.child_id) is None:
+            await self._ensure_child(entry, step)
+
+    async def _ensure_child(self, entry: TaskEntry, step: Step) -> None:
+        """Create the change's counter-proposal task if its coordinator stopped first. An unreadable child
+        record (MalformedRecord) goes to the watcher's quarantine."""
+        store = MeshStore(self._js())
+        record = entry.record
+        try:
+            if await store.get_task(record.proposal.project, step.child_id or "") is None:
                 await ensure_counter_task(store, step)
                 self.stats.children_created += 1
+        except MalformedRecord:
+            raise
+        except (InvalidEvent, Conflict) as e:  # a change without a counter-proposal, or another child under its id
+            self.stats.refused += 1
+            log.error(
+                "mesh recorder: revision %d of task %s: counter-proposal not created: %s",
+                entry.revision,
+                record.task_id,
+                e,
+            )
 
     def _registry_for(self) -> AgentRegistry:
         if self._registry is None:

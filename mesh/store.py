@@ -16,12 +16,13 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from pydantic import AwareDatetime, BaseModel, ValidationError
+from pydantic import AwareDatetime
 
-from bus.errors import Conflict, InvalidEvent, NotFound, Unavailable
+from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.event import AgentId, Model, ProjectSlug
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.reader import read_stream
+from bus.records import Quarantine, decode_json
 from bus.subjects import (
     MESH_BUCKET,
     MESH_STREAM,
@@ -31,11 +32,11 @@ from bus.subjects import (
     task_key,
     tasks_key_filter,
 )
+from bus.vocab import TaskState
 from mesh.protocol import counter_record
 from mesh.task import Capability, Step, TaskRecord
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 # KV keeps this many revisions per key: every step of a task stays readable by a watcher that was away.
 KV_OPERATION = "KV-Operation"
 
@@ -68,15 +69,42 @@ class RosterEntry:
     revision: int  # 0: no roster written yet
 
 
-def decode_record(data: bytes, key: str) -> TaskRecord:
-    return _decode(TaskRecord, data, key)
+def decode_task(data: bytes, *, key: str, revision: int | None) -> TaskRecord:
+    """The task record the bucket holds under `key`. Raises MalformedRecord for anything else, and for a record
+    that parses but cannot be true: a state its last step did not reach, steps that do not follow each other,
+    or a task that belongs under another key."""
+    record = decode_json(TaskRecord, data, bucket=MESH_BUCKET, key=key, revision=revision)
+    expected = task_key(record.proposal.project, record.task_id)
+    if key != expected:
+        raise MalformedRecord(MESH_BUCKET, key, revision, f"holds a task that belongs under {expected}")
+    before: TaskState | None = None
+    for number, step in enumerate(record.steps, start=1):
+        if step.from_state != before:
+            moved = f"moves from {step.from_state or 'nothing'}, but the task was {before or 'absent'}"
+            raise MalformedRecord(MESH_BUCKET, key, revision, f"step {number} {moved}")
+        before = step.to_state
+    if record.state != before:
+        raise MalformedRecord(MESH_BUCKET, key, revision, f"says {record.state}, but its last step reached {before}")
+    return record
 
 
-def _decode(model: type[M], data: bytes, key: str) -> M:
-    try:
-        return model.model_validate_json(data)
-    except ValidationError as e:
-        raise InvalidEvent(f"mesh key {key}", f"holds no valid {model.__name__}: {e.errors()[0]['msg']}") from e
+def decode_roster(data: bytes, *, key: str, revision: int | None) -> Roster:
+    """A project's coordinators as the bucket holds them under `key`. Raises MalformedRecord."""
+    roster = decode_json(Roster, data, bucket=MESH_BUCKET, key=key, revision=revision)
+    if key != roster_key(roster.project):
+        raise MalformedRecord(
+            MESH_BUCKET, key, revision, f"holds a roster that belongs under {roster_key(roster.project)}"
+        )
+    return roster
+
+
+def decode_capabilities(data: bytes, *, key: str, revision: int | None) -> AgentCapabilities:
+    """What an agent advertises, as the bucket holds it under `key`. Raises MalformedRecord."""
+    advertised = decode_json(AgentCapabilities, data, bucket=MESH_BUCKET, key=key, revision=revision)
+    expected = capabilities_key(advertised.agent)
+    if key != expected:
+        raise MalformedRecord(MESH_BUCKET, key, revision, f"holds a capabilities record that belongs under {expected}")
+    return advertised
 
 
 def is_value(msg: Msg) -> bool:
@@ -99,6 +127,7 @@ class MeshStore:
         self.replicas = replicas
         self.create = create  # False: a reader that must not create the bucket (NotFound instead)
         self.timeout_s = timeout_s
+        self.quarantine = Quarantine("mesh store")
         self._kv: KeyValue | None = None
 
     @asynccontextmanager
@@ -143,9 +172,16 @@ class MeshStore:
     # -- tasks -----------------------------------------------------------------------------------------
 
     async def get_task(self, project: str, task_id: str) -> TaskEntry | None:
+        """Raises MalformedRecord (quarantined) when the task's record cannot be understood."""
         key = task_key(project, task_id)
         found = await self._get(key)
-        return None if found is None else TaskEntry(decode_record(found[0], key), found[1])
+        if found is None:
+            return None
+        try:
+            return TaskEntry(decode_task(found[0], key=key, revision=found[1]), found[1])
+        except MalformedRecord as e:
+            self.quarantine.add(e)
+            raise
 
     async def write_task(self, record: TaskRecord, *, last: int) -> int:
         key = task_key(record.proposal.project, record.task_id)
@@ -156,22 +192,33 @@ class MeshStore:
         (ids chosen by hand can repeat): name the project then."""
         await self.bucket()
         subject = tasks_key_filter().removesuffix("*") + task_id
-        found = [
-            TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
-            for m in await self._current(subject, f"find task {task_id}")
-        ]
+        unreadable: list[MalformedRecord] = []
+        found = self._decoded(await self._current(subject, f"find task {task_id}"), unreadable)
+        if not found and unreadable:
+            raise unreadable[0]
         if len(found) > 1:
             projects = sorted(e.record.proposal.project for e in found)
             raise Conflict(f"task id {task_id}", f"projects {projects} each hold one", fix="name the project (-p)")
         return found[0] if found else None
 
     async def tasks(self, project: str | None = None) -> list[TaskEntry]:
-        """The current record of every task (of one project, or all)."""
+        """The current record of every task (of one project, or all); records that cannot be understood are
+        left out and quarantined (`self.quarantine`)."""
         await self.bucket()
-        return [
-            TaskEntry(decode_record(m.data, kv_subject_key(m.subject)), m.metadata.sequence.stream)
-            for m in await self._current(tasks_key_filter(project), "list tasks")
-        ]
+        return self._decoded(await self._current(tasks_key_filter(project), "list tasks"), [])
+
+    def _decoded(self, messages: list[Msg], unreadable: list[MalformedRecord]) -> list[TaskEntry]:
+        entries: list[TaskEntry] = []
+        for msg in messages:
+            revision = msg.metadata.sequence.stream
+            try:
+                entries.append(
+                    TaskEntry(decode_task(msg.data, key=kv_subject_key(msg.subject), revision=revision), revision)
+                )
+            except MalformedRecord as e:
+                self.quarantine.add(e)
+                unreadable.append(e)
+        return entries
 
     async def _current(self, subject_filter: str, what: str) -> list[Msg]:
         """The newest value of every key matching the filter (keys whose newest message deletes them left
@@ -193,7 +240,11 @@ class MeshStore:
         found = await self._get(key)
         if found is None:
             return RosterEntry(Roster(project=project), 0)
-        return RosterEntry(_decode(Roster, found[0], key), found[1])
+        try:
+            return RosterEntry(decode_roster(found[0], key=key, revision=found[1]), found[1])
+        except MalformedRecord as e:  # never read as "no coordinators": anyone may add the first one
+            self.quarantine.add(e)
+            raise
 
     async def write_roster(self, roster: Roster, *, last: int) -> int:
         return await self._write(roster_key(roster.project), roster.model_dump_json().encode(), last=last)
@@ -201,7 +252,13 @@ class MeshStore:
     async def get_capabilities(self, agent: str) -> AgentCapabilities | None:
         key = capabilities_key(agent)
         found = await self._get(key)
-        return None if found is None else _decode(AgentCapabilities, found[0], key)
+        if found is None:
+            return None
+        try:
+            return decode_capabilities(found[0], key=key, revision=found[1])
+        except MalformedRecord as e:
+            self.quarantine.add(e)
+            raise
 
     async def set_capabilities(self, advertised: AgentCapabilities) -> None:
         kv = await self.bucket()
@@ -213,7 +270,12 @@ class MeshStore:
         await self.bucket()
         found: dict[str, tuple[str, ...]] = {}
         for msg in await self._current(f"$KV.{MESH_BUCKET}.{capabilities_key('*')}", "list capabilities"):
-            advertised = _decode(AgentCapabilities, msg.data, kv_subject_key(msg.subject))
+            key, revision = kv_subject_key(msg.subject), msg.metadata.sequence.stream
+            try:
+                advertised = decode_capabilities(msg.data, key=key, revision=revision)
+            except MalformedRecord as e:
+                self.quarantine.add(e)
+                continue
             found[advertised.agent] = advertised.capabilities
         return found
 

@@ -125,7 +125,7 @@ class TaskRecord(Model):
     completion: Completion | None = None
     reason: Text | None = None
     child_id: TaskId | None = None
-    steps: tuple[Step, ...]
+    steps: tuple[Step, ...] = Field(min_length=1)  # the proposal at least: a task exists from its first step
 
     @property
     def task_id(self) -> str:

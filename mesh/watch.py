@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
-from mesh.store import MeshStore, TaskEntry, decode_record, is_value
+from mesh.store import MeshStore, TaskEntry, decode_task, is_value
 
 log = logging.getLogger(__name__)
 RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
@@ -83,7 +85,7 @@ class WatchStats:
     skipped_seen: int = 0  # revisions at or below the cursor that a new consumer delivered again
     empty_polls: int = 0
     errors: int = 0
-    invalid: int = 0
+    quarantined: int = 0  # records that could not be understood, skipped past (the watcher's quarantine lists them)
     resubscribed: int = 0
     last_error: str | None = None
 
@@ -116,6 +118,7 @@ class TaskWatcher:
         self.poll_timeout_s = poll_timeout_s
         self.name = name
         self.stats = WatchStats()
+        self.quarantine = Quarantine(name)
         self._subscription: JetStreamContext.PullSubscription | None = None
         self._checked_at = time.monotonic()
 
@@ -152,20 +155,26 @@ class TaskWatcher:
             if revision <= self.last_seen:
                 self.stats.skipped_seen += 1
                 continue
-            if is_value(msg):
-                try:
-                    record = decode_record(msg.data, kv_subject_key(msg.subject))
-                except InvalidEvent as e:
-                    self.stats.invalid += 1  # left in the bucket for inspection; counted and logged
-                    log.error("%s: revision %d is not a task record: %s", self.name, revision, e)
-                else:
-                    await self.handler(TaskEntry(record, revision))
-                    handled += 1
+            if is_value(msg) and await self._hand_over(msg, revision):
+                handled += 1
             self.last_seen = revision
             self.cursor.save(revision)
         self.stats.handled += handled
         self._checked_at = time.monotonic()
         return handled
+
+    async def _hand_over(self, msg: Msg, revision: int) -> bool:
+        """Hand one revision to the handler. A record that cannot be understood (this one, or one the handler
+        read for it, like a roster or a counter-proposal) is quarantined instead: left in the bucket for
+        inspection, counted, logged once, and the cursor moves past it, so no record can stop a watcher."""
+        try:
+            record = decode_task(msg.data, key=kv_subject_key(msg.subject), revision=revision)
+            await self.handler(TaskEntry(record, revision))
+        except MalformedRecord as e:
+            if self.quarantine.add(e):
+                self.stats.quarantined += 1
+            return False
+        return True
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         if self._subscription is None:

@@ -1,13 +1,77 @@
-"""Hostile input for the tests that send it raw: the request bodies no request service of a node accepts
-(`hostile_requests`)."""
+"""Hostile KV records: values a reader must turn into a typed error (and skip), never a crash. Shared by the
+quarantine tests and any fuzz test that writes raw records into epibus's buckets. Also the request bodies no
+request service of a node accepts (`hostile_requests`), for the tests that send them raw."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from nats.js import JetStreamContext
 
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, VERIFY
+
+HUGE_NUMBER = "9" * 5000  # past Python's 4300-digit int/str conversion limit
+DEEP_NESTING = "[" * 30000  # past any JSON parser's recursion limit
+
+
+class Hostile(NamedTuple):
+    name: str
+    value: bytes
+
+
+def hostile_payloads() -> list[Hostile]:
+    """Values no KV record type of epibus accepts: not JSON, the wrong JSON, or JSON built to break a parser."""
+    return [
+        Hostile("empty", b""),
+        Hostile("not-json", b"{not json"),
+        Hostile("json-list", b"[1, 2, 3]"),
+        Hostile("json-null", b"null"),
+        Hostile("json-string", b'"a string"'),
+        Hostile("wrong-types", json.dumps({"proposal": 5, "state": [], "steps": "x", "agent": 7}).encode()),
+        Hostile("deep-nesting", DEEP_NESTING.encode()),
+        Hostile("deep-object", ('{"a":' * 30000).encode()),
+        Hostile("huge-number", f'{{"steps": {HUGE_NUMBER}}}'.encode()),
+        Hostile("non-utf8", b'{"proposal": "\xff\xfe\xfd"}'),
+        Hostile("nul-bytes", b"\x00" * 64),
+    ]
+
+
+def hostile_task_records(good: dict[str, Any]) -> list[Hostile]:
+    """Task records that parse but must not be believed, derived from `good` (a task record as the mesh bucket
+    holds it, with at least one step): no steps, a state its steps contradict, a history whose steps do not
+    follow each other, content that belongs under another key, a huge number inside the payload."""
+    proposal = good["proposal"]
+    first = good["steps"][0]
+    broken_chain = [first, first | {"from_state": "working", "to_state": "completed"}]
+    return [
+        Hostile("steps-empty", _json(good | {"steps": []})),
+        Hostile("state-not-last-step", _json(good | {"state": "acknowledged"})),
+        Hostile("broken-chain", _json(good | {"steps": broken_chain, "state": "completed"})),
+        Hostile("other-project", _json(good | {"proposal": proposal | {"project": "someone-else"}})),
+        Hostile("other-task-id", _json(good | {"proposal": proposal | {"task_id": "not-this-key"}})),
+        Hostile(
+            "huge-number-in-payload",
+            _json(good | {"proposal": proposal | {"payload": {"n": 0}}}).replace(
+                b'{"n": 0}', b'{"n": ' + HUGE_NUMBER.encode() + b"}"
+            ),
+        ),
+    ]
+
+
+def all_hostile_task_records(good: dict[str, Any]) -> list[Hostile]:
+    return hostile_payloads() + hostile_task_records(good)
+
+
+def _json(value: dict[str, Any]) -> bytes:
+    return json.dumps(value).encode()
+
+
+async def put_raw(js: JetStreamContext, bucket: str, key: str, value: bytes) -> int:
+    """Write a value as any nats-py client could, around every epibus check. Returns its revision."""
+    kv = await js.key_value(bucket)
+    return int(await kv.put(key, value))
 
 
 class HostileRequest(NamedTuple):

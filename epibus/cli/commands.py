@@ -362,6 +362,7 @@ def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as
         ["outbox depth", figures["outbox_depth"]],
         ["outbox parked", figures["outbox_parked"]],
         ["mesh pending acks", sum(figures["mesh_pending"].values())],
+        ["mesh records quarantined", figures["mesh_quarantined"]],
     ]
     for project, n in sorted(figures["mesh_pending"].items()):
         rows.append([f"mesh pending in {project}", n])
@@ -380,7 +381,7 @@ async def _stats(target: Target) -> dict[str, Any]:
     nc = await target.connect()
     try:
         streams = await stream_figures(nc.jetstream())
-        pending = await _mesh_pending(nc.jetstream())
+        pending, quarantined = await _mesh_pending(nc.jetstream())
         v = nc.connected_server_version
         version = f"{v.major}.{v.minor}.{v.patch}"
     finally:
@@ -398,13 +399,17 @@ async def _stats(target: Target) -> dict[str, Any]:
         "outbox_depth": depth,
         "outbox_parked": parked,
         "mesh_pending": pending,
+        "mesh_quarantined": quarantined,
     }
 
 
-async def _mesh_pending(js: JetStreamContext) -> dict[str, int]:
-    """Completed-but-unacknowledged mesh tasks per project (open handshakes)."""
+async def _mesh_pending(js: JetStreamContext) -> tuple[dict[str, int], int]:
+    """Completed-but-unacknowledged mesh tasks per project (open handshakes), and how many task records
+    could not be read (quarantined, left out)."""
+    store = MeshStore(js, create=False)
     try:
-        entries = await MeshStore(js, create=False).tasks()
+        entries = await store.tasks()
     except NotFound:
-        return {}
-    return dict(Counter(e.record.proposal.project for e in entries if e.record.state is TaskState.completed))
+        return {}, 0
+    pending = Counter(e.record.proposal.project for e in entries if e.record.state is TaskState.completed)
+    return dict(pending), store.quarantine.count

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -13,6 +13,7 @@ import typer
 
 from bus.client import connect
 from bus.errors import InvalidEvent
+from bus.records import QuarantinedRecord
 from bus.vocab import ActionCategory, describe
 from epibus.cli.common import (
     AgentOpt,
@@ -21,6 +22,7 @@ from epibus.cli.common import (
     NatsOpt,
     console,
     emit_json,
+    err_console,
     handles_errors,
     parse_time,
     run,
@@ -113,14 +115,22 @@ def task_row(entry: TaskEntry, why: str | None = None) -> dict[str, Any]:
     }
 
 
-def show_tasks(title: str, rows: list[dict[str, Any]], as_json: bool) -> None:
+def show_tasks(
+    title: str, rows: list[dict[str, Any]], as_json: bool, quarantined: Sequence[QuarantinedRecord] = ()
+) -> None:
+    """The tasks, and the mesh records that could not be read while listing them (skipped, not fatal)."""
     if as_json:
-        emit_json({"ok": True, "tasks": rows})
+        emit_json({"ok": True, "tasks": rows, "quarantined": [q.as_json() for q in quarantined]})
         return
     columns = ["task_id", "project", "state", "title", "proposer", "assignee", "last_action", "updated_at"]
     if any("why" in r for r in rows):
         columns.append("why")
     console.print(table(f"{title} ({len(rows)})", columns, [[r.get(c) for c in columns] for r in rows]))
+    if quarantined:
+        n = len(quarantined)
+        err_console.print(shown(f"{n} unreadable mesh record{'s' if n != 1 else ''} quarantined (skipped):"))
+    for q in quarantined:  # a key written around epibus may hold anything: shown() spells it out
+        err_console.print(shown(f"  {q.key} revision {q.revision}: {q.reason}"), soft_wrap=True)
 
 
 # -- proposing and deciding -------------------------------------------------------------------------------

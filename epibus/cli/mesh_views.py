@@ -14,6 +14,7 @@ import typer
 
 from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home
+from bus.records import QuarantinedRecord
 from bus.tasks import cancel_and_wait
 from bus.vocab import TaskState
 from epibus.cli.common import (
@@ -42,8 +43,9 @@ from epibus.cli.mesh import (
 )
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import Inbox, Notification, NotificationLog, concern
+from mesh.peer import Inbox, Notification, NotificationLog, advertised_capabilities, concern, coordinates
 from mesh.protocol import TERMINAL
+from mesh.store import TaskEntry
 from mesh.task import TaskRecord
 from mesh.watch import Cursor, FileCursor
 
@@ -111,8 +113,8 @@ def outbox(
     as_json: JsonOpt = False,
 ) -> None:
     """Tasks this agent proposed, wherever they stand."""
-    entries = run_mesh(nats, agent, home, lambda m: m.outbox(project))
-    show_tasks("outbox", [task_row(e) for e in entries], as_json)
+    entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.outbox(project)))
+    show_tasks("outbox", [task_row(e) for e in entries], as_json, quarantined)
 
 
 @mesh_app.command()
@@ -125,8 +127,16 @@ def pending(
     as_json: JsonOpt = False,
 ) -> None:
     """Completed tasks their proposer has not acknowledged yet (open handshakes)."""
-    entries = run_mesh(nats, agent, home, lambda m: m.pending(project))
-    show_tasks("pending acknowledgement", [task_row(e) for e in entries], as_json)
+    entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.pending(project)))
+    show_tasks("pending acknowledgement", [task_row(e) for e in entries], as_json, quarantined)
+
+
+async def _listed(
+    mesh: MeshAgent, entries: Awaitable[list[TaskEntry]]
+) -> tuple[list[TaskEntry], list[QuarantinedRecord]]:
+    """The listed tasks, and the records the listing skipped because it could not read them."""
+    found = await entries
+    return found, mesh.store.quarantine.records
 
 
 @mesh_app.command()
@@ -152,8 +162,8 @@ def inbox(
     """Proposals for this agent, work assigned to it, decisions on its proposals. With --watch, follows new
     ones, resuming after the last one it showed (a saved cursor, or --out's last line)."""
     if not watch:
-        rows = run_mesh(nats, agent, home, lambda m: _inbox_now(m, project))
-        show_tasks("inbox", rows, as_json)
+        rows, quarantined = run_mesh(nats, agent, home, lambda m: _inbox_now(m, project))
+        show_tasks("inbox", rows, as_json, quarantined)
         return
     if reset and out is not None:
         raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
@@ -169,9 +179,8 @@ def inbox(
     run_mesh(nats, agent, home, lambda m: _watch_inbox(m, project, cursor, log, count, as_json))
 
 
-async def _inbox_now(mesh: MeshAgent, project: str | None) -> list[dict[str, Any]]:
-    advertised = await mesh.store.get_capabilities(mesh.agent)
-    capabilities = frozenset(advertised.capabilities) if advertised else frozenset()
+async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[str, Any]], list[QuarantinedRecord]]:
+    capabilities = await advertised_capabilities(mesh)
     rows: list[dict[str, Any]] = []
     coordinated: dict[str, bool] = {}
     for entry in await mesh.tasks(project):
@@ -180,13 +189,13 @@ async def _inbox_now(mesh: MeshAgent, project: str | None) -> list[dict[str, Any
             continue
         p = record.proposal.project
         if p not in coordinated:
-            coordinated[p] = mesh.agent in await mesh.coordinators(p)
+            coordinated[p] = await coordinates(mesh, p)
         why = concern(mesh.agent, record, coordinates=coordinated[p], capabilities=capabilities)
         if why is None and record.assignee == mesh.agent and record.state is TaskState.working:
             why = "yours, in progress"
         if why is not None:
             rows.append(task_row(entry, why))
-    return rows
+    return rows, mesh.store.quarantine.records
 
 
 async def _watch_inbox(
