@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +38,40 @@ def default_agent() -> str:
     return name or "agent"
 
 
+NODE_NAME_FILE = "node-name"
+NODE_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+def node_name(home: Path, explicit: str | None = None) -> str:
+    """The node's name in replies, verify rows and recall answers: `explicit` (`up --name`, then kept),
+    else the name kept in home, else a new one made unique by a random suffix (host name + 4 hex), kept for
+    later starts. Two nodes on one machine never share a default name. Raises ConfigError for a bad name."""
+    path = home / NODE_NAME_FILE
+    if explicit is not None:
+        if not NODE_NAME_PATTERN.fullmatch(explicit):
+            raise ConfigError("--name", f"{explicit!r} must match {NODE_NAME_PATTERN.pattern}")
+        name = explicit
+    elif path.exists():
+        name = path.read_text().strip()
+        if NODE_NAME_PATTERN.fullmatch(name):
+            return name
+        log.warning("%s holds no valid node name (%r); choosing a new one", path, name[:80])
+        name = _new_node_name()
+    else:
+        name = _new_node_name()
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(name + "\n")
+    tmp.chmod(0o600)
+    tmp.replace(path)
+    return name
+
+
+def _new_node_name() -> str:
+    host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().split(".")[0].lower()).strip("-")[:40] or "node"
+    return f"{host}-{secrets.token_hex(2)}"
+
+
 def default_journal_url(home: Path) -> str:
     return f"sqlite:///{home / 'journal.db'}"
 
@@ -53,6 +89,7 @@ class NodeInfo:
     outbox_path: str
     embedded_server: bool
     started_at: str
+    name: str = ""  # the node's name (empty in files written before nodes had one)
 
     def alive(self) -> bool:
         try:

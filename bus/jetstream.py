@@ -19,7 +19,15 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from bus.errors import Conflict, EpibusError, InvalidEvent, MalformedRecord, Unavailable
+from bus.errors import (
+    ComponentFailed,
+    Conflict,
+    EpibusError,
+    InvalidEvent,
+    MalformedRecord,
+    Unavailable,
+    error_summary,
+)
 from bus.event import MAX_EVENT_BYTES, Actor
 from bus.home import NodeFollower
 from bus.records import Quarantine, decode_agent_key
@@ -241,7 +249,10 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
         return InvalidEvent(
             f"message on {subject}", f"refused by JetStream: {error.description} (err_code {error.err_code})"
         )
-    return Unavailable("nats", f"publish to {subject}: unexpected {type(error).__name__}: {error}")
+    if isinstance(error, nats.errors.MaxPayloadError):
+        return InvalidEvent(f"message on {subject}", "is larger than the server's max payload")
+    # Not an outage: retrying would fail the same way, so say what it was instead of waiting for it.
+    return ComponentFailed("nats", f"publish to {subject}: {error_summary(error)}")
 
 
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, OSError)

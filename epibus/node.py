@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from bus.client import EpibusClient
 from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
 from bus.forwarder import Forwarder
-from bus.home import NodeInfo, default_journal_url, outbox_path, remove_node_info, write_node_info
+from bus.home import NodeInfo, default_journal_url, node_name, outbox_path, remove_node_info, write_node_info
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
@@ -42,6 +42,7 @@ from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from bus.tasks import cancel_and_wait
+from epibus.health import REPORT_EVERY_S, node_health, write_health
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
@@ -71,7 +72,8 @@ class NodeConfig:
     monitor_port: int | None = None
     journal_url: str | None = None  # None: SQLite file under home
     replicas: int = 1
-    agent: str = "node"  # names the node's NATS connection
+    agent: str = "node"  # the agent the node's coordinators decide as
+    name: str | None = None  # the node's name in replies; None: the one kept in home (a unique one at first)
     mirror: str = "edge"  # edge (qdrant-edge under home/mirror) | server (qdrant_url) | off
     qdrant_url: str | None = None
     batch_size: int = 256
@@ -136,6 +138,11 @@ class Node:
         self.recorder: MeshRecorder | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
+        self.name = config.name or ""  # settled at start (node_name)
+        self.connection_restarts = 0
+        self._connection_lost = asyncio.Event()
+        self._stopping = False  # the node closes its own connection: not a loss to recover from
+        self._recovery: asyncio.Task[None] | None = None
 
     @property
     def nats_url(self) -> str:
@@ -150,6 +157,7 @@ class Node:
         except BaseException:
             await self.close()
             raise
+        self._recovery = asyncio.create_task(self._recover_lost_connections())
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -160,6 +168,7 @@ class Node:
         if self.config.nats_url is not None and (self.config.port or self.config.monitor_port):
             raise ConfigError("--port", "only the embedded nats-server has ports to set; drop --port or --nats")
         home.mkdir(parents=True, exist_ok=True)
+        self.name = node_name(home, self.config.name)
         if self.config.nats_url is None:
             self.server = NatsServer(
                 home / "nats",
@@ -175,10 +184,11 @@ class Node:
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
         self.nc = await open_nats(
             servers,
-            name=f"epibus-node:{self.config.agent}",
+            name=f"epibus-node:{self.name}",
             timeout_s=10,
             reconnected_cb=self._on_reconnected,
             error_cb=self._on_nats_error,
+            closed_cb=self._on_closed,
         )
         self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
@@ -198,10 +208,17 @@ class Node:
             await self._start_mirror()
 
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
-        self._tasks = [group.create_task(self.runner.run()), group.create_task(self.forwarder.run())]
+        # Every loop runs supervised: one that fails is logged, counted and restarted, and never takes the
+        # task group (and with it every other service of the node) down.
+        self._tasks = [
+            group.create_task(supervised("journal observer", self.runner.run)),
+            group.create_task(supervised("journal progress", self.runner.watch_progress)),
+            group.create_task(supervised("outbox forwarder", self.forwarder.run)),
+            group.create_task(supervised("health report", self._report_health)),
+        ]
         self._group = group
         if self.mirror_runner is not None:
-            self._mirror_task = group.create_task(self.mirror_runner.run())
+            self._mirror_task = group.create_task(self._run_mirror(self.mirror_runner))
             self._tasks.append(self._mirror_task)
         if self.server is not None:
             self._tasks.append(group.create_task(self._watch_server(self.server)))
@@ -222,6 +239,7 @@ class Node:
                 outbox_path=str(outbox.path),
                 embedded_server=self.server is not None,
                 started_at=datetime.now(UTC).isoformat(),
+                name=self.name,
             )
             write_node_info(home, self.info)
             self._stack.callback(remove_node_info, home, os.getpid())
@@ -271,7 +289,7 @@ class Node:
         info = await self.store.describe()
         assert self.journal is not None
         self.mirror = MirrorObserver(
-            self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.config.agent
+            self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.name
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
         await self._serve(RECALL, RecallRequest, RecallReply, self._answer_recall)
@@ -285,11 +303,10 @@ class Node:
     ) -> None:
         """Answer a request subject through the one responder: every request gets a reply, counted per service."""
         assert self.nc is not None
-        node = self.config.agent
-        self.services[subject] = await serve(self.nc, subject, request_model, reply_model, handle, node=node)
+        self.services[subject] = await serve(self.nc, subject, request_model, reply_model, handle, node=self.name)
 
     async def _answer_reindex(self, request: ReindexRequest) -> dict[str, Any]:
-        node = self.config.agent
+        node = self.name
 
         async def progress(done: int, total: int) -> None:
             if request.progress and self.nc is not None:
@@ -311,7 +328,7 @@ class Node:
                 self.embedder,
                 journal=self.journal,
                 home=self.config.home,
-                node=self.config.agent,
+                node=self.name,
                 progress=progress,
             )
             old_name = self.mirror.name if self.mirror else None
@@ -319,11 +336,11 @@ class Node:
                 await cancel_and_wait([self._mirror_task])
             self.store = await rebuilt.swap()
             self.mirror = MirrorObserver(
-                self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.config.agent
+                self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.name
             )
             self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1)
             assert self._group is not None
-            self._mirror_task = self._group.create_task(self.mirror_runner.run())
+            self._mirror_task = self._group.create_task(self._run_mirror(self.mirror_runner))
             self._tasks.append(self._mirror_task)
             if old_name and old_name != rebuilt.consumer_name:
                 try:
@@ -412,9 +429,60 @@ class Node:
         await ensure_streams(self.js, replicas=self.config.replicas)
         self._streams_ready = True
 
+    async def _run_mirror(self, runner: ConsumerRunner) -> None:
+        """The mirror's runner and its progress watch, replaced together when a reindex swaps the mirror."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(supervised("mirror observer", runner.run))
+            group.create_task(supervised("mirror progress", runner.watch_progress))
+
+    async def _report_health(self) -> None:
+        while True:
+            write_health(self.config.home, node_health(self))
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    async def _on_closed(self) -> None:
+        """nats-py gives a connection up for good on some server errors (a protocol violation such as a
+        message over the max payload); every service of the node shares it, so they are all restarted."""
+        if not self._stopping:
+            self._connection_lost.set()
+
+    async def _recover_lost_connections(self) -> None:
+        delay_s = 1.0
+        while True:
+            await self._connection_lost.wait()
+            self._connection_lost.clear()
+            self.connection_restarts += 1
+            reason = self.nc.last_error if self.nc is not None else None
+            log.error("the node's NATS connection closed for good (%s); restarting its services", reason)
+            while True:
+                try:
+                    await self._stop_services()
+                    await self._start()
+                    delay_s = 1.0
+                    break
+                except Exception as e:  # noqa: BLE001 - the node must come back: logged, retried with backoff
+                    log.error("restarting the node's services failed: %s; retrying in %.0fs", error_summary(e), delay_s)
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 30.0)
+
+    async def _stop_services(self) -> None:
+        self._stopping = True
+        try:
+            await cancel_and_wait(self._tasks)
+            self._tasks = []
+            self.services = {}
+            self.coordinators = []
+            await self._stack.aclose()
+        finally:
+            self._stack = contextlib.AsyncExitStack()
+            self._stopping = False
+
     async def close(self) -> None:
-        await cancel_and_wait(self._tasks)
-        await self._stack.aclose()
+        self._stopping = True
+        if self._recovery is not None:
+            await cancel_and_wait([self._recovery])
+        await self._stop_services()
+        self._stopping = True
 
     async def run_forever(self) -> None:
         await asyncio.Event().wait()

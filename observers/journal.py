@@ -12,15 +12,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy.exc
 from nats.aio.client import Client as NatsClient
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import ArgumentError, DataError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DataError,
+    DBAPIError,
+    DisconnectionError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    SQLAlchemyError,
+)
 
 from bus.admission import Delivery, Refusal, batch_erased, first_of_each_id
 from bus.erasure import erased_digests
-from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.knowledge import TombstoneRegistry
 from bus.requests import LookupReply, LookupRequest
@@ -111,6 +121,18 @@ def _kept(conn: Connection, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
     return found
 
 
+# Database errors that mean it did not answer (down, locked, connection lost): wait and retry. Any other
+# (a statement it refuses, a bug) would fail again the same way.
+DATABASE_OUTAGES = (OperationalError, InterfaceError, DisconnectionError, sqlalchemy.exc.TimeoutError)
+
+
+def database_failure(error: SQLAlchemyError, message: str) -> Unavailable | ComponentFailed:
+    """The one choke point from SQLAlchemy errors to epibus errors."""
+    if isinstance(error, DATABASE_OUTAGES) or (isinstance(error, DBAPIError) and error.connection_invalidated):
+        return Unavailable("journal", message)
+    return ComponentFailed("journal", message)
+
+
 @dataclass(frozen=True)
 class JournalRow:
     event_id: str
@@ -160,7 +182,7 @@ class EventQuery:
 
 class Journal:
     """Blocking journal access; async callers go through JournalObserver or asyncio.to_thread.
-    Database errors surface as Unavailable("journal", …)."""
+    Database errors surface as Unavailable("journal", …) when it did not answer, ComponentFailed otherwise."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -177,7 +199,7 @@ class Journal:
         try:
             return migrate(self.engine)
         except SQLAlchemyError as e:
-            raise Unavailable("journal", f"cannot migrate {self.safe_url}: {e}") from e
+            raise database_failure(e, f"cannot migrate {self.safe_url}: {e}") from e
 
     @property
     def safe_url(self) -> str:
@@ -212,7 +234,7 @@ class Journal:
             # isolates the event that causes it and dead-letters it after its deliveries.
             raise InvalidEvent("event", f"{self.safe_url} refuses a row of this batch: {type(e).__name__}: {e}") from e
         except SQLAlchemyError as e:
-            raise Unavailable("journal", f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
+            raise database_failure(e, f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
         return Written([str(d.event.event_id) for d in fresh], refused)
 
     def kept_events(self, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
@@ -221,7 +243,7 @@ class Journal:
             with self.engine.connect() as conn:
                 return _kept(conn, event_ids)
         except SQLAlchemyError as e:
-            raise Unavailable("journal", f"reading event digests from {self.safe_url} failed: {e}") from e
+            raise database_failure(e, f"reading event digests from {self.safe_url} failed: {e}") from e
 
     def rebuild_projection(self) -> int:
         """Recompute the state projection from the journal's events in stream order."""
@@ -229,7 +251,7 @@ class Journal:
             with self.engine.begin() as conn:
                 return rebuild(conn)
         except SQLAlchemyError as e:
-            raise Unavailable("journal", f"rebuild on {self.safe_url} failed: {e}") from e
+            raise database_failure(e, f"rebuild on {self.safe_url} failed: {e}") from e
 
     def tombstones_of(self, event_ids: Sequence[str]) -> list[tuple[str, Tombstone]]:
         """The tombstones (project, tombstone) that these events left, if any."""
@@ -297,7 +319,7 @@ class Journal:
             with self.engine.connect() as conn:
                 return [self._row(r._mapping) for r in conn.execute(statement)]
         except SQLAlchemyError as e:
-            raise Unavailable("journal", f"query on {self.safe_url} failed: {e}") from e
+            raise database_failure(e, f"query on {self.safe_url} failed: {e}") from e
 
     def count(self, project: str | None = None) -> int:
         statement = select(func.count()).select_from(events)

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands, dlq, mesh, mesh_views, recall, state, verify
+from epibus.cli import commands, dlq, health, mesh, mesh_views, recall, state, verify
 from epibus.cli.display import SafeFormatter
 from epibus.cli.publish import publish_app, register_publish_commands
 
@@ -28,6 +28,7 @@ app.command()(commands.tail)
 app.command()(commands.events)
 app.command("replay")(commands.replay_command)
 app.command()(commands.stats)
+app.command()(health.health)
 app.command()(state.resolve)
 for command in (verify.verify, state.contradict, state.rollback):
     app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)

@@ -75,6 +75,10 @@ def up(
             "auto-accept:<categories> or capability-match.",
         ),
     ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", envvar="EPIBUS_NODE_NAME", help="The node's name in replies; kept for later starts."),
+    ] = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -95,6 +99,7 @@ def up(
         journal_url=journal,
         replicas=replicas,
         agent=agent or default_agent(),
+        name=name,
         mirror=mirror,
         qdrant_url=qdrant_url,
         coordinate=tuple((project, policy) for project, _, policy in pairs),
@@ -118,6 +123,7 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
         where = {
             "ok": True,
             "status": "running",
+            "name": node.name,
             "home": str(home),
             "pid": node.info.pid,
             "nats_url": node.info.nats_url,

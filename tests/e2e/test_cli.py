@@ -457,3 +457,25 @@ def test_forget_from_the_cli_reports_every_store_clean(running_node):
     assert all("sk-123" not in json.dumps(r) for r in rows)
     unknown = epibus(home, "forget", "nope", "-p", "fg", "--reason", "r", check=False)
     assert unknown.returncode == 1 and "not found" in unknown.stderr
+
+
+def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
+    home, status, process = running_node
+    assert status["name"]  # a unique name kept in its home
+    report = eventually_sync(lambda: _healthy(home), timeout_s=30)
+    assert report["ok"] is True and report["problems"] == []
+    assert report["report"]["name"] == status["name"]
+    assert any(name.startswith("journal-") for name in report["report"]["observers"])
+    shown = epibus(home, "health")
+    assert "healthy" in shown.stdout
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+    down = epibus(home, "health", check=False)
+    assert down.returncode == 1
+    assert down.stderr.strip().splitlines() == [f"error: no epibus node is running under {home}; start one with `epibus up`"]
+    assert as_json(epibus(home, "health", "--json", check=False))["ok"] is False
+
+
+def _healthy(home: Path) -> dict | None:
+    result = epibus(home, "health", "--json", check=False)
+    return as_json(result) if result.returncode == 0 else None

@@ -45,7 +45,7 @@ def kept_events(journal: Journal, project: str) -> dict[str, str]:
 
 
 def node_config(server: NatsServer, home: Path, agent: str) -> NodeConfig:
-    return NodeConfig(home=home, nats_url=server.url, agent=agent, journal_url=f"sqlite:///{home / 'journal.db'}")
+    return NodeConfig(home=home, nats_url=server.url, name=agent, journal_url=f"sqlite:///{home / 'journal.db'}")
 
 
 async def node_states(node: Node, project: str) -> tuple[dict[str, ArtifactState], dict[str, ArtifactState]]:

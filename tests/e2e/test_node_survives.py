@@ -13,11 +13,14 @@ import pytest
 from nats.js.api import StreamConfig
 
 from bus.client import connect
+from bus.errors import ConfigError
+from bus.home import read_node_info
 from bus.jetstream import EVENT_MAX_MSG_BYTES
 from bus.reader import dead_letters
 from bus.runner import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED
 from bus.server import NatsServer
 from bus.subjects import STREAM, event_subject
+from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids
@@ -102,3 +105,43 @@ async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_a
         assert node.nc.is_connected
         info = await client.js.stream_info(STREAM)
         assert info.config.max_msg_size == EVENT_MAX_MSG_BYTES  # the node put the limit on the old stream
+
+
+async def test_a_node_whose_connection_the_server_closes_restarts_its_services(node, nats_server, home, project):
+    """nats-py checks a message's payload against the max payload but not its headers; the server counts both
+    and closes the connection for good on a violation. The node once kept running on the closed connection,
+    journaling nothing while `epibus stats` still answered."""
+    first = node.nc
+    await first.publish("epibus.test.oversize", b"a" * (first.max_payload - 100), headers={"Pad": "b" * 1000})
+    await eventually(lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected)
+    assert first.is_closed
+    async with connect(nats_server.url, agent="alice", home=home) as client:
+        event = client.event("finding", finding(1), project=project)
+        await client.publish(event)
+        await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)], timeout_s=20)
+    report = await eventually(lambda: _reported(node, home), timeout_s=10)
+    assert report["nats"]["connection_restarts"] == 1 and report["nats"]["connected"] is True
+    assert problems(home, read_node_info(home), report) == []
+
+
+def _reported(node: Node, home: Path) -> dict | None:
+    report = read_health(home)
+    return report if report and report["nats"]["connection_restarts"] == node.connection_restarts else None
+
+
+async def test_two_nodes_on_one_machine_have_different_names_that_stay(nats_server, tmp_path: Path):
+    def config(home: str, name: str | None = None) -> NodeConfig:
+        return NodeConfig(home=tmp_path / home, nats_url=nats_server.url, mirror="off", name=name)
+
+    async with Node(config("a")) as a, Node(config("b")) as b:
+        names = (a.name, b.name)
+    assert names[0] != names[1]
+    async with Node(config("a")) as again:
+        assert again.name == names[0]  # kept in its home
+    async with Node(config("a", name="ops-east")) as renamed:
+        assert renamed.name == "ops-east"
+    async with Node(config("a")) as after:
+        assert after.name == "ops-east"
+    with pytest.raises(ConfigError, match="--name"):
+        async with Node(config("c", name="bad name\n")):
+            pass

@@ -39,7 +39,7 @@ DLQ_REASON = "Epibus-Dlq-Reason"
 
 @asynccontextmanager
 async def mirrored_node(server: NatsServer, home: Path, agent: str) -> AsyncIterator[Node]:
-    config = NodeConfig(home=home, nats_url=server.url, agent=agent, journal_url=f"sqlite:///{home / 'journal.db'}")
+    config = NodeConfig(home=home, nats_url=server.url, name=agent, journal_url=f"sqlite:///{home / 'journal.db'}")
     async with Node(config) as node:
         yield node
 

@@ -42,7 +42,7 @@ GARBAGE_REPLIES = [
 @pytest.fixture
 async def mirrored_node(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Node]:
     config = NodeConfig(
-        home=tmp_path / "node-a", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
+        home=tmp_path / "node-a", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
     )
     async with Node(config) as node:
         yield node

@@ -27,7 +27,7 @@ from tests.support import eventually
 
 async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_server, tmp_path: Path, project):
     config = NodeConfig(
-        home=tmp_path / "node", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
+        home=tmp_path / "node", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
     )
     async with Node(config) as node:
         assert node.journal is not None
@@ -136,7 +136,7 @@ async def publish_and_index(node: Node, client: EpibusClient, project: str, text
 async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path, project: str):
     home = tmp_path / "home"
     text_, token = secret_claim()
-    async with Node(NodeConfig(home=home, agent="node-a")) as node:
+    async with Node(NodeConfig(home=home, name="node-a")) as node:
         async with connect(node.nats_url, agent="alice", home=home) as alice:
             artifact_id = await publish_and_index(node, alice, project, text_)
             before = {path.split("/")[0].removesuffix("-wal") for path in files_holding(home, token)}
@@ -149,7 +149,7 @@ async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path,
 async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path, project: str):
     home = tmp_path / "home"
     text_, token = secret_claim()
-    config = NodeConfig(home=home, agent="node-a")
+    config = NodeConfig(home=home, name="node-a")
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
         artifact_id = await publish_and_index(node, alice, project, text_)
         await forget_and_prove(alice, project, artifact_id)
@@ -163,7 +163,7 @@ async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path
 async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, project: str):
     home = tmp_path / "home"
     text_, _ = secret_claim()
-    config = NodeConfig(home=home, agent="node-a")
+    config = NodeConfig(home=home, name="node-a")
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
         artifact_id = await publish_and_index(node, alice, project, text_)
         clean = await forget_and_prove(alice, project, artifact_id)
@@ -179,7 +179,7 @@ async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrub
 ):
     home = tmp_path / "home"
     text_, token = secret_claim()
-    config = NodeConfig(home=home, nats_url=nats_server.url, agent="node-a", mirror="off")
+    config = NodeConfig(home=home, nats_url=nats_server.url, name="node-a", mirror="off")
     async with Node(config), connect(nats_server.url, agent="alice", home=home) as alice:
         proof = await publish_and_forget_completely(alice, project, text_)
     assert files_holding(home, token) == []
@@ -195,7 +195,7 @@ async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, proj
         with sqlite3.connect(f"file:{home / 'embed-cache.db'}?mode=ro", uri=True) as db:
             return int(db.execute("SELECT count(*) FROM vectors WHERE key = ?", (key,)).fetchone()[0])
 
-    config = NodeConfig(home=home, agent="node-a")
+    config = NodeConfig(home=home, name="node-a")
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
         assert node.embedder is not None
         key = text_key(node.embedder.model_id, text_)
@@ -208,7 +208,7 @@ async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, proj
 async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str):
     home = tmp_path / "home"
     text_, token = secret_claim()
-    config = NodeConfig(home=home, agent="node-a", journal_url=postgres_url, mirror="off")
+    config = NodeConfig(home=home, name="node-a", journal_url=postgres_url, mirror="off")
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
         proof = await publish_and_forget_completely(alice, project, text_)
     assert files_holding(home, token) == []

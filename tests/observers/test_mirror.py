@@ -41,7 +41,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 @pytest.fixture
 async def mirrored_node(nats_server, tmp_path: Path) -> AsyncIterator[Node]:
     config = NodeConfig(
-        home=tmp_path / "node-a", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
+        home=tmp_path / "node-a", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
     )
     async with Node(config) as node:
         yield node
@@ -94,7 +94,7 @@ async def test_recall_without_any_mirror_is_an_error_not_an_empty_list(nats_serv
 
 async def test_two_nodes_answer_and_hits_merge_by_event_id(mirrored_node, nats_server, tmp_path, project):
     config = NodeConfig(
-        home=tmp_path / "node-b", nats_url=nats_server.url, agent="node-b", journal_url=f"sqlite:///{tmp_path / 'b.db'}"
+        home=tmp_path / "node-b", nats_url=nats_server.url, name="node-b", journal_url=f"sqlite:///{tmp_path / 'b.db'}"
     )
     async with Node(config) as second:
         async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:

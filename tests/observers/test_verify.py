@@ -18,7 +18,7 @@ from tests.support import eventually, journal_event_ids
 
 async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(nats_server, tmp_path: Path, project):
     config = NodeConfig(
-        home=tmp_path / "node", nats_url=nats_server.url, agent="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
+        home=tmp_path / "node", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
     )
     async with Node(config) as node:
         assert node.journal is not None and node.store is not None and node.mirror is not None
@@ -57,7 +57,7 @@ async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_ev
     config = NodeConfig(
         home=tmp_path / "node",
         nats_url=nats_server.url,
-        agent="node-a",
+        name="node-a",
         journal_url=f"sqlite:///{tmp_path / 'j.db'}",
         mirror=mirror,
         qdrant_url=str(tmp_path / "qdrant") if mirror == "server" else None,

@@ -1,0 +1,108 @@
+"""A node's health as the node itself sees it, kept in `<home>/health.json` (rewritten every few seconds) and
+read by `epibus health` and `epibus stats`. A node whose NATS connection closed, whose observer stalled or is
+waiting out a store outage, or that stopped reporting, says so, even while NATS itself still answers."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, is_dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bus.errors import ConfigError
+from bus.home import NodeInfo
+
+if TYPE_CHECKING:
+    from epibus.node import Node
+
+HEALTH_FILE = "health.json"
+REPORT_EVERY_S = 2.0
+# A report older than this means the node's event loop is stuck (or the node died without cleaning up).
+STALE_AFTER_S = 20.0
+
+
+def write_health(home: Path, snapshot: dict[str, Any]) -> None:
+    """Atomic (a reader never sees half a report) and private to the node's user."""
+    path = home / HEALTH_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(snapshot, f, default=_plain)
+    tmp.replace(path)
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    return str(value)
+
+
+def read_health(home: Path) -> dict[str, Any] | None:
+    """The last report, or None when there is none. Raises ConfigError naming the file when it is unreadable."""
+    path = home / HEALTH_FILE
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("health", f"{path} is unreadable ({e}); it is rewritten by a running node") from e
+    if not isinstance(report, dict):
+        raise ConfigError("health", f"{path} holds no report; it is rewritten by a running node")
+    return report
+
+
+def problems(
+    home: Path, info: NodeInfo | None, report: dict[str, Any] | None, *, now: datetime | None = None
+) -> list[str]:
+    """What is wrong with the local node, one line each; empty when it is healthy."""
+    if info is None:
+        return [f"no epibus node is running under {home}; start one with `epibus up`"]
+    if report is None or report.get("pid") != info.pid:
+        return [f"node {info.name or info.pid} has not reported its health yet; try again in a few seconds"]
+    at = datetime.fromisoformat(str(report["at"]))
+    age_s = ((now or datetime.now(UTC)) - at).total_seconds()
+    if age_s > STALE_AFTER_S:
+        return [f"node {report.get('name')} (pid {info.pid}) has not reported for {age_s:.0f}s: it may be hung"]
+    found: list[str] = []
+    nats = report.get("nats") or {}
+    if not nats.get("connected"):
+        found.append(f"the node's NATS connection is down ({nats.get('last_error') or 'no error recorded'})")
+    for name, stats in sorted((report.get("observers") or {}).items()):
+        if stats.get("stalled"):
+            found.append(
+                f"observer {name} stalled: {stats.get('pending')} messages wait and nothing was acked for "
+                f"{stats.get('stalled_for_s')}s (last error: {stats.get('last_error')})"
+            )
+        elif stats.get("degraded"):
+            found.append(f"observer {name} degraded, holding events: {stats.get('last_error')}")
+    return found
+
+
+def node_health(node: Node) -> dict[str, Any]:
+    """What the node reports about itself: its connection, each observer's runner, services and restarts."""
+    from epibus.node import service_failures  # the node module imports this one
+
+    nc = node.nc
+    observers = {}
+    for runner in (node.runner, node.mirror_runner):
+        if runner is not None:
+            observers[runner.observer.name] = runner.stats.as_dict()
+    return {
+        "name": node.name,
+        "pid": os.getpid(),
+        "at": datetime.now(UTC).isoformat(),
+        "nats": {
+            "url": node.nats_url if nc is not None else None,
+            "connected": bool(nc is not None and nc.is_connected),
+            "closed": bool(nc is None or nc.is_closed),
+            "last_error": str(nc.last_error) if nc is not None and nc.last_error else None,
+            "connection_restarts": node.connection_restarts,
+            "server_restarts": node.server_restarts,
+        },
+        "observers": observers,
+        "forwarder": asdict(node.forwarder.stats) if node.forwarder is not None else None,
+        "services": {subject: asdict(responder.counts) for subject, responder in node.services.items()},
+        "service_failures": dict(service_failures),
+    }
