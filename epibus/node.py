@@ -403,7 +403,7 @@ class Node:
             log.error("embedded nats-server exited (%s); restarting it on %s", server.exit_code, server.url)
             try:
                 await asyncio.to_thread(server.start)
-            except Unavailable as e:
+            except (Unavailable, ConfigError) as e:  # ConfigError: another process took its port meanwhile
                 log.error("embedded nats-server did not restart: %s; trying again", e)
 
     async def _on_nats_error(self, error: Exception) -> None:

@@ -21,10 +21,11 @@ import pytest
 from sqlalchemy import text
 
 from bus.client import connect
+from epibus.node import Node, NodeConfig
 from observers.journal import make_engine
 from tests.conftest import finding
 from tests.e2e.test_mesh_processes import epibus, first_line, last_json, lines, spawn, stop
-from tests.support import eventually_sync, journal_event_ids
+from tests.support import eventually, eventually_sync, journal_event_ids
 
 pytestmark = pytest.mark.slow
 PROJECT = "fleet"
@@ -255,3 +256,23 @@ def test_with_no_node_running_reads_state_changes_and_waiting_for_the_journal_re
     if outbox.exists():  # nothing written: no row, or no outbox at all
         with sqlite3.connect(outbox) as db:
             assert db.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+
+
+async def test_a_node_whose_crashed_server_finds_its_port_taken_keeps_trying_until_the_port_is_free(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Node(NodeConfig(home=tmp_path / "home", mirror="off")) as node:
+        server = node.server
+        assert server is not None
+        port = server.port
+        with socket.socket() as squatter:
+            server.kill()
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            refusal = f"port 127.0.0.1:{port} is taken by pid {os.getpid()}"
+            await eventually(lambda: refusal in caplog.text, timeout_s=15)
+            assert not server.running()
+            assert all(not task.done() for task in node._tasks)  # the node runs on: nothing was raised out of it
+        await eventually(server.running, timeout_s=20)
+        assert server.port == port
