@@ -42,7 +42,7 @@ def decode_agent_key(data: bytes, *, key: str, revision: int | None) -> str:
         text = data.decode("ascii")
     except UnicodeDecodeError:
         raise MalformedRecord(AGENT_KEYS_BUCKET, key, revision, "is not an ASCII public key") from None
-    if not PUBLIC_KEY_PATTERN.match(text):
+    if not PUBLIC_KEY_PATTERN.fullmatch(text):
         raise MalformedRecord(
             AGENT_KEYS_BUCKET, key, revision, f"holds {text[:24]!r}, not a public key (U followed by 55 base32)"
         )
@@ -56,11 +56,11 @@ def decode_tombstone_key(subject: str, *, project: str) -> str:
     prefix = f"$KV.{TOMBSTONES_BUCKET}."
     key = subject.removeprefix(prefix)
     parts = key.split(".")
-    if not subject.startswith(prefix) or len(parts) != 2 or not PROJECT_PATTERN.match(parts[0]):
+    if not subject.startswith(prefix) or len(parts) != 2 or not PROJECT_PATTERN.fullmatch(parts[0]):
         raise MalformedRecord(TOMBSTONES_BUCKET, key, None, "is not a key of the form <project>.<content hash>")
     if parts[0] != project:
         raise MalformedRecord(TOMBSTONES_BUCKET, key, None, f"belongs to project {parts[0]}, not {project}")
-    if not CONTENT_HASH_PATTERN.match(parts[1]):
+    if not CONTENT_HASH_PATTERN.fullmatch(parts[1]):
         raise MalformedRecord(TOMBSTONES_BUCKET, key, None, "does not end in a content hash (64 lowercase hex)")
     return parts[1]
 

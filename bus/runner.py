@@ -254,22 +254,10 @@ class ConsumerRunner:
         in the batch too (nak'ed with the same delay): an observer never sees a change before its claim."""
         self.stats.fetched += len(messages)
         admitted: list[tuple[Msg, Delivery]] = []
-        for index, msg in enumerate(messages):
-            try:
-                admitted.append((msg, await self.admit(msg)))
-            except Rejected as rejection:
-                await self.dead_letter(msg, rejection.reason, rejection.error)
-            except Unavailable as e:  # the key registry did not answer: this one and the rest, later
-                self.stats.last_error = str(e)
-                await self._hold(messages[index:])
-                break
-            except Exception as e:  # noqa: BLE001 - not the message's fault alone: spend a delivery, keep order
-                self.stats.handler_failures += 1
-                self.stats.last_error = error_summary(e)
-                log.error("admitting stream seq %d failed: %s", msg.metadata.sequence.stream, self.stats.last_error)
-                if not await self._dead_letter_if_spent(msg, e):
-                    await self._hold(messages[index + 1 :], delay_of=msg)
-                    break
+        rejected: list[tuple[Msg, Rejected]] = []
+        await self._admit_in_order(messages, admitted, rejected)
+        # Dead letters change no state, so their order does not matter: publish them together.
+        await asyncio.gather(*(self.dead_letter(msg, r.reason, r.error) for msg, r in rejected))
         if not admitted:
             return
         try:
@@ -291,6 +279,26 @@ class ConsumerRunner:
                 await self._one_at_a_time(admitted)
             return
         self.stats.batches += 1
+
+    async def _admit_in_order(
+        self, messages: Sequence[Msg], admitted: list[tuple[Msg, Delivery]], rejected: list[tuple[Msg, Rejected]]
+    ) -> None:
+        for index, msg in enumerate(messages):
+            try:
+                admitted.append((msg, await self.admit(msg)))
+            except Rejected as rejection:
+                rejected.append((msg, rejection))
+            except Unavailable as e:  # the key registry did not answer: this one and the rest, later
+                self.stats.last_error = str(e)
+                await self._hold(messages[index:])
+                return
+            except Exception as e:  # noqa: BLE001 - not the message's fault alone: spend a delivery, keep order
+                self.stats.handler_failures += 1
+                self.stats.last_error = error_summary(e)
+                log.error("admitting stream seq %d failed: %s", msg.metadata.sequence.stream, self.stats.last_error)
+                if not await self._dead_letter_if_spent(msg, e):
+                    await self._hold(messages[index + 1 :], delay_of=msg)
+                    return
 
     async def _one_at_a_time(self, admitted: list[tuple[Msg, Delivery]]) -> None:
         """Only the event that fails on its own is held back, and with it everything after it; once it is

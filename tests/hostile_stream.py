@@ -99,10 +99,8 @@ class StreamFuzzer:
     def deep_nesting(self) -> HostileMessage:
         self.counter += 1
         depth = self.rng.randint(1_000, 30_000)
-        if self.rng.random() < 0.5:
-            data = b"[" * depth + b"]" * depth
-        else:
-            data = b'{"a":' * depth + b"1" + b"}" * depth
+        arrays = self.rng.random() < 0.5
+        data = b"[" * depth + b"]" * depth if arrays else b'{"a":' * depth + b"1" + b"}" * depth
         return HostileMessage("deep-nesting", self._garbage_subject(), data)
 
     def huge_number(self) -> HostileMessage:
@@ -159,7 +157,8 @@ class StreamFuzzer:
 
     def far_future(self) -> HostileMessage:
         event = self._event()
-        raw = self._raw(event) | {"recorded_at": self.rng.choice(["9999-12-31T23:59:59.999999-23:59", "2999-01-01T00:00:00Z"])}
+        when = self.rng.choice(["9999-12-31T23:59:59.999999-23:59", "2999-01-01T00:00:00Z"])
+        raw = self._raw(event) | {"recorded_at": when}
         return HostileMessage("far-future", self._subject(event), _dump(raw))
 
 

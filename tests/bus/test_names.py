@@ -37,5 +37,5 @@ def test_an_event_whose_names_end_in_a_newline_is_invalid(tmp_path: Path, field:
 
 def test_a_subject_with_a_trailing_newline_is_no_event_subject() -> None:
     assert parse_event_subject("epi.demo.finding.a1\n") is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="project"):
         events_filter("demo\n")
