@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializeAsAny,
@@ -38,7 +39,26 @@ SCHEMA_VERSION: Literal[1] = 1
 
 Text = Annotated[str, StringConstraints(min_length=1, max_length=16_000)]
 ShortText = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# Numbers, flags and times are never coerced (true is not 1, "0.5" is not 0.5, 1700000000 is not a time):
+# an event has one encoding, and bytes that differ from it are refused rather than read as the same event.
+Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)]
+Count = Annotated[int, Field(ge=1, strict=True)]
+Flag = Annotated[bool, Field(strict=True)]
+
+
+def _no_number_as_time(value: Any) -> Any:
+    if isinstance(value, int | float):
+        raise ValueError("must be an ISO 8601 time with its offset, not a number")
+    return value
+
+
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_no_number_as_time)]
+
+
+def _not_a_flag(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is a flag, not the number 1")
+    return value
 ProjectSlug = Annotated[str, StringConstraints(pattern=PROJECT_PATTERN.pattern)]
 ArtifactId = Annotated[str, StringConstraints(pattern=ARTIFACT_PATTERN.pattern)]
 AGENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -169,11 +189,11 @@ class ErasedState(Model):
     carries the artifact's states, so a path that reads the stream after the artifact's messages were erased
     decides what other events did with it (contradicted by it, superseding it) exactly as live nodes did."""
 
-    seq: Annotated[int, Field(ge=1)]
+    seq: Count
     kind: Annotated[str, StringConstraints(pattern=KIND_PATTERN.pattern)]
     author: AgentId
     created_event_id: uuid.UUID
-    created_at: AwareDatetime
+    created_at: Timestamp
     impact: Unit | None = None
     confidence: Unit | None = None
     revises: ArtifactId | None = None
@@ -183,7 +203,7 @@ class ErasedState(Model):
     trust: Trust
     lifecycle: Lifecycle
     resolution: ResolutionKind | None = None
-    forgotten: bool = False  # from `seq` on the artifact was gone (an earlier forget of the same id)
+    forgotten: Flag = False  # from `seq` on the artifact was gone (an earlier forget of the same id)
 
 
 class ErasedEvent(Model):
@@ -264,16 +284,16 @@ class Actor(Model):
 
 class Envelope(Model):
     event_id: uuid.UUID
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1], BeforeValidator(_not_a_flag)] = SCHEMA_VERSION
     project: ProjectSlug
     kind: str
     artifact_id: ArtifactId
     actor: Actor
     session_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     goal_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
-    recorded_at: AwareDatetime
-    valid_from: AwareDatetime | None = None
-    valid_until: AwareDatetime | None = None
+    recorded_at: Timestamp
+    valid_from: Timestamp | None = None
+    valid_until: Timestamp | None = None
     source: EpistemicSource | None = None
     body: SerializeAsAny[Body]
     signature: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")] | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 from bus.errors import Conflict, Forbidden, InvalidEvent
-from bus.event import Actor, AgentId, Body, Envelope, Evidence, ShortText, Text, register_kind, validate_event
+from bus.event import Actor, AgentId, Body, Count, Envelope, Evidence, ShortText, Text, register_kind, validate_event
 from bus.jetstream import AgentRegistry
 from bus.signing import verify_signature
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
@@ -21,7 +21,7 @@ class TaskEventBody(Body):
     kind: ClassVar[str] = TASK_KIND
     system_record: ClassVar[bool] = True  # written by MeshAgent after the KV compare-and-set, never by hand
     task_id: TaskId
-    step: int  # position in the task's history, 1 for the proposal
+    step: Count  # position in the task's history, 1 for the proposal
     action: TaskAction
     from_state: TaskState | None
     to_state: TaskState

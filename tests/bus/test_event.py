@@ -263,3 +263,28 @@ def test_a_nul_character_in_any_text_is_refused_with_a_clear_error():
             actor=key.actor,
             session_id="s",
         )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("schema_version", True),
+        ("recorded_at", 1_700_000_000),
+        ("body.impact", True),
+        ("body.impact", "0.5"),
+        ("body.confidence", False),
+    ],
+)
+def test_numbers_flags_and_times_are_never_coerced(tmp_path, field: str, value: object) -> None:
+    """`true` once passed as schema_version 1 and the signature still verified: the same event under other bytes."""
+    from bus.event import decode_event, draft_event, encode_event
+    from bus.signing import AgentKey
+
+    key = AgentKey.load_or_create(tmp_path, "alice")
+    body = {"text": "t", "impact": 0.5, "confidence": 0.5, "subject": "s"}
+    event = key.sign(draft_event("finding", body, project="demo", actor=key.actor, session_id="s1"))
+    raw = json.loads(encode_event(event))
+    target, _, name = field.rpartition(".")
+    (raw[target] if target else raw)[name] = value
+    with pytest.raises(InvalidEvent, match=name):
+        decode_event(json.dumps(raw).encode())
