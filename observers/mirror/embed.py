@@ -15,14 +15,18 @@ import json
 import os
 import sqlite3
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from bus.errors import ComponentFailed, ConfigError, Unavailable, error_summary
 from bus.outbox import checkpoint_wal
 
+T = TypeVar("T")
+# SQLite's primary result codes for a file that is busy, locked, full, unreadable or out of memory: may pass.
+# Not SQLITE_ERROR (1), which a missing table and a bad statement share.
+SQLITE_OUTAGES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})  # BUSY LOCKED NOMEM READONLY IOERR FULL CANTOPEN PROTOCOL
 DEFAULT_MODEL = "local/all-MiniLM-L6-v2-int8"
 DEFAULT_DIMENSION = 384
 _TOKENIZER_FILES = ("tokenizer.json", "config.json", "special_tokens_map.json", "vocab.txt")
@@ -157,14 +161,14 @@ def text_key(model_id: str, text: str) -> str:
 class CachedEmbedder:
     """An Embedder with a persistent content-hash cache: an identical text is embedded once per model."""
 
-    def __init__(self, inner: Embedder, path: Path) -> None:
+    def __init__(self, inner: Embedder, path: Path, *, busy_timeout_s: float = 30.0) -> None:
         self.inner = inner
         self.path = path
         self.hits = 0
         self.misses = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed-cache")
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA secure_delete=ON")  # a forgotten text's vector is zeroed, not left in free space
         self._conn.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, dim INTEGER, vector BLOB)")
@@ -196,15 +200,24 @@ class CachedEmbedder:
                 [(key, len(v), struct.pack(f"<{len(v)}f", *v)) for key, v in items],
             )
 
+    async def _file(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one read or write of the cache file. Locked, full or failing to read or write is an outage (the
+        events wait, as for the model's files); any other SQLite error would recur, and is a failure."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except sqlite3.Error as e:
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF in SQLITE_OUTAGES:
+                raise Unavailable("embedding cache", f"{self.path}: {e}") from e
+            raise ComponentFailed("embedding cache", f"{self.path}: {error_summary(e)}") from e
+
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        loop = asyncio.get_running_loop()
         keys = [text_key(self.model_id, t) for t in texts]
-        cached = await loop.run_in_executor(self._executor, self._lookup, sorted(set(keys)))
+        cached = await self._file(self._lookup, sorted(set(keys)))
         todo = sorted({(k, t) for k, t in zip(keys, texts, strict=True) if k not in cached})
         if todo:
             vectors = await self.inner.embed([t for _, t in todo])
             fresh = [(k, v) for (k, _), v in zip(todo, vectors, strict=True)]
-            await loop.run_in_executor(self._executor, self._store, fresh)
+            await self._file(self._store, fresh)
             cached |= dict(fresh)
         self.misses += len(todo)
         self.hits += len(texts) - len(todo)

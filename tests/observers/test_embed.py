@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from bus.errors import ConfigError, Unavailable
+from bus.errors import ComponentFailed, ConfigError, Unavailable
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, CachedEmbedder, FastEmbedder
 
 
@@ -57,8 +58,6 @@ async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Pat
     cache = CachedEmbedder(BrokenModel(), tmp_path / "cache.db")
     with pytest.raises(Unavailable, match="onnxruntime crashed"):
         await cache.embed(["anything"])
-    import sqlite3
-
     with sqlite3.connect(tmp_path / "cache.db") as db:
         assert db.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
     cache.close()
@@ -67,3 +66,38 @@ async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Pat
 async def test_an_unloadable_model_is_a_clear_config_error(tmp_path: Path):
     with pytest.raises(ConfigError, match="EPIBUS_EMBED_MODEL.*no-such/model"):
         await FastEmbedder(tmp_path, "no-such/model").load()
+
+
+class FixedModel:
+    """An inner model that always answers; the cache file, not the model, is under test."""
+
+    model_id = "fixed"
+    dimension = 2
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        return [[1.0, 0.0] for _ in texts]
+
+
+async def test_a_locked_cache_file_is_an_outage_that_ends_when_the_lock_does(tmp_path: Path):
+    cache = CachedEmbedder(FixedModel(), tmp_path / "cache.db", busy_timeout_s=0.1)
+    holder = sqlite3.connect(tmp_path / "cache.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing, or a disk that refuses writes for now
+    try:
+        with pytest.raises(Unavailable, match=r"embedding cache unavailable: .*cache\.db: database is locked"):
+            await cache.embed(["a text the mirror must not dead-letter"])
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert await cache.embed(["a text the mirror must not dead-letter"]) == [[1.0, 0.0]]
+    with sqlite3.connect(tmp_path / "cache.db") as db:
+        assert db.execute("SELECT count(*) FROM vectors").fetchone()[0] == 1
+    cache.close()
+
+
+async def test_a_cache_file_that_lost_its_table_is_a_failure_not_an_outage(tmp_path: Path):
+    cache = CachedEmbedder(FixedModel(), tmp_path / "cache.db")
+    with sqlite3.connect(tmp_path / "cache.db") as db:
+        db.execute("ALTER TABLE vectors RENAME TO something_else")
+    with pytest.raises(ComponentFailed, match=r"embedding cache failed: .*no such table: vectors"):
+        await cache.embed(["x"])
+    cache.close()
