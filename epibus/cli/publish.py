@@ -9,11 +9,12 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import Body, Evidence, draft_event, encode_event, kind_names, require_kind
+from bus.event import Body, Evidence, draft_event, encode_event, kind_names, raise_for_validation, require_kind
 from bus.home import default_agent, epibus_home
 from bus.ids import new_event_id
 from bus.signing import AgentKey
@@ -48,7 +49,10 @@ def _parse_evidence(values: list[str]) -> list[Evidence]:
         if not sep or kind not in EvidenceKind.__members__:
             kinds = ", ".join(EvidenceKind.__members__)
             raise InvalidEvent(f"--evidence={value!r}", f"must be KIND:REF with KIND one of {{{kinds}}}")
-        evidence.append(Evidence(kind=EvidenceKind(kind), ref=ref))
+        try:
+            evidence.append(Evidence(kind=EvidenceKind(kind), ref=ref))
+        except ValidationError as e:  # an empty, too long or undecodable REF: one line, not a traceback
+            raise InvalidEvent(f"--evidence={value!r}", f"REF: {raise_for_validation(e).problem}") from None
     return evidence
 
 
