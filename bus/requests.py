@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, RootModel, StringConstraints, ValidationError
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StringConstraints,
+    ValidationError,
+)
 from pydantic_core import ErrorDetails, from_json
 
 from bus.errors import ConfigError
@@ -35,6 +45,17 @@ EventId = Annotated[str, StringConstraints(pattern=EVENT_ID_PATTERN)]
 NodeName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
 Count = Annotated[int, Field(ge=0)]
 Score = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _in_utc(value: datetime) -> datetime:
+    try:
+        value.astimezone(UTC)  # the node compares it in UTC: 9999-12-31T23:59-23:59 is past the last day
+    except OverflowError:
+        raise ValueError("out of range once converted to UTC") from None
+    return value
+
+
+UtcTime = Annotated[AwareDatetime, AfterValidator(_in_utc)]
 Texts = Annotated[list[Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]], Field(max_length=100)]
 
 
@@ -57,7 +78,7 @@ class RecallRequest(Message):
         None, description=f"null or a list of at most {MAX_KINDS} kind names matching {KIND_PATTERN.pattern}"
     )
     include_resolved: bool = Field(False, description="true or false")
-    as_of: AwareDatetime | None = Field(None, description="null or an ISO 8601 time with a timezone")
+    as_of: UtcTime | None = Field(None, description="null or an ISO 8601 time with a timezone, in range in UTC")
     audit: bool = Field(False, description="true or false")
 
 

@@ -132,6 +132,10 @@ def _recall_requests() -> list[HostileRequest]:
         HostileRequest("kinds-too-many", _body(good | {"kinds": ["finding"] * 10_000}), "kinds"),
         HostileRequest("as-of-naive", _body(good | {"as_of": "2024-01-01T00:00:00"}), "as_of"),
         HostileRequest("as-of-garbage", _body(good | {"as_of": "yesterday"}), "as_of"),
+        HostileRequest(
+            "as-of-past-the-last-utc-day", _body(good | {"as_of": "9999-12-31T23:59:59.999999-23:59"}), "as_of"
+        ),
+        HostileRequest("as-of-before-the-first-utc-day", _body(good | {"as_of": "0001-01-01T00:00:00+23:59"}), "as_of"),
         HostileRequest("audit-string", _body(good | {"audit": "yes"}), "audit"),
         HostileRequest("include-resolved-number", _body(good | {"include_resolved": 1}), "include_resolved"),
         HostileRequest("extra-field", _body(good | {"bogus": "x"}), "bogus"),

@@ -101,15 +101,19 @@ def parse_time(value: str | None, option: str, *, ahead: bool = False) -> dateti
     if value is None:
         return None
     match = _RELATIVE.match(value.strip())
-    if match:
-        span = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
-        return datetime.now(UTC) + span if ahead else datetime.now(UTC) - span
     try:
+        if match:
+            span = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+            return datetime.now(UTC) + span if ahead else datetime.now(UTC) - span
         parsed = datetime.fromisoformat(value)
+        parsed = parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
+        parsed.astimezone(UTC)  # every reader compares it in UTC: 9999-12-31T23:59-23:59 is past the last day
+    except OverflowError:
+        raise ConfigError(option, f"{value!r} is out of range: times run from year 1 to 9999 in UTC") from None
     except ValueError:
         shape = "a duration" if ahead else "an age"
         raise ConfigError(option, f"{value!r} is neither ISO 8601 nor {shape} like 30m, 2h, 7d") from None
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
+    return parsed
 
 
 def stdout_is_terminal() -> bool:
