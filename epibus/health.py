@@ -71,8 +71,11 @@ def problems(
         found.append(f"the node's NATS connection is down ({nats.get('last_error') or 'no error recorded'})")
     for name, stats in sorted((report.get("observers") or {}).items()):
         if stats.get("stalled"):
+            pending = stats.get("pending")
+            # None: the server did not answer how far the consumer got (it may be frozen, or gone)
+            waiting = "the server does not say what waits" if pending is None else f"{pending} messages wait"
             found.append(
-                f"observer {name} stalled: {stats.get('pending')} messages wait and nothing was acked for "
+                f"observer {name} stalled: {waiting} and nothing was acked for "
                 f"{stats.get('stalled_for_s')}s (last error: {stats.get('last_error')})"
             )
         elif stats.get("degraded"):

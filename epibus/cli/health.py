@@ -43,10 +43,11 @@ def _rows(report: dict[str, Any]) -> list[list[Any]]:
     ]
     for name, stats in sorted((report.get("observers") or {}).items()):
         state = "STALLED" if stats.get("stalled") else "degraded" if stats.get("degraded") else "ok"
+        pending = "unknown" if stats.get("pending") is None else stats.get("pending")
         rows.append(
             [
                 f"observer {name}",
-                f"{state}; pending {stats.get('pending')}, handled {stats.get('handled')}, "
+                f"{state}; pending {pending}, handled {stats.get('handled')}, "
                 f"dead-lettered {sum((stats.get('dead_lettered') or {}).values())}, "
                 f"internal errors {stats.get('internal_errors')}",
             ]
