@@ -106,7 +106,7 @@ async def test_verify_and_a_forget_proof_still_answer_after_the_barrage(node: No
     proof_request = {"project": project, "artifact_id": "never-published", "event_ids": [], "scrub": False}
     reply = await raw.request(PROVE_FORGOTTEN, json.dumps(proof_request).encode(), timeout=5)
     proof = ForgetProofReply.model_validate_json(reply.data)
-    assert (proof.node, proof.journal_rows, proof.projection_rows) == (node.config.agent, 0, 0)
+    assert (proof.node, proof.journal_rows, proof.projection_rows) == (node.name, 0, 0)
 
 
 async def test_a_request_without_a_reply_subject_is_counted_and_ignored(node: Node, raw):
@@ -131,7 +131,7 @@ async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_fail
     answers = await client.verify_nodes(project, timeout_s=5)
     real = [a for a in answers if "error" not in a]
     failed = [a for a in answers if "error" in a]
-    assert [a["node"] for a in real] == [node.config.agent]
+    assert [a["node"] for a in real] == [node.name]
     assert real[0]["clean"] is True
     assert len(failed) == len(GARBAGE_REPLIES)
     assert all(a["error"].startswith("malformed reply: ") for a in failed), failed
