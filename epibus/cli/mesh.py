@@ -185,6 +185,10 @@ def _payload(value: str | None) -> dict[str, Any] | None:
         data = json.loads(value)
     except json.JSONDecodeError as e:
         raise InvalidEvent("--payload", f"is not JSON ({e})") from None
+    except RecursionError:
+        raise InvalidEvent("--payload", "is JSON nested too deeply to decode") from None
+    except ValueError as e:  # e.g. an integer longer than Python's 4300-digit conversion limit
+        raise InvalidEvent("--payload", f"holds a value JSON cannot decode here ({e})") from None
     if not isinstance(data, dict):
         raise InvalidEvent("--payload", f"is a JSON {type(data).__name__}, expected an object")
     return data
