@@ -193,9 +193,14 @@ class NotificationLog:
         for line in reversed(complete):
             if line.strip():
                 try:
-                    return int(json.loads(line)["revision"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise InvalidEvent(f"notification log {self.path}", f"last line is not a notification: {e}") from e
+                    revision = json.loads(line)["revision"]
+                except (ValueError, KeyError, TypeError, RecursionError) as e:
+                    problem = f"last line is not a notification: {type(e).__name__}: {e}"
+                    raise InvalidEvent(f"notification log {self.path}", problem) from e
+                if type(revision) is not int or revision < 0:  # the server refuses a negative start for good
+                    problem = f"last line's revision is {str(revision)[:40]!r}, expected a revision number (0 or more)"
+                    raise InvalidEvent(f"notification log {self.path}", problem)
+                return revision
         return 0
 
     def load(self) -> int:

@@ -30,6 +30,7 @@ from mesh.store import MeshStore, TaskEntry, decode_task, is_value
 log = logging.getLogger(__name__)
 RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 CONSUMER_CHECK_S = 5.0  # an idle watcher confirms its consumer still exists this often
+MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
 
 
 class Cursor(Protocol):
@@ -65,7 +66,8 @@ class FileCursor:
             text = self.path.read_text().strip()
         except FileNotFoundError:
             return 0
-        if not text.isdigit():
+        # ASCII digits only: str.isdigit() also takes '²', which int() refuses; and no more than int() reads
+        if not (text.isascii() and text.isdigit() and len(text) <= MAX_REVISION_DIGITS):
             raise InvalidEvent(f"cursor file {self.path}", f"holds {text[:40]!r}, expected a revision number")
         return int(text)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from bus.errors import Unavailable
+from bus.errors import InvalidEvent, Unavailable
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM
 from bus.tasks import cancel_and_wait
@@ -157,6 +158,33 @@ def test_a_notification_log_drops_a_torn_last_line_and_resumes_after_the_last_wh
     log = NotificationLog(path)
     assert log.load() == 7
     assert path.read_text() == '{"revision": 7, "task_id": "a"}\n'
+
+
+@pytest.mark.parametrize(
+    ("last_line", "problem"),
+    [
+        ('{"revision": -5}', "last line's revision is '-5', expected a revision number (0 or more)"),
+        ('{"revision": 1e999}', "last line's revision is 'inf', expected a revision number (0 or more)"),
+        ('{"revision": "7"}', "last line's revision is '7', expected a revision number (0 or more)"),
+        ('{"revision": true}', "last line's revision is 'True', expected a revision number (0 or more)"),
+        ('{"revision": ' + "[" * 5000 + "]" * 5000 + "}", "last line is not a notification: RecursionError"),
+    ],
+    ids=["negative", "infinite", "string", "bool", "deep-nesting"],
+)
+def test_a_notification_log_whose_last_line_holds_no_revision_is_refused_naming_the_file(
+    tmp_path: Path, last_line: str, problem: str
+) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"revision": 7, "task_id": "a"}\n' + last_line + "\n")
+    with pytest.raises(InvalidEvent, match=rf"^notification log {re.escape(str(path))}: {re.escape(problem)}"):
+        NotificationLog(path)
+
+
+@pytest.mark.parametrize("text", ["\u00b2", "-5", "9" * 5000, "12 13"])
+def test_a_cursor_file_holding_no_revision_number_is_refused_naming_the_file(tmp_path: Path, text: str) -> None:
+    (tmp_path / "cursor").write_text(text + "\n")
+    with pytest.raises(InvalidEvent, match=r"^cursor file .*cursor: holds .*, expected a revision number$"):
+        FileCursor(tmp_path / "cursor").load()
 
 
 async def test_a_watcher_whose_connection_was_closed_for_good_stops_saying_so(
