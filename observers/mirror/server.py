@@ -113,7 +113,12 @@ class ServerVectorStore:
             if status >= 500 or status == 429:
                 return Unavailable("qdrant", f"{where}: HTTP {status}: {message[:300]}")
             return ComponentFailed("qdrant", f"{where}: HTTP {status}: {message[:300]}")
-        if isinstance(error, ResponseHandlingException | httpx.TransportError | OSError):
+        if isinstance(error, ResponseHandlingException):
+            # qdrant-client wraps both a request that got no answer and a 2xx answer it could not parse in this
+            if not isinstance(error.source, httpx.TransportError | OSError):
+                return ComponentFailed("qdrant", f"{where}: unreadable answer: {error_summary(error.source)}")
+            return Unavailable("qdrant", f"{where}: {type(error.source).__name__}: {message[:300]}")
+        if isinstance(error, httpx.TransportError | OSError):
             return Unavailable("qdrant", f"{where}: {type(error).__name__}: {message[:300]}")
         if _grpc_outage(error):
             return Unavailable("qdrant", f"{where}: gRPC {message[:300]}")

@@ -91,6 +91,7 @@ def test_a_real_sqlite_file_that_is_not_a_database_is_a_failure_not_an_outage(tm
         (UnexpectedResponse(503, "Service Unavailable", b"{}", httpx.Headers()), Unavailable),
         (UnexpectedResponse(429, "Too Many Requests", b"{}", httpx.Headers()), Unavailable),
         (ResponseHandlingException(httpx.ConnectError("refused")), Unavailable),
+        (ResponseHandlingException(ValueError("a 200 reply that does not parse as the model")), ComponentFailed),
         (httpx.ReadTimeout("slow"), Unavailable),
         (ValueError("a bug in a local-mode call"), ComponentFailed),
         (ValueError("shapes (3,) and (4,) not aligned"), ModelMismatch),
