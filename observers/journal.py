@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -126,11 +128,17 @@ def _kept(conn: Connection, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
 DATABASE_OUTAGES = (OperationalError, InterfaceError, DisconnectionError, sqlalchemy.exc.TimeoutError)
 
 
+# SQLite raises OperationalError for a missing table or a syntax error too; only these mean "not now".
+SQLITE_OUTAGE = re.compile(r"locked|busy|disk i/o error|unable to open|disk is full|readonly|no space", re.I)
+
+
 def database_failure(error: SQLAlchemyError, message: str) -> Unavailable | ComponentFailed:
     """The one choke point from SQLAlchemy errors to epibus errors."""
-    if isinstance(error, DATABASE_OUTAGES) or (isinstance(error, DBAPIError) and error.connection_invalidated):
-        return Unavailable("journal", message)
-    return ComponentFailed("journal", message)
+    if isinstance(error, DBAPIError) and isinstance(error.orig, sqlite3.OperationalError):
+        outage = bool(SQLITE_OUTAGE.search(str(error.orig)))
+    else:
+        outage = isinstance(error, DATABASE_OUTAGES) or (isinstance(error, DBAPIError) and error.connection_invalidated)
+    return Unavailable("journal", message) if outage else ComponentFailed("journal", message)
 
 
 @dataclass(frozen=True)

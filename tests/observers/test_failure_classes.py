@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,11 @@ def test_publish_errors_are_classed_by_what_the_caller_does_next(error: BaseExce
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (OperationalError("SELECT 1", {}, Exception("database is locked")), Unavailable),
+        (OperationalError("SELECT 1", {}, Exception("could not connect to server")), Unavailable),
+        (OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked")), Unavailable),
+        (OperationalError("SELECT 1", {}, sqlite3.OperationalError("disk I/O error")), Unavailable),
+        (OperationalError("SELECT x", {}, sqlite3.OperationalError("no such table: events")), ComponentFailed),
+        (OperationalError("SELEC", {}, sqlite3.OperationalError('near "SELEC": syntax error')), ComponentFailed),
         (ProgrammingError("SELECT nope", {}, Exception("no such column")), ComponentFailed),
         (InternalError("INSERT", {}, Exception("internal")), ComponentFailed),
         (IntegrityError("INSERT", {}, Exception("check failed")), ComponentFailed),
