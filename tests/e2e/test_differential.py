@@ -57,7 +57,7 @@ from tests.histories import (
     register_keys,
 )
 
-EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "150"))
 LONG_EXAMPLES = 2_000
 QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 

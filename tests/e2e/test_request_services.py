@@ -124,6 +124,7 @@ async def answer_with_garbage(nc: NatsClient, subject: str) -> None:
             await nc.publish(msg.reply, garbage)
 
     await nc.subscribe(subject, cb=answer)
+    await nc.flush()  # the server knows the subscription before anyone asks
 
 
 async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_failed(node: Node, raw, client, project):
