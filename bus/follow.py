@@ -27,6 +27,46 @@ CONSUMER_CHECK_S = 3.0  # an idle follower confirms its consumer still exists th
 MAX_BACKOFF_S = 2.0
 
 
+def resume_config(filter_subject: str, after_seq: int) -> ConsumerConfig:
+    """An ephemeral pull consumer that starts right after `after_seq`: nothing to ack, gone when idle."""
+    return ConsumerConfig(
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=after_seq + 1,
+        filter_subject=filter_subject,
+        inactive_threshold=60.0,
+        mem_storage=True,
+    )
+
+
+class ResumingSubscription:
+    """What every reader that resumes from a sequence on an ephemeral pull consumer shares: confirming now and
+    then that the consumer still exists (a restarted server drops it while fetches just time out), and dropping
+    it so the next poll starts a new one after the last sequence seen."""
+
+    label: str = "follower"  # names the reader in log lines
+    check_every_s: float = CONSUMER_CHECK_S
+
+    def __init__(self) -> None:
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._checked_at = time.monotonic()
+
+    async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
+        if time.monotonic() - self._checked_at < self.check_every_s:
+            return
+        self._checked_at = time.monotonic()
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            await subscription.consumer_info()
+
+    async def _drop_subscription(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except RETRYABLE as e:  # the connection may be gone with it
+                log.info("%s: dropping the old subscription: %s", self.label, e)
+
+
 @dataclass
 class FollowStats:
     delivered: int = 0
@@ -36,7 +76,7 @@ class FollowStats:
     last_error: str | None = None
 
 
-class StreamFollower:
+class StreamFollower(ResumingSubscription):
     """`async for msg in StreamFollower(js, STREAM, subject).messages():` from `start_seq` (None: only messages
     newer than the stream's last one now). Raises Unavailable if the first subscription fails (no such stream,
     no server) or once the connection is closed for good; later errors are logged, counted and ridden out."""
@@ -52,6 +92,7 @@ class StreamFollower:
         batch_size: int = 256,
         poll_timeout_s: float = 1.0,
     ) -> None:
+        super().__init__()
         self.js = js
         self.stream = stream
         self.filter_subject = filter_subject
@@ -61,8 +102,7 @@ class StreamFollower:
         self.poll_timeout_s = poll_timeout_s
         self.last_seq = 0  # the highest stream sequence handed out (or skipped as older than start_seq)
         self.stats = FollowStats()
-        self._subscription: JetStreamContext.PullSubscription | None = None
-        self._checked_at = time.monotonic()
+        self.label = f"following {filter_subject}"
 
     async def messages(self) -> AsyncGenerator[Msg, None]:
         if self.start_seq is None:
@@ -109,14 +149,7 @@ class StreamFollower:
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         if self._subscription is None:
-            config = ConsumerConfig(
-                ack_policy=AckPolicy.NONE,
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=self.last_seq + 1,
-                filter_subject=self.filter_subject,
-                inactive_threshold=60.0,
-                mem_storage=True,
-            )
+            config = resume_config(self.filter_subject, self.last_seq)
             async with asyncio.timeout(JS_TIMEOUT_S):
                 self._subscription = await self.js.pull_subscribe(
                     self.filter_subject, stream=self.stream, config=config
@@ -124,20 +157,3 @@ class StreamFollower:
             self.stats.resubscribed += 1
             self._checked_at = time.monotonic()
         return self._subscription
-
-    async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
-        """Fetches on a consumer that a restarted server dropped just time out: ask for it now and then, and
-        let the error start a new one."""
-        if time.monotonic() - self._checked_at < CONSUMER_CHECK_S:
-            return
-        self._checked_at = time.monotonic()
-        async with asyncio.timeout(JS_TIMEOUT_S):
-            await subscription.consumer_info()
-
-    async def _drop_subscription(self) -> None:
-        subscription, self._subscription = self._subscription, None
-        if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except RETRYABLE as e:  # the connection may be gone with it
-                log.info("following %s: dropping the old subscription: %s", self.filter_subject, e)

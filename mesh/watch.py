@@ -19,9 +19,9 @@ from typing import Protocol
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
+from bus.follow import ResumingSubscription, resume_config
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
@@ -29,7 +29,6 @@ from mesh.store import MeshStore, TaskEntry, decode_task, is_value
 
 log = logging.getLogger(__name__)
 RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
-CONSUMER_CHECK_S = 5.0  # an idle watcher confirms its consumer still exists this often
 MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
 
 
@@ -95,8 +94,10 @@ class WatchStats:
 Handler = Callable[[TaskEntry], Awaitable[None]]
 
 
-class TaskWatcher:
+class TaskWatcher(ResumingSubscription):
     """Hands every task revision after the cursor to `handler`, in revision order, once."""
+
+    check_every_s = 5.0  # an idle watcher confirms its consumer still exists this often
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class TaskWatcher:
         name: str = "mesh-watch",
         closed: Callable[[], bool] | None = None,
     ) -> None:
+        super().__init__()
         self._js = js
         self._closed = closed or (lambda: False)  # True once the connection is closed for good
         self.handler = handler
@@ -121,8 +123,7 @@ class TaskWatcher:
         self.name = name
         self.stats = WatchStats()
         self.quarantine = Quarantine(name)
-        self._subscription: JetStreamContext.PullSubscription | None = None
-        self._checked_at = time.monotonic()
+        self.label = name
 
     async def run(self) -> None:
         backoff_s = 0.0
@@ -183,14 +184,7 @@ class TaskWatcher:
             js = self._js()
             await MeshStore(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
             await self._check_cursor(js)
-            config = ConsumerConfig(
-                ack_policy=AckPolicy.NONE,
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=self.last_seen + 1,
-                filter_subject=tasks_key_filter(self.project),
-                inactive_threshold=60.0,
-                mem_storage=True,
-            )
+            config = resume_config(tasks_key_filter(self.project), self.last_seen)
             async with asyncio.timeout(JS_TIMEOUT_S):
                 self._subscription = await js.pull_subscribe(
                     tasks_key_filter(self.project), stream=MESH_STREAM, config=config
@@ -209,20 +203,3 @@ class TaskWatcher:
                 f"{self.name} resumes after revision {self.last_seen}, but the mesh bucket ends at "
                 f"{info.state.last_seq}: it was reset; start the watcher over (--reset, or a new --out file)",
             )
-
-    async def _confirm_consumer(self, subscription: JetStreamContext.PullSubscription) -> None:
-        """An idle ephemeral consumer can vanish with a restarted server while fetches just time out:
-        ask for it now and then, and let the error re-subscribe from the cursor."""
-        if time.monotonic() - self._checked_at < CONSUMER_CHECK_S:
-            return
-        self._checked_at = time.monotonic()
-        async with asyncio.timeout(JS_TIMEOUT_S):
-            await subscription.consumer_info()
-
-    async def _drop_subscription(self) -> None:
-        subscription, self._subscription = self._subscription, None
-        if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except RETRYABLE as e:  # the connection may be gone with it
-                log.info("%s: dropping the old subscription: %s", self.name, e)
