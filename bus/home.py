@@ -59,11 +59,7 @@ def node_name(home: Path, explicit: str | None = None) -> str:
         name = _new_node_name()
     else:
         name = _new_node_name()
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(name + "\n")
-    tmp.chmod(0o600)
-    tmp.replace(path)
+    write_private(path, name + "\n")
     return name
 
 
@@ -101,12 +97,19 @@ class NodeInfo:
         return True
 
 
+def write_private(path: Path, text: str) -> None:
+    """Replace a state file atomically (a reader never sees half a file), readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
 def write_node_info(home: Path, info: NodeInfo) -> Path:
-    home.mkdir(parents=True, exist_ok=True)
     path = home / NODE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(info), indent=2))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    write_private(path, json.dumps(asdict(info), indent=2))
     return path
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from bus.errors import ConfigError
+from bus.home import write_private
 
 PORTS_FILE = "ports.json"
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's state column
@@ -37,13 +38,7 @@ def read_ports(store_dir: Path) -> ServerPorts | None:
 
 def keep_ports(store_dir: Path, ports: ServerPorts) -> None:
     """Record the ports (mode 0600, replaced atomically: a reader never sees half a file)."""
-    store_dir.mkdir(parents=True, exist_ok=True)
-    path = store_dir / PORTS_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(asdict(ports)) + "\n")
-    tmp.replace(path)
+    write_private(store_dir / PORTS_FILE, json.dumps(asdict(ports)) + "\n")
 
 
 def port_taken(host: str, port: int) -> bool:

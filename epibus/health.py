@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
-from bus.home import NodeInfo
+from bus.home import NodeInfo, write_private
 
 if TYPE_CHECKING:
     from epibus.node import Node
@@ -25,12 +25,7 @@ STALE_AFTER_S = 20.0
 
 def write_health(home: Path, snapshot: dict[str, Any]) -> None:
     """Atomic (a reader never sees half a report) and private to the node's user."""
-    path = home / HEALTH_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(snapshot, f, default=_plain)
-    tmp.replace(path)
+    write_private(home / HEALTH_FILE, json.dumps(snapshot, default=_plain))
 
 
 def _plain(value: Any) -> Any:
