@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import text
@@ -79,3 +84,27 @@ def journal_rows_of_kind(url: str, project: str, kind: str) -> list[tuple[str, d
             return [(r[0], json.loads(r[1])["body"], r[2], r[3]) for r in rows]
     finally:
         engine.dispose()
+
+
+def start_node_process(home: Path, *up_args: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """`epibus up --json` as a user runs it (no EPIBUS_* from the caller's environment but the home), and the
+    status line it prints once it runs. Fails with the node's stderr if it exits instead."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epibus", "up", "--json", *up_args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, f"`epibus up` exited with {process.poll()}: {process.stderr.read() if process.stderr else ''}"
+    return process, json.loads(line)
+
+
+def stop_node_process(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

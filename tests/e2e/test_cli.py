@@ -16,7 +16,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from tests.support import eventually_sync
+from tests.support import eventually_sync, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -43,25 +43,11 @@ def as_json(result: subprocess.CompletedProcess[str]) -> object:
 @pytest.fixture
 def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subprocess.Popen[str]]]:
     home = tmp_path / "epibus-home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "epibus", "up", "--json"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line, f"`epibus up` exited with {process.poll()}: {process.stderr.read() if process.stderr else ''}"
-    status = json.loads(line)
+    process, status = start_node_process(home)
     try:
         yield home, status, process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+        stop_node_process(process)
 
 
 def test_up_publish_query_tail_stats_and_clean_stop(running_node):
@@ -463,7 +449,8 @@ def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
     home, status, process = running_node
     assert status["name"]  # a unique name kept in its home
     report = eventually_sync(lambda: _healthy(home), timeout_s=30)
-    assert report["ok"] is True and report["problems"] == []
+    assert report["ok"] is True
+    assert report["problems"] == []
     assert report["report"]["name"] == status["name"]
     assert any(name.startswith("journal-") for name in report["report"]["observers"])
     shown = epibus(home, "health")
@@ -472,7 +459,9 @@ def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
     process.wait(timeout=30)
     down = epibus(home, "health", check=False)
     assert down.returncode == 1
-    assert down.stderr.strip().splitlines() == [f"error: no epibus node is running under {home}; start one with `epibus up`"]
+    assert down.stderr.strip().splitlines() == [
+        f"error: no epibus node is running under {home}; start one with `epibus up`"
+    ]
     assert as_json(epibus(home, "health", "--json", check=False))["ok"] is False
 
 

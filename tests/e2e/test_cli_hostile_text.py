@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from bus.subjects import dlq_subject
 from bus.vocab import ReceiptLevel
 from mesh.agent import MeshAgent
 from tests.conftest import finding
-from tests.support import eventually_sync
+from tests.support import eventually_sync, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -81,23 +80,11 @@ def json_lines(result: subprocess.CompletedProcess[str]) -> list[Any]:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     """`epibus up` without a mirror (no recall here): its home and NATS URL."""
     home = tmp_path_factory.mktemp("hostile") / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "epibus", "up", "--mirror", "off", "--json"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line, f"`epibus up` exited with {process.poll()}: {process.stderr.read() if process.stderr else ''}"
+    process, status = start_node_process(home, "--mirror", "off")
     try:
-        yield home, str(json.loads(line)["nats_url"])
+        yield home, str(status["nats_url"])
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        stop_node_process(process)
 
 
 def test_claims_with_hostile_texts_are_shown_inert_by_every_read_and_exact_in_json(node, project):
