@@ -59,6 +59,8 @@ def _not_a_flag(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is a flag, not the number 1")
     return value
+
+
 ProjectSlug = Annotated[str, StringConstraints(pattern=PROJECT_PATTERN.pattern)]
 ArtifactId = Annotated[str, StringConstraints(pattern=ARTIFACT_PATTERN.pattern)]
 AGENT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")

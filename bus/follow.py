@@ -18,11 +18,10 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.errors import Unavailable
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE
 from bus.reader import last_sequence
 
 log = logging.getLogger(__name__)
-RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 CONSUMER_CHECK_S = 3.0  # an idle follower confirms its consumer still exists this often
 MAX_BACKOFF_S = 2.0
 

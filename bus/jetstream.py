@@ -70,6 +70,8 @@ NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 
 NATS_OR_API_ERROR: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.js.errors.APIError)
+# What a loop that reads from JetStream rides out and retries: the server or a store did not answer.
+RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 
 
 def _stream_config(

@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected, seconds_from_env
 from bus.errors import Unavailable, error_summary
-from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, AgentRegistry, translate_publish_error
+from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, AgentRegistry, translate_publish_error
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
 from bus.vocab import DeadLetterReason
 
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 PROGRESS_UNKNOWN: tuple[type[BaseException], ...] = (*NATS_OR_API_ERROR, nats.errors.Error)
 STALL_AFTER_ENV = "EPIBUS_STALL_AFTER_S"
 DEFAULT_STALL_AFTER_S = 120.0
-RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 # Fetch errors that mean the durable consumer no longer exists on the server.
 CONSUMER_GONE: tuple[type[BaseException], ...] = (
     nats.js.errors.NotFoundError,

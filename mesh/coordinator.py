@@ -17,12 +17,13 @@ from typing import Literal, Protocol
 
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
+from bus.jetstream import RETRYABLE
 from bus.tasks import cancel_and_wait
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord
-from mesh.watch import RETRYABLE, Cursor, TaskWatcher
+from mesh.watch import Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)
 OPEN_STATES = frozenset({TaskState.proposed, TaskState.accepted, TaskState.working})

@@ -22,13 +22,12 @@ from nats.js import JetStreamContext
 
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.follow import ResumingSubscription, resume_config
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.jetstream import JS_TIMEOUT_S, RETRYABLE
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, decode_task, is_value
 
 log = logging.getLogger(__name__)
-RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
 MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
 
 
