@@ -449,8 +449,7 @@ class Node:
     async def _recover_lost_connections(self) -> None:
         delay_s = 1.0
         while True:
-            await self._connection_lost.wait()
-            self._connection_lost.clear()
+            await self._wait_for_lost_connection()
             self.connection_restarts += 1
             reason = self.nc.last_error if self.nc is not None else None
             log.error("the node's NATS connection closed for good (%s); restarting its services", reason)
@@ -464,6 +463,16 @@ class Node:
                     log.error("restarting the node's services failed: %s; retrying in %.0fs", error_summary(e), delay_s)
                     await asyncio.sleep(delay_s)
                     delay_s = min(delay_s * 2, 30.0)
+
+    async def _wait_for_lost_connection(self) -> None:
+        """closed_cb sets the event; nats-py skips that callback when the server's -ERR arrives while the
+        client is connecting, so the connection's state is polled as well."""
+        while not (self._connection_lost.is_set() or self._closed_by_server()):
+            await asyncio.sleep(0.5)
+        self._connection_lost.clear()
+
+    def _closed_by_server(self) -> bool:
+        return self.nc is not None and self.nc.is_closed and not self._stopping
 
     async def _stop_services(self) -> None:
         self._stopping = True

@@ -113,7 +113,7 @@ async def test_a_node_whose_connection_the_server_closes_restarts_its_services(n
     journaling nothing while `epibus stats` still answered."""
     first = node.nc
     await first.publish("epibus.test.oversize", b"a" * (first.max_payload - 100), headers={"Pad": "b" * 1000})
-    await eventually(lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected)
+    await eventually(lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected, timeout_s=30)
     assert first.is_closed
     async with connect(nats_server.url, agent="alice", home=home) as client:
         event = client.event("finding", finding(1), project=project)
