@@ -467,8 +467,13 @@ class Node:
     async def _wait_for_lost_connection(self) -> None:
         """closed_cb sets the event; nats-py skips that callback when the server's -ERR arrives while the
         client is connecting, so the connection's state is polled as well."""
-        while not (self._connection_lost.is_set() or self._closed_by_server()):
-            await asyncio.sleep(0.5)
+        while not self._closed_by_server():
+            lost = asyncio.ensure_future(self._connection_lost.wait())
+            done, _ = await asyncio.wait({lost}, timeout=0.5)
+            if not done:
+                await cancel_and_wait([lost])
+                continue
+            break
         self._connection_lost.clear()
 
     def _closed_by_server(self) -> bool:
