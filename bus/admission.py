@@ -21,7 +21,8 @@ from nats.js import JetStreamContext
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope, decode_event, event_digest
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.state import IdUse, id_use
 from bus.subjects import STREAM, event_subject, events_filter

@@ -8,9 +8,9 @@ from typing import Any, Protocol
 from nats.js import JetStreamContext
 
 from bus.event import Body, Envelope
-from bus.jetstream import AgentRegistry
 from bus.knowledge import ProjectView, cas_headers, load_project
 from bus.publish import Receipt
+from bus.registry import AgentRegistry
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.state import decide
 

@@ -36,11 +36,12 @@ from bus.home import (
     split_servers,
 )
 from bus.ids import new_event_id
-from bus.jetstream import NATS_UNAVAILABLE, AgentRegistry, ensure_streams, open_nats
+from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
 from bus.receipts import await_acks, journaled_receipt, wait_journaled
+from bus.registry import AgentRegistry
 from bus.signing import AgentKey
 from bus.state import decide
 from bus.subjects import event_subject

@@ -24,13 +24,11 @@ from bus.errors import (
     Conflict,
     EpibusError,
     InvalidEvent,
-    MalformedRecord,
     Unavailable,
     error_summary,
 )
-from bus.event import MAX_EVENT_BYTES, Actor
+from bus.event import MAX_EVENT_BYTES
 from bus.home import NodeFollower
-from bus.records import Quarantine, decode_agent_key
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_STREAM,
@@ -184,58 +182,6 @@ async def open_bucket(js: JetStreamContext, name: str, *, replicas: int | None =
             info.config.num_replicas = replicas
             await js.update_stream(info.config)
     return kv
-
-
-class AgentRegistry:
-    """agent_id → public key, in a KV bucket. The first key seen for an agent is bound to it (trust on first
-    use); a different key for the same agent afterwards is a Conflict (nobody publishes as
-    another agent)."""
-
-    def __init__(self, js: JetStreamContext) -> None:
-        self._js = js
-        self._kv: KeyValue | None = None
-        self._known: dict[str, str] = {}
-        self.quarantine = Quarantine("agent key registry")
-
-    async def _bucket(self) -> KeyValue:
-        if self._kv is None:
-            self._kv = await open_bucket(self._js, AGENT_KEYS_BUCKET)
-        return self._kv
-
-    async def bind(self, actor: Actor) -> None:
-        """Bind the actor's key to its agent id, or confirm it is already bound. Raises Conflict (another key
-        is bound, or the bound record is unreadable: quarantined, never trusted), Unavailable."""
-        if self._known.get(actor.agent_id) == actor.public_key:
-            return
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                try:
-                    await kv.create(actor.agent_id, actor.public_key.encode())
-                    bound = actor.public_key
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    entry = await kv.get(actor.agent_id)
-                    bound = self._decode(entry.value or b"", actor.agent_id, entry.revision)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
-        if bound != actor.public_key:
-            raise Conflict(
-                f"agent {actor.agent_id}",
-                f"it is registered with key {bound[:12]}…, this event is signed by {actor.public_key[:12]}…",
-                fix=f"use the agent's original key (keys/{actor.agent_id}.nk) or another agent name",
-            )
-        self._known[actor.agent_id] = bound
-
-    def _decode(self, data: bytes, agent_id: str, revision: int | None) -> str:
-        try:
-            return decode_agent_key(data, key=agent_id, revision=revision)
-        except MalformedRecord as e:
-            self.quarantine.add(e)
-            raise Conflict(
-                f"agent {agent_id}",
-                f"its registered key is unreadable ({e.reason})",
-                fix=f"nobody publishes as {agent_id} until it is rewritten or deleted (nats kv del {e.bucket} {e.key})",
-            ) from e
 
 
 WRONG_LAST_SEQUENCE = 10071

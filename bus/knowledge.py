@@ -17,9 +17,10 @@ from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.event import Envelope
 from bus.fold import Fold
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, AgentRegistry, open_bucket
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.reader import read_stream
 from bus.records import Quarantine, decode_tombstone_key
+from bus.registry import AgentRegistry
 from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags
 from bus.subjects import (
     STREAM,

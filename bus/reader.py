@@ -18,7 +18,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
 from bus.errors import Unavailable
-from bus.jetstream import NATS_OR_API_ERROR, AgentRegistry
+from bus.jetstream import NATS_OR_API_ERROR
+from bus.registry import AgentRegistry
 from bus.runner import Observer
 from bus.subjects import DLQ_STREAM, STREAM
 

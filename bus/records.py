@@ -9,16 +9,17 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from bus.auth import PUBLIC_KEY_PATTERN, Enrolment, first_use_enrolment
 from bus.errors import MalformedRecord
 from bus.subjects import AGENT_KEYS_BUCKET, PROJECT_PATTERN, TOMBSTONES_BUCKET
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-PUBLIC_KEY_PATTERN = re.compile(r"^U[A-Z2-7]{55}$")  # an nkeys user public key, as bus.event.PublicKey
 CONTENT_HASH_PATTERN = re.compile(r"^[0-9a-f]{64}$")  # bus.state.content_hash
 
 
@@ -36,8 +37,15 @@ def decode_json(model: type[M], data: bytes, *, bucket: str, key: str, revision:
         raise MalformedRecord(bucket, key, revision, f"holds no valid {model.__name__} ({type(e).__name__})") from e
 
 
-def decode_agent_key(data: bytes, *, key: str, revision: int | None) -> str:
-    """The public key an `epibus_agents` record binds to agent `key`. Raises MalformedRecord."""
+def decode_enrolment(data: bytes, *, key: str, revision: int | None) -> Enrolment:
+    """The enrolment an `epibus_agents` record holds for agent `key`. A record of an older epibus holds only
+    the public key bound on first use: it reads as an agent of every project, its own owner. Raises
+    MalformedRecord, also for a record naming another agent than its key."""
+    if data[:1] == b"{":
+        enrolment = decode_json(Enrolment, data, bucket=AGENT_KEYS_BUCKET, key=key, revision=revision)
+        if enrolment.agent_id != key:
+            raise MalformedRecord(AGENT_KEYS_BUCKET, key, revision, f"enrols {enrolment.agent_id!r}, not {key!r}")
+        return enrolment
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:
@@ -46,7 +54,15 @@ def decode_agent_key(data: bytes, *, key: str, revision: int | None) -> str:
         raise MalformedRecord(
             AGENT_KEYS_BUCKET, key, revision, f"holds {text[:24]!r}, not a public key (U followed by 55 base32)"
         )
-    return text
+    try:
+        return first_use_enrolment(key, text, enrolled_at=datetime.fromtimestamp(0, UTC))
+    except ValidationError as e:  # the key is no agent id
+        raise MalformedRecord(AGENT_KEYS_BUCKET, key, revision, "is not an agent id") from e
+
+
+def decode_agent_key(data: bytes, *, key: str, revision: int | None) -> str:
+    """The public key an `epibus_agents` record binds to agent `key`. Raises MalformedRecord."""
+    return decode_enrolment(data, key=key, revision=revision).public_key
 
 
 def decode_tombstone_key(subject: str, *, project: str) -> str:

@@ -20,7 +20,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected, seconds_from_env
 from bus.errors import Unavailable, error_summary
-from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, AgentRegistry, translate_publish_error
+from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
+from bus.registry import AgentRegistry
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
 from bus.vocab import DeadLetterReason
 

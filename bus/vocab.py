@@ -125,6 +125,15 @@ class MeshRole(StrEnum):
     assignee = "assignee"
 
 
+class Role(StrEnum):
+    """What an enrolled identity may do in the fleet."""
+
+    agent = "agent"
+    reviewer = "reviewer"
+    coordinator = "coordinator"
+    admin = "admin"
+
+
 HELP: dict[type[StrEnum], dict[str, str]] = {
     EpistemicSource: {
         "intuition": "no retrieval since the goal opened",
@@ -209,6 +218,12 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
         "proposer": "the agent that proposed the task",
         "coordinator": "an agent registered to decide the project's work",
         "assignee": "the agent a coordinator gave the work to",
+    },
+    Role: {
+        "agent": "publishes and reads in its projects; verifies other authors' claims there",
+        "reviewer": "a person's review: may audit and verify in its projects",
+        "coordinator": "may be seated as a coordinator of its projects' mesh",
+        "admin": "enrols and revokes agents, seats first coordinators, forgets, repairs and reindexes",
     },
 }
 

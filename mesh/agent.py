@@ -18,8 +18,8 @@ from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Evidence
 from bus.ids import new_event_id
-from bus.jetstream import AgentRegistry
 from bus.publish import Receipt
+from bus.registry import AgentRegistry
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.events import require_trusted_acceptance, step_event, unsigned_step_event
 from mesh.protocol import advance, child_task_id, counter_opening

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from bus.errors import Conflict, Forbidden, InvalidEvent
 from bus.event import Actor, AgentId, Body, Count, Envelope, Evidence, ShortText, Text, register_kind, validate_event
-from bus.jetstream import AgentRegistry
+from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 from mesh.task import CommitSha, TaskId, TaskRecord

@@ -14,9 +14,10 @@ from nats.js import JetStreamContext
 
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
 from bus.event import Envelope, encode_event
-from bus.jetstream import JS_TIMEOUT_S, AgentRegistry, ensure_streams
+from bus.jetstream import JS_TIMEOUT_S, ensure_streams
 from bus.outbox import OutboxRow
 from bus.publish import send_one
+from bus.registry import AgentRegistry
 from bus.subjects import event_subject
 from bus.vocab import TaskAction
 from mesh.events import verify_step

@@ -15,8 +15,8 @@ from sqlalchemy import select
 from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected, batch_erased, first_of_each_id
 from bus.erasure import erased_digests
 from bus.ids import point_id
-from bus.jetstream import AgentRegistry
 from bus.reader import read_stream
+from bus.registry import AgentRegistry
 from bus.state import ArtifactState
 from bus.subjects import STREAM, events_filter
 from observers.journal import Journal

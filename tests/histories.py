@@ -24,8 +24,9 @@ from nats.js import JetStreamContext
 
 from bus.erasure import erased_events, erased_history
 from bus.event import Envelope, draft_event, encode_event
-from bus.jetstream import AgentRegistry, ensure_streams
+from bus.jetstream import ensure_streams
 from bus.knowledge import load_project
+from bus.registry import AgentRegistry
 from bus.signing import AgentKey
 from bus.state import ArtifactState
 from bus.subjects import STREAM, event_subject

@@ -11,8 +11,8 @@ import pytest
 
 from bus.client import connect
 from bus.errors import MalformedRecord
-from bus.jetstream import AgentRegistry
 from bus.records import decode_agent_key, decode_tombstone_key
+from bus.registry import AgentRegistry
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import AGENT_KEYS_BUCKET, TOMBSTONES_BUCKET

@@ -30,9 +30,10 @@ from bus.client import connect
 from bus.errors import Unavailable
 from bus.event import Actor, canonical_json
 from bus.ids import point_id
-from bus.jetstream import AgentRegistry, ensure_streams
+from bus.jetstream import ensure_streams
 from bus.knowledge import load_project
 from bus.reader import replay
+from bus.registry import AgentRegistry
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.signing import AgentKey

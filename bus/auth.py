@@ -1,0 +1,176 @@
+"""Who may connect to a node's NATS and what the broker lets each identity do: an agent's enrolment record,
+the broker permissions it gets, and the nats-server authorization block built from them. The only module that
+decides broker permissions.
+
+An agent authenticates with the nkey it signs events with. The node's own service identity has every
+permission; an enrolled agent publishes events only under its projects, asks node services, reads through the
+JetStream calls its commands need and may never delete, purge or reconfigure a stream, delete a message, or
+write the buckets that decide things (agent registry, tombstones)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from bus.event import AGENT_PATTERN
+from bus.subjects import (
+    AGENT_KEYS_BUCKET,
+    DLQ_STREAM,
+    MESH_BUCKET,
+    PROJECT_PATTERN,
+    STREAM,
+    TOMBSTONES_BUCKET,
+)
+from bus.vocab import Role
+
+ANY_PROJECT = "*"
+OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,127}$")
+PUBLIC_KEY_PATTERN = re.compile(r"^U[A-Z2-7]{55}$")
+
+
+def _project_scope(value: str) -> str:
+    if value != ANY_PROJECT and not PROJECT_PATTERN.fullmatch(value):
+        raise ValueError(f"{value!r} is neither a project slug ({PROJECT_PATTERN.pattern}) nor {ANY_PROJECT!r}")
+    return value
+
+
+AgentId = Annotated[str, StringConstraints(pattern=AGENT_PATTERN.pattern)]
+PublicKey = Annotated[str, StringConstraints(pattern=PUBLIC_KEY_PATTERN.pattern)]
+Owner = Annotated[str, StringConstraints(pattern=OWNER_PATTERN.pattern)]
+ProjectScope = Annotated[str, AfterValidator(_project_scope)]
+
+
+class Enrolment(BaseModel):
+    """One agent identity as the registry holds it. `owner` names the person or system behind it: two
+    identities with one owner are one author (neither verifies the other's claims)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_id: AgentId
+    public_key: PublicKey
+    owner: Owner
+    roles: tuple[Role, ...] = Field(min_length=1, max_length=len(Role))
+    projects: tuple[ProjectScope, ...] = Field(min_length=1, max_length=256)
+    enrolled_by: Owner
+    enrolled_at: datetime
+    revoked_at: datetime | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    def member_of(self, project: str) -> bool:
+        return ANY_PROJECT in self.projects or project in self.projects
+
+    def has_role(self, role: Role) -> bool:
+        return role in self.roles
+
+
+FIRST_USE = "first-use"
+
+
+def first_use_enrolment(agent_id: str, public_key: str, *, enrolled_at: datetime) -> Enrolment:
+    """What a server without authentication binds to an agent the first time its key is seen: an agent of
+    every project and its own owner. A node with authentication enrols agents explicitly instead."""
+    return Enrolment(
+        agent_id=agent_id,
+        public_key=public_key,
+        owner=agent_id,
+        roles=(Role.agent,),
+        projects=(ANY_PROJECT,),
+        enrolled_by=FIRST_USE,
+        enrolled_at=enrolled_at,
+    )
+
+
+def inbox_prefix(public_key: str) -> str:
+    """The only inboxes an identity may subscribe to: replies addressed to anyone else never reach it."""
+    return f"_INBOX_{public_key}"
+
+
+def _event_subjects(projects: Sequence[str]) -> list[str]:
+    if ANY_PROJECT in projects:
+        return ["epi.*.>"]
+    return [f"epi.{project}.>" for project in sorted(set(projects))]
+
+
+# The JetStream API calls an agent's commands make: binding to streams and buckets, reading events and task
+# records, and ephemeral consumers for tails and watches. Everything else under $JS.API is refused.
+_AGENT_API = [
+    "$JS.API.INFO",
+    f"$JS.API.STREAM.INFO.{STREAM}",
+    f"$JS.API.STREAM.INFO.{DLQ_STREAM}",
+    f"$JS.API.STREAM.INFO.KV_{TOMBSTONES_BUCKET}",
+    f"$JS.API.STREAM.INFO.KV_{MESH_BUCKET}",
+    f"$JS.API.STREAM.INFO.KV_{AGENT_KEYS_BUCKET}",
+    f"$JS.API.STREAM.MSG.GET.{STREAM}",
+    f"$JS.API.DIRECT.GET.{STREAM}",
+    f"$JS.API.DIRECT.GET.{STREAM}.>",
+    f"$JS.API.DIRECT.GET.KV_{MESH_BUCKET}.>",
+    f"$JS.API.DIRECT.GET.KV_{AGENT_KEYS_BUCKET}.>",
+    f"$JS.API.STREAM.MSG.GET.KV_{MESH_BUCKET}",
+    f"$JS.API.STREAM.MSG.GET.KV_{AGENT_KEYS_BUCKET}",
+    f"$JS.API.CONSUMER.CREATE.{STREAM}",
+    f"$JS.API.CONSUMER.CREATE.{STREAM}.>",
+    f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}",
+    f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
+    f"$JS.API.CONSUMER.INFO.{STREAM}.*",
+    f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
+    f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
+    f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
+    f"$KV.{MESH_BUCKET}.>",  # task records: written by agents with compare-and-set, verified by every reader
+]
+# Refused even where an allow above would match: deny wins in nats-server.
+_AGENT_DENY = [
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.CONSUMER.DELETE.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    f"$KV.{AGENT_KEYS_BUCKET}.>",
+    f"$KV.{TOMBSTONES_BUCKET}.>",
+    "epidlq.>",
+    "$SYS.>",
+]
+
+
+def agent_permissions(enrolment: Enrolment, *, node_consumers: Iterable[str] = ()) -> dict[str, Any]:
+    """The broker permissions of one enrolled agent. `node_consumers` are the durable consumers of node
+    services, which no agent may pull from (a pull would hold their messages for an ack wait)."""
+    deny = _AGENT_DENY + [
+        f"$JS.API.CONSUMER.{verb}.{STREAM}.{name}" for name in sorted(node_consumers) for verb in ("MSG.NEXT", "INFO")
+    ]
+    return {
+        "publish": {
+            "allow": [*_event_subjects(enrolment.projects), "epibus.>", *_AGENT_API],
+            "deny": deny,
+        },
+        "subscribe": {"allow": [f"{inbox_prefix(enrolment.public_key)}.>"]},
+    }
+
+
+def render_authorization(
+    node_keys: Sequence[str], enrolments: Iterable[Enrolment], *, node_consumers: Iterable[str] = ()
+) -> str:
+    """The nats-server `authorization` block: the node identities with every permission, each active enrolled
+    agent with its own. A revoked or unknown key is not a user, so it cannot connect. (nats-server's config
+    format reads JSON.)"""
+    consumers = sorted(set(node_consumers))
+    users: list[dict[str, Any]] = [{"nkey": key} for key in sorted(set(node_keys))]
+    listed = set(node_keys)
+    for enrolment in sorted(enrolments, key=lambda e: e.agent_id):
+        if not enrolment.active or enrolment.public_key in listed:
+            continue
+        listed.add(enrolment.public_key)
+        permissions = agent_permissions(enrolment, node_consumers=consumers)
+        users.append({"nkey": enrolment.public_key, "permissions": permissions})
+    return "authorization " + json.dumps({"users": users}, indent=1) + "\n"

@@ -1,0 +1,194 @@
+"""The agent registry: who each agent is (public key, owner, roles, projects), one record per agent in the
+`epibus_agents` bucket. Every admission path reads it; only node services write it (an agent asks, the node
+writes: the broker refuses agents' writes to the bucket).
+
+On a server without authentication the first key seen for an agent is bound to it (trust on first use). A node
+with authentication marks the registry closed: from then on an agent without an enrolment record is refused."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from bus.auth import Enrolment, first_use_enrolment
+from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
+from bus.event import AGENT_PATTERN, Actor
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
+from bus.records import Quarantine, decode_enrolment
+from bus.subjects import AGENT_KEYS_BUCKET
+
+# Present once a node with authentication has run: agents must then be enrolled (no trust on first use).
+CLOSED_KEY = "policy.enrolment-required"
+
+
+class AgentRegistry:
+    """agent_id → Enrolment. `bind` is what admission asks; `enrol`/`revoke` are for node services."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._kv: KeyValue | None = None
+        self._known: dict[str, str] = {}
+        self._closed: bool | None = None
+        self.quarantine = Quarantine("agent key registry")
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await open_bucket(self._js, AGENT_KEYS_BUCKET)
+        return self._kv
+
+    async def bind(self, actor: Actor) -> None:
+        """Confirm the actor's key is the one its agent is enrolled with (on an open registry, bind it on first
+        use). Raises Conflict (another key, no enrolment on a closed registry, or an unreadable record:
+        quarantined, never trusted), Unavailable."""
+        if self._known.get(actor.agent_id) == actor.public_key:
+            return
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                bound = await self._bound_key(kv, actor)
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        if bound != actor.public_key:
+            raise Conflict(
+                f"agent {actor.agent_id}",
+                f"it is registered with key {bound[:12]}…, this event is signed by {actor.public_key[:12]}…",
+                fix=f"use the agent's original key (keys/{actor.agent_id}.nk) or another agent name",
+            )
+        self._known[actor.agent_id] = bound
+
+    async def _bound_key(self, kv: KeyValue, actor: Actor) -> str:
+        entry = await self._entry(kv, actor.agent_id)
+        if entry is not None:
+            return self._decode(entry.value or b"", actor.agent_id, entry.revision).public_key
+        if await self._is_closed(kv):
+            raise Conflict(
+                f"agent {actor.agent_id}",
+                "it is not enrolled on this fleet",
+                fix=f"an admin enrols it: epibus agent add {actor.agent_id} --key {actor.public_key} --project P",
+            )
+        record = first_use_enrolment(actor.agent_id, actor.public_key, enrolled_at=datetime.now(UTC))
+        try:
+            await kv.create(actor.agent_id, record.model_dump_json().encode())
+            return actor.public_key
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry = await kv.get(actor.agent_id)
+            return self._decode(entry.value or b"", actor.agent_id, entry.revision).public_key
+
+    async def _entry(self, kv: KeyValue, key: str) -> KeyValue.Entry | None:
+        try:
+            return await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:  # also a deleted or purged key
+            return None
+
+    async def _is_closed(self, kv: KeyValue) -> bool:
+        if self._closed is None or not self._closed:
+            self._closed = await self._entry(kv, CLOSED_KEY) is not None
+        return self._closed
+
+    def _decode(self, data: bytes, agent_id: str, revision: int | None) -> Enrolment:
+        try:
+            return decode_enrolment(data, key=agent_id, revision=revision)
+        except MalformedRecord as e:
+            self.quarantine.add(e)
+            raise Conflict(
+                f"agent {agent_id}",
+                f"its registered key is unreadable ({e.reason})",
+                fix=f"nobody publishes as {agent_id} until an admin enrols it again (epibus agent add)",
+            ) from e
+
+    async def get(self, agent_id: str) -> Enrolment | None:
+        """The agent's enrolment, or None. An unreadable record raises Conflict. Raises Unavailable."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                entry = await self._entry(await self._bucket(), agent_id)
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        return None if entry is None else self._decode(entry.value or b"", agent_id, entry.revision)
+
+    async def require(self, agent_id: str) -> Enrolment:
+        enrolment = await self.get(agent_id)
+        if enrolment is None:
+            raise NotFound("agent", agent_id)
+        return enrolment
+
+    async def enrolments(self) -> list[Enrolment]:
+        """Every readable enrolment, revoked ones included; unreadable records are quarantined."""
+        found: list[Enrolment] = []
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                try:
+                    keys = await kv.keys()
+                except nats.js.errors.NoKeysError:
+                    return []
+                for key in sorted(keys):
+                    if not AGENT_PATTERN.fullmatch(key):
+                        continue  # policy records
+                    entry = await self._entry(kv, key)
+                    if entry is None:
+                        continue
+                    try:
+                        found.append(decode_enrolment(entry.value or b"", key=key, revision=entry.revision))
+                    except MalformedRecord as e:
+                        self.quarantine.add(e)
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        return found
+
+    async def enrol(self, enrolment: Enrolment, *, replace_key: bool = False) -> Enrolment:
+        """Write an enrolment (node services only). Enrolling an agent again with its key updates its owner,
+        roles and projects; another key needs `replace_key` (an admin rotating it). Raises Conflict."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                entry = await self._entry(kv, enrolment.agent_id)
+                if entry is not None and not replace_key:
+                    current = decode_enrolment(entry.value or b"", key=enrolment.agent_id, revision=entry.revision)
+                    if current.public_key != enrolment.public_key and current.active:
+                        raise Conflict(
+                            f"agent {enrolment.agent_id}",
+                            f"it is enrolled with key {current.public_key[:12]}…",
+                            fix="revoke it first, or enrol with --replace-key to rotate its key",
+                        )
+                data = enrolment.model_dump_json().encode()
+                if entry is None:
+                    await kv.create(enrolment.agent_id, data)
+                else:
+                    await kv.update(enrolment.agent_id, data, last=entry.revision)
+        except MalformedRecord:
+            await self._overwrite(enrolment)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise Conflict(f"agent {enrolment.agent_id}", "enrolled by someone else meanwhile") from e
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        self._known.pop(enrolment.agent_id, None)
+        return enrolment
+
+    async def _overwrite(self, enrolment: Enrolment) -> None:
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                await (await self._bucket()).put(enrolment.agent_id, enrolment.model_dump_json().encode())
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+
+    async def revoke(self, agent_id: str) -> Enrolment:
+        """Mark the agent revoked: the broker drops it, its past events stay verifiable. Raises NotFound."""
+        current = await self.require(agent_id)
+        if not current.active:
+            return current
+        return await self.enrol(current.model_copy(update={"revoked_at": datetime.now(UTC)}))
+
+    async def close(self) -> None:
+        """From now on only enrolled agents are admitted (idempotent)."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                if await self._entry(kv, CLOSED_KEY) is None:
+                    await kv.put(CLOSED_KEY, b"1")
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        self._closed = True
