@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +22,8 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from bus.changes import StateChanges
-from bus.errors import ConfigError, InvalidEvent, Unavailable
+from bus.enrol import enrol_locally
+from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event, encode_event
 from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
@@ -36,7 +38,7 @@ from bus.home import (
     split_servers,
 )
 from bus.ids import new_event_id
-from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats
+from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats, requires_authentication
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
@@ -70,8 +72,11 @@ class EpibusClient(StateChanges, FleetRequests):
         only_own_rows: bool = True,
         follow: NodeFollower | None = None,
         offline: bool = False,
+        enrol: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.servers = list(servers)
+        # Called once when the server refuses this agent's key (not enrolled yet), then connecting is retried.
+        self.enrol = enrol
         self.follow = follow  # the servers came from node.json: find the node again if it moves
         # Sign and outbox without connecting: receipts are `outboxed`, a node's forwarder sends the events later.
         self.offline = offline
@@ -162,11 +167,22 @@ class EpibusClient(StateChanges, FleetRequests):
             await self._stack.aclose()
 
     async def _connect(self) -> NatsClient:
+        try:
+            return await self._open_nats()
+        except Forbidden:
+            if self.enrol is None:
+                raise
+            await self.enrol()
+            self.enrol = None
+        return await self._open_nats()
+
+    async def _open_nats(self) -> NatsClient:
         return await open_nats(
             self.servers,
             name=f"epibus:{self.key.agent_id}",
             timeout_s=self.connect_timeout_s,
             follow=self.follow,
+            key=self.key,
             reconnected_cb=self._on_reconnected,
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
@@ -221,7 +237,8 @@ class EpibusClient(StateChanges, FleetRequests):
         """Streams exist and this agent's key is registered; re-run after every reconnect."""
         if self._streams_ready:
             return
-        await ensure_streams(self.js, replicas=self.replicas)
+        if not requires_authentication(self._require_nc()):  # with authentication the node keeps the streams
+            await ensure_streams(self.js, replicas=self.replicas)
         self._registry = self._registry or AgentRegistry(self.js)
         await self._registry.bind(self.key.actor)
         self._streams_ready = True
@@ -500,9 +517,19 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
         self.options = options
         self._client: EpibusClient | None = None
 
+    def _local_enrolment(self) -> Callable[[], Awaitable[object]] | None:
+        """Agents under a node's home are enrolled with the node's key on first connect, unless the node runs
+        with auto-enrolment off (`epibus up --no-auto-enrol`) or EPIBUS_AUTO_ENROL=0."""
+        info = read_node_info(self.home)
+        if (info is not None and not info.auto_enrol) or os.environ.get("EPIBUS_AUTO_ENROL", "1") == "0":
+            return None
+        servers, home, key = self.servers, self.home, self.key
+        return lambda: enrol_locally(servers, home, key)
+
     async def _open(self) -> EpibusClient:
+        options = {"enrol": self._local_enrolment()} | self.options
         client = EpibusClient(
-            self.servers, self.key, outbox=self.outbox, follow=self.follow, offline=self.offline, **self.options
+            self.servers, self.key, outbox=self.outbox, follow=self.follow, offline=self.offline, **options
         )
         await client.start()
         return client

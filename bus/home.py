@@ -86,6 +86,9 @@ class NodeInfo:
     embedded_server: bool
     started_at: str
     name: str = ""  # the node's name (empty in files written before nodes had one)
+    # The node's server authenticates agents; local clients enrol their agents with the node's key (auto_enrol).
+    authenticated: bool = False
+    auto_enrol: bool = False
 
     def alive(self) -> bool:
         try:

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar, get_args
 
 from nats.aio.client import Client as NatsClient
@@ -18,6 +18,7 @@ from bus.errors import Unavailable
 from bus.event import Body, Text
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.requests import ErrorReply, Malformed, RecallReply, RecallRequest, build_request, read_reply
+from bus.signing import AgentKey
 from bus.subjects import RECALL
 
 SETTLE_S = 0.3  # after the first answer, how long to wait for the other nodes
@@ -197,11 +198,22 @@ class Replies(Generic[R]):
 
 
 async def fan_out(
-    nc: NatsClient, subject: str, request: BaseModel, reply_model: type[R], *, timeout_s: float
+    nc: NatsClient,
+    subject: str,
+    request: BaseModel,
+    reply_model: type[R],
+    *,
+    timeout_s: float,
+    signer: AgentKey | None = None,
+    one: bool = False,
 ) -> Replies[R]:
     """Publish one request that every node answers; collect the answers until timeout_s, or SETTLE_S after the
     last one came in. Each reply is read with `reply_model`: one that does not fit (not JSON, the wrong shape,
-    too big) is recorded as malformed, never taken as an answer. No answers means no node answered."""
+    too big) is recorded as malformed, never taken as an answer. No answers means no node answered.
+
+    With `signer` the request is signed by that key (nodes with authentication answer nothing else), and the
+    connection must receive on that key's inboxes (`AgentKey.nats_credentials`). `one`: stop at the first answer
+    (a service answered by one node of a queue group)."""
     inbox = nc.new_inbox()
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 
@@ -213,7 +225,9 @@ async def fan_out(
     arrived = 0
     first_s = 0.0
     try:
-        await nc.publish(subject, request.model_dump_json().encode(), reply=inbox)
+        data = request.model_dump_json().encode()
+        headers = signer.sign_request(subject, inbox, data, signed_at=datetime.now(UTC)) if signer else None
+        await nc.publish(subject, data, reply=inbox, headers=headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
@@ -235,6 +249,8 @@ async def fan_out(
                 replies.add_malformed(reply, arrived)
             else:
                 replies.answers.append(reply)
+            if one:
+                break
     except NATS_UNAVAILABLE as e:
         raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
     finally:

@@ -21,8 +21,11 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, from_json
 
+from bus.auth import ANY_PROJECT, AgentId, Owner, ProjectScope, PublicKey
 from bus.errors import ConfigError
+from bus.event import AGENT_PATTERN
 from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
+from bus.vocab import Role
 
 MAX_K = 1000  # hits per recall: more would not fit in one reply
 MAX_TEXT_CHARS = 16_000  # as long as an event's longest free text, so any content can be a query
@@ -106,6 +109,29 @@ class ReindexRequest(Message):
     )
 
 
+class EnrolRequest(Message):
+    """An admin enrols an agent (or changes its roles, projects or owner)."""
+
+    agent_id: AgentId = Field(description=f"an agent id matching {AGENT_PATTERN.pattern}")
+    public_key: PublicKey = Field(description="the agent's nkey user public key: U followed by 55 base32 characters")
+    owner: Owner | None = Field(None, description="null (the agent is its own owner) or who is behind it")
+    roles: Annotated[list[Role], Field(min_length=1, max_length=len(Role))] = Field(
+        [Role.agent], description=f"a list of roles out of {', '.join(Role)}"
+    )
+    projects: Annotated[list[ProjectScope], Field(min_length=1, max_length=256)] = Field(
+        description=f"a list of project slugs, or [{ANY_PROJECT!r}] for every project"
+    )
+    replace_key: bool = Field(False, description="true to rotate the key of an agent enrolled with another")
+
+
+class RevokeRequest(Message):
+    agent_id: AgentId = Field(description=f"an agent id matching {AGENT_PATTERN.pattern}")
+
+
+class AgentListRequest(Message):
+    pass
+
+
 class LookupRequest(RootModel[Annotated[list[EventId], Field(max_length=LOOKUP_CHUNK)]]):
     """Which of these event ids are journaled? A bare JSON list, as it has always been sent."""
 
@@ -180,6 +206,16 @@ class ReindexReply(Message):
     points: Count
     last_seq: Count
     rejected: Count
+
+
+class EnrolmentReply(Message):
+    node: NodeName
+    enrolment: dict[str, Any]
+
+
+class AgentListReply(Message):
+    node: NodeName
+    agents: list[dict[str, Any]]
 
 
 class ReindexProgress(Message):

@@ -17,7 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 from pydantic import BaseModel, ValidationError
 
-from bus.errors import ConfigError, error_summary
+from bus.errors import ConfigError, Forbidden, error_summary
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
 
@@ -28,6 +28,8 @@ REPLY_NOT_SENT: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, MaxPayload
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 Handler = Callable[[Req], Awaitable[dict[str, Any]]]
+# Checks who asked (a signed request, see bus.signing.verify_request) before the handler runs; raises Forbidden.
+Authorizer = Callable[[Msg], Awaitable[None]]
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ServiceCounts:
 
     answered: int = 0  # replied with the handler's answer
     refused: int = 0  # the request did not fit its model: replied with the field and what is allowed
+    forbidden: int = 0  # the asker may not ask this (unsigned, unknown, or lacking the role): replied with why
     failed: int = 0  # the handler raised: replied with the exception
     unanswerable: int = 0  # no reply subject: nobody to answer, ignored
     unsent: int = 0  # the reply could not be published (connection lost)
@@ -54,8 +57,12 @@ class Responder(Generic[Req, Rep]):
         handle: Handler[Req],
         *,
         node: str,
+        authorize: Authorizer | None = None,
+        queue: str = "",
     ) -> None:
         self.nc = nc
+        self.authorize = authorize
+        self.queue = queue
         self.subject = subject
         self.request_model = request_model
         self.reply_model = reply_model
@@ -70,7 +77,7 @@ class Responder(Generic[Req, Rep]):
 
     async def serve(self) -> Subscription:
         """Subscribe (no queue group: every process answering this subject answers every request)."""
-        self.subscription = await self.nc.subscribe(self.subject, cb=self.answer)
+        self.subscription = await self.nc.subscribe(self.subject, queue=self.queue, cb=self.answer)
         return self.subscription
 
     async def answer(self, msg: Msg) -> None:
@@ -78,6 +85,14 @@ class Responder(Generic[Req, Rep]):
             self.counts.unanswerable += 1
             log.warning("%s request without a reply subject ignored (%d)", self.subject, self.counts.unanswerable)
             return
+        if self.authorize is not None:
+            try:
+                await self.authorize(msg)
+            except Forbidden as e:
+                self.counts.forbidden += 1
+                log.warning("%s request refused (%d so far): %s", self.subject, self.counts.forbidden, e)
+                await self._send(msg.reply, self._error(str(e)))
+                return
         await self._send(msg.reply, await self._reply_to(msg.data))
 
     async def _reply_to(self, data: bytes) -> bytes:
@@ -147,8 +162,11 @@ async def serve(
     handle: Handler[Req],
     *,
     node: str,
+    authorize: Authorizer | None = None,
+    queue: str = "",
 ) -> Responder[Req, Rep]:
-    """Answer `subject` with `handle` from now on; the returned responder holds the service's counts."""
-    responder = Responder(nc, subject, request_model, reply_model, handle, node=node)
+    """Answer `subject` with `handle` from now on (with `queue`, one process of the group answers each request);
+    the returned responder holds the service's counts."""
+    responder = Responder(nc, subject, request_model, reply_model, handle, node=node, authorize=authorize, queue=queue)
     await responder.serve()
     return responder

@@ -20,12 +20,14 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.errors import ConfigError, Conflict, Unavailable
+from bus.home import write_private
 from bus.ports import ServerPorts, keep_ports, port_taken, raise_for_taken_port, read_ports
 from bus.server_guard import SPAWNER, StoreLock, die_with_parent, servers_on, terminate
 
 log = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (2, 11, 0)
+AUTHORIZATION_FILE = "authorization.conf"
 
 
 def nats_server_binary() -> Path:
@@ -83,6 +85,7 @@ class NatsServer:
         sync_always: bool = True,
         extra_config: str = "",
         extra_args: Sequence[str] = (),
+        authorization: str | None = None,
     ) -> None:
         self.store_dir = store_dir
         self.host = host
@@ -93,6 +96,7 @@ class NatsServer:
         self.sync_always = sync_always
         self.extra_config = extra_config
         self.extra_args = tuple(extra_args)
+        self.authorization = authorization  # an `authorization {...}` block; None runs without authentication
         self.binary = nats_server_binary()
         self._process: subprocess.Popen[bytes] | None = None
         self._lock = StoreLock(store_dir)
@@ -119,13 +123,17 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / "nats-server.conf"
         sync = "sync_interval: always" if self.sync_always else ""
+        auth = ""
+        if self.authorization is not None:
+            write_private(self.store_dir / AUTHORIZATION_FILE, self.authorization)
+            auth = f'include "{AUTHORIZATION_FILE}"\n'  # relative to this file's directory
         config.write_text(
             f'server_name: "{self.server_name}"\n'
             f'listen: "{self.host}:{self.port}"\n'
             f'http: "{self.host}:{self.monitor_port}"\n'
             f'ports_file_dir: "{self.store_dir}"\n'
             f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
-            f"{self.extra_config}\n"
+            f"{auth}{self.extra_config}\n"
         )
         return config
 
@@ -237,6 +245,31 @@ class NatsServer:
         if not self.log_file.exists():
             return "(no log)"
         return " | ".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+    def authorize(self, authorization: str, timeout_s: float = 10.0) -> None:
+        """Replace the authorization block and have the running server apply it: a reload keeps existing
+        connections, applies changed permissions to them and drops users no longer listed. Raises Unavailable
+        if the server does not report the reload in time."""
+        self.authorization = authorization
+        write_private(self.store_dir / AUTHORIZATION_FILE, authorization)
+        process = self._process
+        if process is None or process.poll() is not None:
+            return  # applied at the next start
+        before = self._config_load_time()
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while self._config_load_time() == before:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise Unavailable("nats-server", f"did not reload its authorization: {self._log_tail()}")
+            time.sleep(0.02)
+
+    def _config_load_time(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/varz", timeout=1) as response:
+                value = json.loads(response.read()).get("config_load_time")
+                return str(value) if value is not None else None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Graceful stop (SIGTERM), then SIGKILL if it does not exit in time; frees the store directory."""

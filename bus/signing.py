@@ -7,15 +7,29 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import nacl.exceptions
 import nacl.signing
 import nkeys
 
-from bus.errors import ConfigError, InvalidEvent
+from bus.auth import inbox_prefix
+from bus.errors import ConfigError, Forbidden, InvalidEvent
 from bus.event import AGENT_PATTERN, Actor, Envelope, signing_payload
+
+NODE_KEY_FILE = "node.nk"
+NODE_IDENTITY = "node"
+SIGNER_HEADER = "Epibus-Signer"
+SIGNER_KEY_HEADER = "Epibus-Signer-Key"
+SIGNED_AT_HEADER = "Epibus-Signed-At"
+SIGNATURE_HEADER = "Epibus-Signature"
+REQUEST_MAX_AGE_S = 120.0  # a captured request cannot be replayed later than this
 
 
 def _b64(data: bytes) -> str:
@@ -47,7 +61,10 @@ class AgentKey:
         """The agent's key from `home/keys`, created (0600) on first use."""
         if not AGENT_PATTERN.fullmatch(agent_id):
             raise ConfigError("agent", f"{agent_id!r} must match {AGENT_PATTERN.pattern}")
-        path = home / "keys" / f"{agent_id}.nk"
+        return cls.load_or_create_at(home / "keys" / f"{agent_id}.nk", agent_id)
+
+    @classmethod
+    def load_or_create_at(cls, path: Path, agent_id: str) -> AgentKey:
         if path.exists():
             return cls(agent_id, path.read_bytes().strip())
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -63,12 +80,74 @@ class AgentKey:
             os.fsync(f.fileno())
         return key
 
+    @property
+    def nats_credentials(self) -> dict[str, Any]:
+        """nats-py connect options: authenticate with this nkey and receive replies only on its own inboxes."""
+        return {"nkeys_seed_str": self._pair.seed.decode(), "inbox_prefix": inbox_prefix(self.public_key).encode()}
+
+    def sign_request(self, subject: str, reply: str, data: bytes, *, signed_at: datetime) -> dict[str, str]:
+        """Headers that prove this key asked `subject` with `data` and wants the answer on `reply`."""
+        stamp = signed_at.astimezone(UTC).isoformat()
+        signature = self._pair.sign(_request_payload(subject, reply, stamp, data))
+        return {
+            SIGNER_HEADER: self.agent_id,
+            SIGNER_KEY_HEADER: self.public_key,
+            SIGNED_AT_HEADER: stamp,
+            SIGNATURE_HEADER: _b64(signature),
+        }
+
     def sign(self, event: Envelope) -> Envelope:
         """The event signed by this key. Raises InvalidEvent if the event names another actor."""
         if event.actor != self.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not the signing agent {self.agent_id!r}")
         signature = self._pair.sign(signing_payload(event))
         return event.model_copy(update={"signature": _b64(signature)})
+
+
+def node_key(home: Path) -> AgentKey:
+    """The node's own service identity (`<home>/node.nk`, 0600): every broker permission, and an admin of the
+    fleet for requests it signs. Whoever can read the home is the node's operator."""
+    return AgentKey.load_or_create_at(home / NODE_KEY_FILE, NODE_IDENTITY)
+
+
+@dataclass(frozen=True)
+class RequestSigner:
+    agent_id: str
+    public_key: str
+
+
+def _request_payload(subject: str, reply: str, signed_at: str, data: bytes) -> bytes:
+    return "\n".join((subject, reply, signed_at, hashlib.sha256(data).hexdigest())).encode()
+
+
+def verify_request(
+    headers: Mapping[str, str] | None, subject: str, reply: str, data: bytes, *, now: datetime
+) -> RequestSigner:
+    """Who signed this request. Raises Forbidden unless it carries a signature by the key it names, made
+    within REQUEST_MAX_AGE_S of `now`, over this subject, this reply subject and these bytes, and the reply
+    goes to that key's own inbox (nobody else can read the answer)."""
+    headers = headers or {}
+    agent_id = headers.get(SIGNER_HEADER, "")
+    public_key = headers.get(SIGNER_KEY_HEADER, "")
+    stamp = headers.get(SIGNED_AT_HEADER, "")
+    signature = headers.get(SIGNATURE_HEADER, "")
+
+    def refuse(rule: str) -> Forbidden:
+        return Forbidden(agent_id or "(unsigned)", "ask", subject, rule)
+
+    if not (agent_id and public_key and stamp and signature):
+        raise refuse(f"the request is not signed; sign it with the agent's key ({SIGNATURE_HEADER} header)")
+    try:
+        signed_at = datetime.fromisoformat(stamp)
+        key = verify_key(public_key)
+        key.verify(_request_payload(subject, reply, stamp, data), _unb64(signature))
+    except (ValueError, InvalidEvent, nacl.exceptions.BadSignatureError, binascii.Error) as e:
+        raise refuse("its signature does not verify against the key it names") from e
+    if signed_at.tzinfo is None or abs((now - signed_at).total_seconds()) > REQUEST_MAX_AGE_S:
+        raise refuse(f"it was signed at {stamp}, not within {REQUEST_MAX_AGE_S:.0f}s of now; check the clock")
+    if not reply.startswith(inbox_prefix(public_key) + "."):
+        raise refuse("its reply subject is not an inbox of the signing key")
+    return RequestSigner(agent_id, public_key)
 
 
 @functools.lru_cache(maxsize=4096)  # a fleet has few keys and every event needs one

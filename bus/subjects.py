@@ -30,6 +30,12 @@ VERIFY = "epibus.verify"
 # `progress` inbox).
 REINDEX = "epibus.reindex"
 
+# Core NATS requests answered by one node of the `epibus-admin` queue group: enrol, revoke and list agents.
+ENROL = "epibus.agent.enrol"
+REVOKE = "epibus.agent.revoke"
+LIST_AGENTS = "epibus.agent.list"
+ADMIN_QUEUE = "epibus-admin"
+
 # Mesh state: one KV bucket; keys are built only by the functions below.
 MESH_BUCKET = "epibus_mesh"
 MESH_STREAM = f"KV_{MESH_BUCKET}"

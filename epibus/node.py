@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from bus.client import EpibusClient
+from bus.enrol import enrol_locally
 from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
 from bus.forwarder import Forwarder
 from bus.home import NodeInfo, default_journal_url, node_name, outbox_path, remove_node_info, write_node_info
@@ -38,10 +39,11 @@ from bus.requests import (
 )
 from bus.responder import Handler, Req, Responder, serve
 from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.server import AUTHORIZATION_FILE, NatsServer
+from bus.signing import AgentKey, node_key
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
 from bus.tasks import cancel_and_wait
+from epibus.enrolment import Enrolments, initial_authorization
 from epibus.health import REPORT_EVERY_S, node_health, write_health
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
@@ -80,6 +82,10 @@ class NodeConfig:
     record: bool = True  # write home/node.json so other commands find this node
     # (project, policy) pairs: mesh coordinator services run as `agent`, which must coordinate each project
     coordinate: tuple[tuple[str, str], ...] = ()
+    # The embedded server admits only the node and enrolled agents (their nkeys), each confined by the broker.
+    authenticate: bool = True
+    # Local clients enrol their agents with the node's key on first connect (see bus/client.py connect).
+    auto_enrol: bool = True
 
 
 # How often each supervised service failed since the process started (each failure is also logged).
@@ -143,6 +149,20 @@ class Node:
         self._connection_lost = asyncio.Event()
         self._stopping = False  # the node closes its own connection: not a loss to recover from
         self._recovery: asyncio.Task[None] | None = None
+        self.key = AgentKey.generate("node")  # replaced at start by the key kept in home (node_key)
+        self.enrolments: Enrolments | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this node runs its server with authentication (the embedded server, unless turned off)."""
+        return self.config.nats_url is None and self.config.authenticate
+
+    def _starting_authorization(self, store: Path) -> str | None:
+        if not self.authenticated:
+            return None
+        kept = store / AUTHORIZATION_FILE
+        # A restart starts with the enrolments it last applied, so agents reconnect at once.
+        return kept.read_text() if kept.exists() else initial_authorization(self.key)
 
     @property
     def nats_url(self) -> str:
@@ -169,12 +189,14 @@ class Node:
             raise ConfigError("--port", "only the embedded nats-server has ports to set; drop --port or --nats")
         home.mkdir(parents=True, exist_ok=True)
         self.name = node_name(home, self.config.name)
+        self.key = node_key(home)
         if self.config.nats_url is None:
             self.server = NatsServer(
                 home / "nats",
                 port=self.config.port or -1,
                 monitor_port=self.config.monitor_port or -1,
                 keep_ports=True,  # clients following this node find it where it was before a restart
+                authorization=self._starting_authorization(home / "nats"),
             )
             self._stack.callback(self.server.stop)  # first: a start that fails half-way still frees the store
             await asyncio.to_thread(self.server.start)
@@ -186,6 +208,7 @@ class Node:
             servers,
             name=f"epibus-node:{self.name}",
             timeout_s=10,
+            key=self.key,
             reconnected_cb=self._on_reconnected,
             error_cb=self._on_nats_error,
             closed_cb=self._on_closed,
@@ -193,6 +216,12 @@ class Node:
         self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
         await self._ensure_streams()
+        enrolments = Enrolments(self.js, self.key, self.server if self.authenticated else None, node_name=self.name)
+        self.enrolments = enrolments
+        self.services |= await enrolments.serve(self.nc)
+        if self.authenticated:
+            await enrolments.registry.close()
+            await enrolments.apply()
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
         await self._serve(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, self._prove_forgotten)
@@ -215,6 +244,7 @@ class Node:
             group.create_task(supervised("journal progress", self.runner.watch_progress)),
             group.create_task(supervised("outbox forwarder", self.forwarder.run)),
             group.create_task(supervised("health report", self._report_health)),
+            group.create_task(supervised("authorization", enrolments.keep_in_step)),
         ]
         self._group = group
         if self.mirror_runner is not None:
@@ -240,6 +270,8 @@ class Node:
                 embedded_server=self.server is not None,
                 started_at=datetime.now(UTC).isoformat(),
                 name=self.name,
+                authenticated=self.authenticated,
+                auto_enrol=self.authenticated and self.config.auto_enrol,
             )
             write_node_info(home, self.info)
             self._stack.callback(remove_node_info, home, os.getpid())
@@ -249,7 +281,10 @@ class Node:
         an agent that is not a coordinator of the project is a start-up error."""
         policies = [(project, parse_policy(spec)) for project, spec in self.config.coordinate]
         key = AgentKey.load_or_create(self.config.home, self.config.agent)
-        client = EpibusClient(servers, key, outbox=None, replicas=self.config.replicas)
+        home = self.config.home
+        client = EpibusClient(
+            servers, key, outbox=None, replicas=self.config.replicas, enrol=lambda: enrol_locally(servers, home, key)
+        )
         await client.start()
         self._stack.push_async_callback(client.close)
         mesh = MeshAgent(client)

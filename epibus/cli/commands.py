@@ -17,9 +17,9 @@ from bus.admission import Admission, Rejected
 from bus.errors import ConfigError, NotFound
 from bus.follow import StreamFollower
 from bus.home import default_agent, epibus_home, outbox_path, read_node_info, resolve_journal_url
-from bus.jetstream import AgentRegistry
 from bus.outbox import Outbox
 from bus.reader import replay, stream_figures
+from bus.registry import AgentRegistry
 from bus.server import MIN_SERVER_VERSION
 from bus.subjects import STREAM, events_filter
 from bus.vocab import TaskState

@@ -1,0 +1,86 @@
+"""Asking a node to enrol, revoke or list agents: requests signed by an admin's key (an agent with the admin
+role, or the node's own key, which whoever can read the node's home holds). The node checks the signature and
+the role; the broker lets nobody else write the registry."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from nats.aio.client import Client as NatsClient
+from pydantic import BaseModel
+
+from bus.auth import ANY_PROJECT
+from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
+from bus.jetstream import open_nats
+from bus.recall import fan_out
+from bus.requests import (
+    AgentListReply,
+    AgentListRequest,
+    EnrolmentReply,
+    EnrolRequest,
+    ErrorReply,
+    RevokeRequest,
+    build_request,
+)
+from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.subjects import ENROL, LIST_AGENTS, REVOKE
+
+log = logging.getLogger(__name__)
+ADMIN_TIMEOUT_S = 10.0
+R = TypeVar("R", bound=BaseModel)
+
+
+class Refused(EpibusError):
+    """A node answered an admin request with an error."""
+
+    def __init__(self, node: str, error: str) -> None:
+        self.node = node
+        self.error = error
+        super().__init__(f"node {node} refused: {error}")
+
+
+async def _ask(nc: NatsClient, admin: AgentKey, subject: str, request: BaseModel, reply_model: type[R]) -> R:
+    replies = await fan_out(nc, subject, request, reply_model, timeout_s=ADMIN_TIMEOUT_S, signer=admin, one=True)
+    if not replies.answers:
+        why = "; ".join(f"{n}: {e}" for n, e in replies.malformed.items()) or "no node answered"
+        raise Unavailable("epibus node", f"{subject}: {why}; is `epibus up` running?")
+    reply = replies.answers[0]
+    if isinstance(reply, ErrorReply):
+        if "may not" in reply.error:
+            raise Forbidden(admin.agent_id, "ask", subject, reply.error)
+        raise Refused(reply.node, reply.error)
+    return reply
+
+
+async def enrol(nc: NatsClient, admin: AgentKey, request: EnrolRequest) -> dict[str, Any]:
+    """The enrolment the node wrote. Raises Forbidden (not an admin), Refused, Unavailable."""
+    return (await _ask(nc, admin, ENROL, request, EnrolmentReply)).enrolment
+
+
+async def revoke(nc: NatsClient, admin: AgentKey, agent_id: str) -> dict[str, Any]:
+    return (await _ask(nc, admin, REVOKE, RevokeRequest(agent_id=agent_id), EnrolmentReply)).enrolment
+
+
+async def list_agents(nc: NatsClient, admin: AgentKey) -> list[dict[str, Any]]:
+    return (await _ask(nc, admin, LIST_AGENTS, AgentListRequest(), AgentListReply)).agents
+
+
+async def enrol_locally(servers: Sequence[str], home: Path, key: AgentKey) -> dict[str, Any]:
+    """Enrol an agent whose key lives under a node's home, signed with that node's key: an agent of every
+    project, its own owner. Only a process that can read the home (0700) holds the node's key. Raises
+    ConfigError when the home holds no node key, Forbidden, Refused, Unavailable."""
+    path = home / NODE_KEY_FILE
+    if not path.exists():
+        raise ConfigError("agent", f"{key.agent_id} is not enrolled and {path} does not exist; ask an admin")
+    admin = node_key(home)
+    nc = await open_nats(servers, name=f"epibus-enrol:{key.agent_id}", timeout_s=ADMIN_TIMEOUT_S, key=admin)
+    try:
+        request = build_request(EnrolRequest, agent_id=key.agent_id, public_key=key.public_key, projects=[ANY_PROJECT])
+        enrolment = await enrol(nc, admin, request)
+    finally:
+        await nc.close()
+    log.info("enrolled agent %s with the local node's key", key.agent_id)
+    return enrolment

@@ -1,0 +1,125 @@
+"""A node's authority over who may connect: it answers admins' enrolment requests (an agent asks, the node
+writes the registry) and keeps its embedded nats-server's authorization in step with the registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.auth import Enrolment, render_authorization
+from bus.errors import Forbidden, Unavailable
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.registry import AgentRegistry
+from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
+from bus.responder import Responder, serve
+from bus.server import NatsServer
+from bus.signing import AgentKey, verify_request
+from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
+from bus.vocab import Role
+
+log = logging.getLogger(__name__)
+KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node reaches this node's server
+
+
+def initial_authorization(node: AgentKey) -> str:
+    """What a server starts with before the registry is read: the node alone (a restart keeps the last file)."""
+    return render_authorization([node.public_key], [])
+
+
+class Enrolments:
+    """The enrol / revoke / list services and the authorization keeper of one node."""
+
+    def __init__(self, js: JetStreamContext, node: AgentKey, server: NatsServer | None, *, node_name: str) -> None:
+        self.js = js
+        self.node = node
+        self.server = server
+        self.node_name = node_name
+        self.registry = AgentRegistry(js)
+        self._applied: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
+        name, admin, queue = self.node_name, self._authorize_admin, ADMIN_QUEUE
+        return {
+            ENROL: await serve(
+                nc, ENROL, EnrolRequest, EnrolmentReply, self._enrol, node=name, authorize=admin, queue=queue
+            ),
+            REVOKE: await serve(
+                nc, REVOKE, RevokeRequest, EnrolmentReply, self._revoke, node=name, authorize=admin, queue=queue
+            ),
+            LIST_AGENTS: await serve(
+                nc, LIST_AGENTS, AgentListRequest, AgentListReply, self._list, node=name, authorize=admin, queue=queue
+            ),
+        }
+
+    async def _authorize_admin(self, msg: Msg) -> None:
+        signer = verify_request(msg.headers, msg.subject, msg.reply, msg.data, now=datetime.now(UTC))
+        if signer.public_key == self.node.public_key:
+            return
+        enrolment = await self.registry.get(signer.agent_id)
+        if enrolment is None or enrolment.public_key != signer.public_key or not enrolment.active:
+            raise Forbidden(signer.agent_id, "ask", msg.subject, "the signing key is not an enrolled agent's")
+        if not enrolment.has_role(Role.admin):
+            raise Forbidden(signer.agent_id, "ask", msg.subject, "only an admin enrols, revokes or lists agents")
+
+    async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
+        enrolment = Enrolment(
+            agent_id=request.agent_id,
+            public_key=request.public_key,
+            owner=request.owner or request.agent_id,
+            roles=tuple(dict.fromkeys(request.roles)),
+            projects=tuple(dict.fromkeys(request.projects)),
+            enrolled_by=self.node_name,
+            enrolled_at=datetime.now(UTC),
+        )
+        await self.registry.enrol(enrolment, replace_key=request.replace_key)
+        await self.apply()
+        return {"enrolment": enrolment.model_dump(mode="json")}
+
+    async def _revoke(self, request: RevokeRequest) -> dict[str, Any]:
+        enrolment = await self.registry.revoke(request.agent_id)
+        await self.apply()
+        return {"enrolment": enrolment.model_dump(mode="json")}
+
+    async def _list(self, request: AgentListRequest) -> dict[str, Any]:
+        return {"agents": [e.model_dump(mode="json") for e in await self.registry.enrolments()]}
+
+    async def apply(self) -> bool:
+        """Render the authorization from the registry and reload the embedded server if it changed. Returns
+        whether it changed. Raises Unavailable."""
+        if self.server is None:
+            return False
+        async with self._lock:
+            text = render_authorization(
+                [self.node.public_key], await self.registry.enrolments(), node_consumers=await self._durables()
+            )
+            if text == self._applied:
+                return False
+            await asyncio.to_thread(self.server.authorize, text)
+            self._applied = text
+            log.info("server authorization updated from the agent registry")
+            return True
+
+    async def _durables(self) -> list[str]:
+        """The node services' durable consumers on the event stream: no agent may pull from them."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                consumers = await self.js.consumers_info(STREAM)
+        except nats.js.errors.NotFoundError:
+            return []
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"consumers of {STREAM}: {type(e).__name__} {e}") from e
+        return sorted(c.config.durable_name for c in consumers if c.config.durable_name)
+
+    async def keep_in_step(self) -> None:
+        """Re-apply the registry every few seconds: enrolments written through other nodes, new durables."""
+        while True:
+            await self.apply()
+            await asyncio.sleep(KEEP_IN_STEP_EVERY_S)
