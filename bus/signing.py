@@ -16,6 +16,7 @@ import nkeys
 
 from bus.errors import ConfigError, InvalidEvent
 from bus.event import AGENT_PATTERN, Actor, Envelope, signing_payload
+from bus.home import private_dir
 
 
 def _b64(data: bytes) -> str:
@@ -50,7 +51,7 @@ class AgentKey:
         path = home / "keys" / f"{agent_id}.nk"
         if path.exists():
             return cls(agent_id, path.read_bytes().strip())
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(path.parent)
         key = cls.generate(agent_id)
         # O_EXCL: two processes creating the same agent's key at once must not overwrite each other.
         try:
