@@ -4,8 +4,11 @@ nats-server create on their own. A home left 0755 by an older epibus is tightene
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import sqlite3
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +79,18 @@ def walk(home: Path) -> tuple[dict[str, int], dict[str, int]]:
     return dirs, files
 
 
+def leave_crashed_sqlite(scratch: Path, path: Path) -> None:
+    """A database at `path` with a write-ahead log not yet checkpointed into it, as a killed process leaves it
+    (SQLite keeps such a log, and its mode, when it opens the database again)."""
+    with contextlib.closing(sqlite3.connect(scratch)) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        db.execute("CREATE TABLE leftover (x)")
+        db.commit()
+        shutil.copy(scratch, path)
+        shutil.copy(f"{scratch}-wal", f"{path}-wal")
+
+
 def offenders(dirs: dict[str, int], files: dict[str, int]) -> list[str]:
     return [f"{path}/ {mode:o}" for path, mode in sorted(dirs.items()) if mode != 0o700] + [
         f"{path} {mode:o}" for path, mode in sorted(files.items()) if mode != 0o600
@@ -120,22 +135,20 @@ async def test_a_home_left_readable_by_everyone_is_made_owner_only_at_node_start
 ) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o755)
-    old_journal = home / "journal.db"
-    old_journal.touch(mode=0o644)
-    (home / "journal.db-wal").touch(mode=0o644)  # left behind by a node that crashed
+    leave_crashed_sqlite(tmp_path / "scratch.db", home / "journal.db")
     assert stat.S_IMODE(home.stat().st_mode) == 0o755
-    assert stat.S_IMODE(old_journal.stat().st_mode) == 0o644
+    assert stat.S_IMODE((home / "journal.db").stat().st_mode) == 0o644
+    assert stat.S_IMODE((home / "journal.db-wal").stat().st_mode) == 0o644
     caplog.set_level(logging.INFO, logger="epibus.node")
 
     config = NodeConfig(home=home, nats_url=nats_server.url, mirror="off")
     async with Node(config):
-        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        dirs, files = walk(home)
+        assert {"journal.db", "journal.db-wal", "outbox.db", "node-name"} <= files.keys()
+        assert not offenders(dirs, files), f"not owner-only after a start on an old home: {offenders(dirs, files)}"
     async with Node(config):  # already owner-only: nothing to tighten, nothing to say
         pass
 
     tightened = [r.getMessage() for r in caplog.records if str(home) in r.getMessage() and "0700" in r.getMessage()]
     assert tightened == [f"{home} was mode 0755 and is now 0700: a fleet's memory is readable by its owner only"]
     assert [r.levelno for r in caplog.records if r.getMessage() in tightened] == [logging.INFO]
-    dirs, files = walk(home)
-    assert {"journal.db", "outbox.db", "node-name"} <= files.keys()
-    assert not offenders(dirs, files), f"not owner-only after a start on an old home: {offenders(dirs, files)}"
