@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,10 @@ from bus.errors import ConfigError
 
 log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
+# A home holds a fleet's memory: readable by its owner only, whatever the umask.
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def epibus_home(explicit: Path | str | None = None) -> Path:
@@ -100,14 +105,72 @@ class NodeInfo:
         return True
 
 
-def write_private(path: Path, text: str) -> None:
-    """Replace a state file atomically (a reader never sees half a file), readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_private(path: Path, text: str, *, durable: bool = False) -> None:
+    """Replace a state file atomically (a reader never sees half a file), readable by its owner only (0600, in
+    a 0700 directory). `durable`: on disk before it replaces the old file (fsync), so a crash leaves either."""
+    private_dir(path.parent)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
     with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, PRIVATE_FILE)  # a leftover tmp file keeps its old mode through O_CREAT
         f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(fd)
     tmp.replace(path)
+
+
+def private_dir(path: Path, *, tighten: bool = True) -> int | None:
+    """Make `path` a directory only its owner can open (0700), whatever the umask. Missing directories on the
+    way are created 0700; an existing `path` is stripped of group and other permissions, unless `tighten` is
+    False (a directory the user chose to hold a file, not one of epibus's own). Returns the mode an existing
+    directory had when it was tightened, else None. Raises ConfigError when it cannot be made owner-only."""
+    missing: list[Path] = []
+    at = path
+    while not at.exists() and at != at.parent:
+        missing.append(at)
+        at = at.parent
+    try:
+        for directory in reversed(missing):
+            directory.mkdir(mode=PRIVATE_DIR, exist_ok=True)  # a umask only takes bits away: 0700 at most
+        if not path.is_dir():
+            raise ConfigError(str(path), "is not a directory; move it away or choose another path")
+        return owner_only(path) if tighten and not missing else None
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be made an owner-only directory ({e}); use a directory you own") from e
+
+
+def owner_only(path: Path) -> int | None:
+    """Strip group and other permissions from a file or directory (not through a symlink). Returns the mode it
+    had when it changed, None when it already was owner-only or is gone."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None  # removed meanwhile (an engine's temporary file): nothing is left to protect
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISLNK(info.st_mode) or not mode & 0o077:
+        return None
+    os.chmod(path, mode & 0o700)
+    return mode
+
+
+def private_tree(root: Path) -> None:
+    """Make every directory and regular file under `root` owner-only: for files an engine creates through the
+    process umask (qdrant-edge), tightened after each call that may create some. Symlinks are left alone."""
+    for directory, _dirs, files in os.walk(root):
+        owner_only(Path(directory))
+        for name in files:
+            owner_only(Path(directory, name))
+
+
+def private_sqlite(path: Path) -> None:
+    """Make an SQLite database owner-only before SQLite opens it: the file is created 0600 when missing (in a
+    0700 directory when that is missing too), and it and any -wal, -shm or -journal file left from an earlier
+    open are tightened. SQLite creates those side files with the database file's mode, whatever the umask."""
+    private_dir(path.parent, tighten=False)
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))
+    for file in (path, *(path.with_name(path.name + side) for side in SQLITE_SIDE_FILES)):
+        owner_only(file)
 
 
 def write_node_info(home: Path, info: NodeInfo) -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bus.errors import Unavailable
+from bus.home import private_sqlite
 from bus.subjects import parse_event_subject
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class Outbox:
         return self
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite(self.path)
         conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         # synchronous=FULL: WAL+NORMAL can drop the last commits on power loss, and an outboxed receipt promises

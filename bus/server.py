@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.errors import ConfigError, Conflict, Unavailable
-from bus.home import write_private
+from bus.home import PRIVATE_FILE, owner_only, private_dir, write_private
 from bus.ports import ServerPorts, keep_ports, port_taken, raise_for_taken_port, read_ports
 from bus.server_guard import SPAWNER, StoreLock, die_with_parent, servers_on, terminate
 
@@ -120,20 +120,21 @@ class NatsServer:
         return self.store_dir / "nats-server.log"
 
     def _write_config(self) -> Path:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.store_dir)
         config = self.store_dir / "nats-server.conf"
         sync = "sync_interval: always" if self.sync_always else ""
         auth = ""
         if self.authorization is not None:
             write_private(self.store_dir / AUTHORIZATION_FILE, self.authorization)
             auth = f'include "{AUTHORIZATION_FILE}"\n'  # relative to this file's directory
-        config.write_text(
+        write_private(
+            config,
             f'server_name: "{self.server_name}"\n'
             f'listen: "{self.host}:{self.port}"\n'
             f'http: "{self.host}:{self.monitor_port}"\n'
             f'ports_file_dir: "{self.store_dir}"\n'
             f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
-            f"{auth}{self.extra_config}\n"
+            f"{auth}{self.extra_config}\n",
         )
         return config
 
@@ -166,7 +167,9 @@ class NatsServer:
     def _spawn(self, config: Path) -> subprocess.Popen[bytes]:
         lock_fd = self._lock.fd
         assert lock_fd is not None
-        with self.log_file.open("ab") as log_out:
+        log_fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+        owner_only(self.log_file)  # a log written before epibus kept its files owner-only
+        with os.fdopen(log_fd, "ab") as log_out:
             return SPAWNER.run(
                 lambda: subprocess.Popen(
                     [str(self.binary), "-c", str(config), *self.extra_args],
@@ -176,6 +179,7 @@ class NatsServer:
                     start_new_session=True,  # Ctrl-C in a terminal goes to the owner, which stops us in order
                     pass_fds=(lock_fd,),  # the server holds the store's lock too, for as long as it runs
                     preexec_fn=die_with_parent(),
+                    umask=0o077,  # what the server creates (its ports file, the JetStream store) is owner-only
                 )
             )
 

@@ -20,6 +20,7 @@ from queue import SimpleQueue
 from typing import TypeVar, cast
 
 from bus.errors import Unavailable
+from bus.home import private_dir, write_private
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -185,7 +186,7 @@ class StoreLock:
         """Take the lock if it is free (idempotent); False when another holds it."""
         if self.fd is not None:
             return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -201,9 +202,7 @@ class StoreLock:
         me = os.getpid()
         server_started = start_time(server_pid) if server_pid is not None else None
         entry = PidRecord(me, start_time(me), server_pid, server_started)
-        tmp = self.pid_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(entry)))
-        tmp.replace(self.pid_file)  # atomic: a reader never sees half a file
+        write_private(self.pid_file, json.dumps(asdict(entry)))
 
     def holder(self) -> PidRecord | None:
         """The pid file's record, or None when there is none (yet) or it is unreadable."""

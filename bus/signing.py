@@ -22,6 +22,7 @@ import nkeys
 from bus.auth import inbox_prefix
 from bus.errors import ConfigError, Forbidden, InvalidEvent
 from bus.event import AGENT_PATTERN, Actor, Envelope, signing_payload
+from bus.home import private_dir
 
 NODE_KEY_FILE = "node.nk"
 NODE_IDENTITY = "node"
@@ -67,7 +68,7 @@ class AgentKey:
     def load_or_create_at(cls, path: Path, agent_id: str) -> AgentKey:
         if path.exists():
             return cls(agent_id, path.read_bytes().strip())
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(path.parent)
         key = cls.generate(agent_id)
         # O_EXCL: two processes creating the same agent's key at once must not overwrite each other.
         try:

@@ -22,7 +22,15 @@ from bus.client import EpibusClient
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
 from bus.forwarder import Forwarder
-from bus.home import NodeInfo, default_journal_url, node_name, outbox_path, remove_node_info, write_node_info
+from bus.home import (
+    NodeInfo,
+    default_journal_url,
+    node_name,
+    outbox_path,
+    private_dir,
+    remove_node_info,
+    write_node_info,
+)
 from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
@@ -187,7 +195,8 @@ class Node:
         home = self.config.home
         if self.config.nats_url is not None and (self.config.port or self.config.monitor_port):
             raise ConfigError("--port", "only the embedded nats-server has ports to set; drop --port or --nats")
-        home.mkdir(parents=True, exist_ok=True)
+        if (was := private_dir(home)) is not None:
+            log.info("%s was mode %04o and is now 0700: a fleet's memory is readable by its owner only", home, was)
         self.name = node_name(home, self.config.name)
         self.key = node_key(home)
         if self.config.nats_url is None:

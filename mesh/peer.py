@@ -213,7 +213,7 @@ class NotificationLog:
 
     def append(self, note: Notification) -> None:
         line = (json.dumps(note.as_json(), sort_keys=True) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line)
             os.fsync(fd)

@@ -34,6 +34,7 @@ from bus.admission import Delivery, Refusal, batch_erased, first_of_each_id
 from bus.erasure import erased_digests
 from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
+from bus.home import private_sqlite
 from bus.knowledge import TombstoneRegistry
 from bus.requests import LookupReply, LookupRequest
 from bus.responder import Responder, serve
@@ -59,7 +60,7 @@ def make_engine(url: str) -> Engine:
         raise ConfigError("journal", f"{parsed.get_backend_name()!r} is not supported", allowed=DIALECTS)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            private_sqlite(Path(parsed.database))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

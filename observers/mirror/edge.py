@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import qdrant_edge as qe
 
 from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
+from bus.home import private_dir, private_tree, write_private
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,
@@ -89,6 +90,13 @@ class EdgeVectorStore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _open(self) -> None:
+        private_dir(self.path)
+        try:
+            self._open_shard()
+        finally:
+            private_tree(self.path)  # the engine creates its files through the umask (0644 under the usual 022)
+
+    def _open_shard(self) -> None:
         meta_path = self.path / META_FILE
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
@@ -100,11 +108,10 @@ class EdgeVectorStore:
             self._finish_compaction()
             self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
             return
-        self.path.mkdir(parents=True, exist_ok=True)
         self._shard = self._create_shard(self.path / SHARD_DIR)
         self.store_id = str(uuid.uuid4())
-        meta_path.write_text(
-            json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
+        write_private(
+            meta_path, json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
         )
 
     def _create_shard(self, path: Path) -> Any:
@@ -136,6 +143,13 @@ class EdgeVectorStore:
                 raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
             raise ComponentFailed("qdrant-edge", f"{self.path}: {error_summary(e)}") from e
 
+    def _write(self, fn: Any, *args: Any) -> Any:
+        """An engine call that may create files (segments, index pages, WAL), which are then made owner-only."""
+        try:
+            return self._engine(fn, *args)
+        finally:
+            private_tree(self.path)
+
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
             return
@@ -144,11 +158,11 @@ class EdgeVectorStore:
             qe.Point(str(p.id), list(p.vector), {**p.payload, "model_id": self.model_id, "dimension": self.dimension})
             for p in points
         ]
-        await self._call(self._engine, self.shard.update, qe.UpdateOperation.upsert_points(batch))
+        await self._call(self._write, self.shard.update, qe.UpdateOperation.upsert_points(batch))
 
     async def delete(self, ids: Sequence[uuid.UUID]) -> None:
         if ids:
-            await self._call(self._engine, self.shard.update, qe.UpdateOperation.delete_points([str(i) for i in ids]))
+            await self._call(self._write, self.shard.update, qe.UpdateOperation.delete_points([str(i) for i in ids]))
 
     async def retrieve(self, ids: Sequence[uuid.UUID]) -> list[Point]:
         if not ids:
@@ -168,7 +182,7 @@ class EdgeVectorStore:
         flt = edge_filter(where)
         if flt is None:
             raise ValueError("set_payload needs a filter; refusing to rewrite every point")
-        await self._call(self._engine, self.shard.update, qe.UpdateOperation.set_payload_by_filter(flt, dict(payload)))
+        await self._call(self._write, self.shard.update, qe.UpdateOperation.set_payload_by_filter(flt, dict(payload)))
 
     async def describe(self) -> CollectionInfo:
         count = await self._call(self._engine, self.shard.count, qe.CountRequest(exact=True))
@@ -192,7 +206,7 @@ class EdgeVectorStore:
     async def optimize(self) -> bool:
         """Build HNSW over grown segments. Holds the GIL for seconds on large collections: call it off the
         hot path (reindex, a quiet moment), not per batch."""
-        return bool(await self._call(self._engine, self.shard.optimize))
+        return bool(await self._call(self._write, self.shard.optimize))
 
     async def compact(self) -> int:
         """Rewrite the shard with only its live points and delete the old files, so a deleted point leaves
@@ -225,7 +239,7 @@ class EdgeVectorStore:
         (self.path / SHARD_DIR).rename(self.path / OLD_SHARD_DIR)
         fresh.rename(self.path / SHARD_DIR)
         self._finish_compaction()
-        self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
+        self._shard = self._write(qe.EdgeShard.load, str(self.path / SHARD_DIR))
         return kept
 
     def _finish_compaction(self) -> None:
@@ -240,6 +254,6 @@ class EdgeVectorStore:
     async def close(self) -> None:
         if self._shard is not None:
             await self._call(self._engine, self._shard.flush)
-            await self._call(self._engine, self._shard.close)
+            await self._call(self._write, self._shard.close)  # closing rewrites segment files
             self._shard = None
         self._executor.shutdown(wait=True)

