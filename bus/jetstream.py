@@ -30,7 +30,6 @@ from bus.errors import (
 )
 from bus.event import MAX_EVENT_BYTES
 from bus.home import NodeFollower
-from bus.tasks import cancel_and_wait
 from bus.signing import AgentKey
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
@@ -41,6 +40,7 @@ from bus.subjects import (
     STREAM_SUBJECTS,
     TOMBSTONES_BUCKET,
 )
+from bus.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 # ≥ 2 min for retried publishes; 10 min lets an outbox drain after a short outage still be deduplicated by the server.

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import text
 
+from bus.signing import node_key
 from observers.journal import make_engine
 
 T = TypeVar("T")
@@ -108,3 +109,9 @@ def stop_node_process(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def operator_credentials(home: Path) -> dict[str, Any]:
+    """nats-py connect options for the operator of the node under `home` (its node key): what a raw client
+    needs to reach a node that authenticates, for tests that write what no agent may (forged dead letters)."""
+    return node_key(home).nats_credentials

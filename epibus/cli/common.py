@@ -22,6 +22,7 @@ from rich.text import Text
 from bus.errors import ConfigError, EpibusError
 from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
 from bus.jetstream import open_nats
+from bus.signing import NODE_KEY_FILE, AgentKey, node_key
 from epibus.cli.display import shown
 
 T = TypeVar("T")
@@ -134,4 +135,11 @@ class Target:
         servers = split_servers(resolve_nats_url(self.nats, home))
         follow = NodeFollower(home, servers) if explicit_nats_url(self.nats) is None else None
         name = f"epibus-cli:{self.agent or default_agent()}"
-        return await open_nats(servers, name=name, timeout_s=5, follow=follow)
+        return await open_nats(servers, name=name, timeout_s=5, follow=follow, key=self.key(home))
+
+    def key(self, home: Path) -> AgentKey:
+        """Who the command acts as: the node's key where the home holds one (whoever can read the home runs the
+        node), else the agent's, which must be enrolled on a server that authenticates."""
+        if (home / NODE_KEY_FILE).exists():
+            return node_key(home)
+        return AgentKey.load_or_create(home, self.agent or default_agent())

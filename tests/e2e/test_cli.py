@@ -16,7 +16,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from tests.support import eventually_sync, start_node_process, stop_node_process
+from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
     home, status, _ = running_node
 
     async def publish_garbage() -> None:
-        nc = await nats.connect(str(status["nats_url"]))
+        nc = await nats.connect(str(status["nats_url"]), **operator_credentials(home))
         await nc.jetstream().publish("epi.demo.finding.bogus", b"{not json")
         await nc.close()
 

@@ -23,7 +23,7 @@ from bus.subjects import dlq_subject
 from bus.vocab import ReceiptLevel
 from mesh.agent import MeshAgent
 from tests.conftest import finding
-from tests.support import eventually_sync, start_node_process, stop_node_process
+from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_dead_letters_with_hostile_texts_are_listed_inert_and_exact_in_json(node
     ]
 
     async def write() -> None:
-        nc = await nats.connect(url)
+        nc = await nats.connect(url, **operator_credentials(home))
         try:
             js = nc.jetstream()
             await js.publish(f"epi.{project}.finding.junk", json.dumps({"kind": "[/] x"}).encode())

@@ -17,7 +17,7 @@ import pytest
 
 from tests.bus.test_server import alive, nats_servers_on
 from tests.e2e.test_cli import as_json, epibus
-from tests.support import eventually_sync
+from tests.support import eventually_sync, operator_credentials
 
 pytestmark = pytest.mark.slow
 
@@ -96,12 +96,12 @@ def publish_finding(home: Path, text: str) -> str:
     return str(receipt["event_id"])
 
 
-def stream_event_ids(url: str) -> set[str]:
+def stream_event_ids(url: str, home: Path) -> set[str]:
     """The Nats-Msg-Id of every message in stream EPI, read message by message up to the last sequence."""
 
     async def read() -> set[str]:
         async with asyncio.timeout(30):  # nats-py's connect can wait forever on a server that is gone
-            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0, **operator_credentials(home))
             try:
                 js = nc.jetstream()
                 info = await js.stream_info("EPI")
@@ -130,4 +130,4 @@ def test_a_node_started_again_after_kill_9_runs_one_server_and_keeps_every_publi
     up.kill_group()
     status = up.start()
     assert len(nats_servers_on(up.home / "nats")) == 1
-    assert published - stream_event_ids(str(status["nats_url"])) == set()
+    assert published - stream_event_ids(str(status["nats_url"]), up.home) == set()
