@@ -1,7 +1,7 @@
 """TLS for the NATS connection: which CA to trust and which client certificate to show, from the environment.
 
-Read once per connection by `bus.jetstream.open_nats`, so a certificate replaced on disk is used from the next
-(re)connect of a node on."""
+Read by `bus.jetstream.open_nats` each time it opens a connection; nats-py's own reconnects keep the context
+the connection began with."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def nats_tls_context() -> ssl.SSLContext | None:
         raise ConfigError(given, f"is set but {missing} is not; set both (the client certificate and its key)")
     try:
         context = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as e:
+    except OSError as e:  # ssl.SSLError (not PEM, no certificate in it) is an OSError too
         raise ConfigError(CA_ENV, _problem(ca, e, "a PEM file holding the CA certificate")) from None
     if cert is not None and key is not None:
         for name, path in ((CERT_ENV, cert), (KEY_ENV, key)):
             _check_readable(name, path)
         try:
             context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as e:
+        except OSError as e:
             raise ConfigError(
                 f"{CERT_ENV}/{KEY_ENV}", _problem(f"{cert} with {key}", e, "a PEM certificate and its own key")
             ) from None

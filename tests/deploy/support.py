@@ -290,7 +290,8 @@ def start_cluster_node(
 def start_cluster(tmp_path: Path, certs: Path) -> Nodes:
     """The three servers of cluster.conf on loopback with the certificates in `certs`, once their JetStream
     meta group of three has a leader. The caller stops them (the returned Nodes, also on failure)."""
-    ports = [ClusterPorts(*p) for p in zip(*[iter(free_ports(3 * len(NATS_SERVICES)))] * 3, strict=True)]
+    free = free_ports(3 * len(NATS_SERVICES))
+    ports = [ClusterPorts(*free[i : i + 3]) for i in range(0, len(free), 3)]
     routes = [p.route for p in ports]
     nodes = Nodes()
     try:
