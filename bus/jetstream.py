@@ -41,6 +41,7 @@ from bus.subjects import (
     TOMBSTONES_BUCKET,
 )
 from bus.tasks import cancel_and_wait
+from bus.tls import nats_tls_context
 
 log = logging.getLogger(__name__)
 # ≥ 2 min for retried publishes; 10 min lets an outbox drain after a short outage still be deduplicated by the server.
@@ -224,7 +225,9 @@ async def open_nats(
     within timeout_s. Connection errors go to `error_cb` if given, never to nats-py's traceback logging.
     With `follow`, every failed attempt asks where the local node runs now and reconnects there if it moved.
     With `key`, the connection authenticates with that nkey and receives on its own inboxes only; a server that
-    does not know the key raises Forbidden."""
+    does not know the key raises Forbidden. TLS (CA, client certificate) comes from the environment: see
+    `bus.tls.nats_tls_context`."""
+    tls = nats_tls_context()
     nc = NatsClient()
     errors: list[BaseException] = []  # only the last: an outage of hours fails an attempt every second
     user_error_cb = callbacks.pop("error_cb", None)
@@ -247,6 +250,7 @@ async def open_nats(
             reconnect_time_wait=1,
             max_reconnect_attempts=-1,  # keep trying; the outbox holds events meanwhile
             error_cb=remember,
+            tls=tls,
             **credentials,
             **callbacks,
         )

