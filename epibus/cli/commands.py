@@ -79,6 +79,22 @@ def up(
         str | None,
         typer.Option("--name", envvar="EPIBUS_NODE_NAME", help="The node's name in replies; kept for later starts."),
     ] = None,
+    authenticate: Annotated[
+        bool,
+        typer.Option(
+            "--auth/--no-auth",
+            envvar="EPIBUS_AUTH",
+            help="The embedded server admits only the node and enrolled agents, each confined by the broker.",
+        ),
+    ] = True,
+    auto_enrol: Annotated[
+        bool,
+        typer.Option(
+            "--auto-enrol/--no-auto-enrol",
+            envvar="EPIBUS_AUTO_ENROL",
+            help="Agents created under this home are enrolled with the node's key on first connect.",
+        ),
+    ] = True,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -103,6 +119,8 @@ def up(
         mirror=mirror,
         qdrant_url=qdrant_url,
         coordinate=tuple((project, policy) for project, _, policy in pairs),
+        authenticate=authenticate,
+        auto_enrol=auto_enrol,
     )
     run(_up(config, as_json))
 

@@ -1,0 +1,197 @@
+"""Attacks on a node's NATS, against the configuration `epibus up` runs (the embedded server with
+authentication): each is refused by the broker, and the stream, its config and the registry are unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.js.api import StreamConfig
+
+from bus import enrol
+from bus.client import connect
+from bus.errors import Forbidden
+from bus.requests import EnrolRequest, build_request
+from bus.signing import AgentKey, node_key
+from bus.subjects import AGENT_KEYS_BUCKET, STREAM, TOMBSTONES_BUCKET, event_subject
+from bus.vocab import Role
+from epibus.node import Node, NodeConfig
+from tests.conftest import finding
+from tests.support import eventually, operator_credentials
+
+REFUSED_WITHIN_S = 2.0
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[tuple[Node, Path]]:
+    home = tmp_path / "home"
+    async with Node(NodeConfig(home=home, mirror="off")) as node:
+        assert node.authenticated
+        yield node, home
+
+
+async def _enrol(node: Node, home: Path, agent: AgentKey, projects: list[str], roles: list[Role]) -> None:
+    admin = node_key(home)
+    nc = await nats.connect(node.nats_url, **admin.nats_credentials)
+    try:
+        request = build_request(
+            EnrolRequest, agent_id=agent.agent_id, public_key=agent.public_key, projects=projects, roles=roles
+        )
+        await enrol.enrol(nc, admin, request)
+    finally:
+        await nc.close()
+
+
+class Violations:
+    """The permission errors nats-py reports for one connection (lowercased by nats-py)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def record(self, error: Exception) -> None:
+        self.seen.append(str(error))
+
+    def about(self, subject: str) -> bool:
+        return any("permissions violation" in s and subject.lower() in s for s in self.seen)
+
+
+async def _as(node: Node, key: AgentKey, violations: Violations) -> NatsClient:
+    return await nats.connect(node.nats_url, error_cb=violations.record, allow_reconnect=False, **key.nats_credentials)
+
+
+async def _stream_state(node: Node, home: Path) -> dict[str, Any]:
+    nc = await nats.connect(node.nats_url, **operator_credentials(home))
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(STREAM)
+        agents = await js.key_value(AGENT_KEYS_BUCKET)
+        return {
+            "config": info.config.as_dict(),
+            "messages": info.state.messages,
+            "agents": sorted(await agents.keys()),
+        }
+    finally:
+        await nc.close()
+
+
+async def test_a_process_without_an_enrolled_key_cannot_connect(secured) -> None:
+    node, _ = secured
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2)
+    stranger = AgentKey.generate("stranger")
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2, **stranger.nats_credentials)
+
+
+async def test_an_enrolled_agent_cannot_delete_purge_or_reconfigure_the_stream_nor_write_the_registry(
+    secured, project
+) -> None:
+    node, home = secured
+    async with connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
+        await alice.publish(alice.event("finding", finding(1), project=project))
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    before = await _stream_state(node, home)
+    violations = Violations()
+    nc = await _as(node, mallory, violations)
+    js = nc.jetstream(timeout=REFUSED_WITHIN_S)
+    tombstone = f"$KV.{TOMBSTONES_BUCKET}.{project}.{'0' * 64}"
+    attacks = {
+        "$JS.API.STREAM.DELETE.EPI": js.delete_stream(STREAM),
+        "$JS.API.STREAM.PURGE.EPI": js.purge_stream(STREAM),
+        "$JS.API.STREAM.UPDATE.EPI": js.update_stream(StreamConfig(name=STREAM, subjects=["epi.>"], max_age=3)),
+        "$JS.API.STREAM.MSG.DELETE.EPI": js.delete_msg(STREAM, 1),
+        f"$KV.{AGENT_KEYS_BUCKET}.alice": nc.publish(f"$KV.{AGENT_KEYS_BUCKET}.alice", b"x"),
+        tombstone: nc.publish(tombstone, b"x"),
+        "$JS.API.STREAM.DELETE.KV_epibus_agents": js.delete_stream(f"KV_{AGENT_KEYS_BUCKET}"),
+    }
+    for subject, attack in attacks.items():
+        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):  # the broker drops it: error_cb hears
+            await attack
+        await eventually(lambda s=subject: violations.about(s), timeout_s=5)
+    await nc.close()
+    assert await _stream_state(node, home) == before
+
+
+async def test_an_agent_publishes_only_in_its_own_projects(secured, project) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    before = await _stream_state(node, home)
+    violations = Violations()
+    nc = await _as(node, mallory, violations)
+    other = event_subject("someone-elses", "finding", "x")
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.jetstream(timeout=REFUSED_WITHIN_S).publish(other, b"{}")
+    await eventually(lambda: violations.about(other))
+    await nc.close()
+    assert (await _stream_state(node, home))["messages"] == before["messages"]
+
+
+async def test_an_agent_cannot_listen_to_other_inboxes_nor_to_node_requests(secured, project) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    violations = Violations()
+    nc = await _as(node, mallory, violations)
+    for subject in ("_INBOX.>", "epibus.>", "epi.>"):
+        await nc.subscribe(subject)
+        await eventually(lambda s=subject: any("subscription" in v and s.lower() in v for v in violations.seen))
+    await nc.close()
+
+
+async def test_only_an_admin_enrols_and_a_revoked_agent_can_no_longer_connect(secured, project) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    nc = await nats.connect(node.nats_url, **mallory.nats_credentials)
+    impostor = AgentKey.generate("impostor")
+    request = build_request(
+        EnrolRequest, agent_id="impostor", public_key=impostor.public_key, projects=["*"], roles=[Role.admin]
+    )
+    with pytest.raises(Forbidden, match="only an admin"):
+        await enrol.enrol(nc, mallory, request)
+    await nc.close()
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2, **impostor.nats_credentials)
+
+    admin = node_key(home)
+    nc = await nats.connect(node.nats_url, **admin.nats_credentials)
+    await enrol.revoke(nc, admin, "mallory")
+    listed = {a["agent_id"]: a for a in await enrol.list_agents(nc, admin)}
+    await nc.close()
+    assert listed["mallory"]["revoked_at"] is not None
+    assert "impostor" not in listed
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2, **mallory.nats_credentials)
+
+
+async def test_an_unsigned_or_forged_enrolment_request_is_answered_with_a_refusal(secured, project) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    nc = await nats.connect(node.nats_url, **mallory.nats_credentials)
+    body = json.dumps({"agent_id": "x", "public_key": mallory.public_key, "projects": ["*"]}).encode()
+    unsigned = await nc.request("epibus.agent.enrol", body, timeout=5)
+    assert "not signed" in json.loads(unsigned.data)["error"]
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    # The node's name and key on the request, mallory's signature: the node's key does not verify it.
+    now = datetime.now(UTC)
+    headers = node_key(home).sign_request("epibus.agent.enrol", inbox, body, signed_at=now)
+    forged_signature = mallory.sign_request("epibus.agent.enrol", inbox, body, signed_at=now)["Epibus-Signature"]
+    headers["Epibus-Signature"] = forged_signature
+    await nc.publish("epibus.agent.enrol", body, reply=inbox, headers=headers)
+    forged = await sub.next_msg(timeout=5)
+    assert "does not verify" in json.loads(forged.data)["error"]
+    await nc.close()
+    agents = (await _stream_state(node, home))["agents"]
+    assert "x" not in agents
