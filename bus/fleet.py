@@ -77,11 +77,16 @@ class FleetCore(Protocol):
 
 
 class FleetRequests:
-    async def forget(self: FleetCore, project: str, artifact_id: str, *, reason: str) -> ForgetReport:
+    async def forget(
+        self: FleetCore, project: str, artifact_id: str, *, reason: str, eraser: JetStreamContext | None = None
+    ) -> ForgetReport:
         """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
         mirror deletes the points), erase every message on the artifact's subjects from the stream, and drop
         them from this client's outbox. Raises NotFound for an unknown artifact. Follow it with
-        `prove_forgotten`: each node then erases what is left in its files and scans them."""
+        `prove_forgotten`: each node then erases what is left in its files and scans them.
+
+        Erasing stream messages needs the node operator's connection (`eraser`) on a server that authenticates:
+        the broker refuses agents' message deletes."""
         view = await self.project_view(project)
         if artifact_id not in view.fold.artifacts:
             raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
@@ -102,7 +107,7 @@ class FleetRequests:
         for seq, _ in messages:
             try:
                 async with asyncio.timeout(self.publish_timeout_s):
-                    await self.js.delete_msg(STREAM, seq)  # erases: the server overwrites the stored bytes
+                    await (eraser or self.js).delete_msg(STREAM, seq)  # erases: the server overwrites the bytes
             except nats.js.errors.NotFoundError:
                 continue  # already gone
             except NATS_OR_API_ERROR as e:

@@ -17,6 +17,7 @@ from epibus.cli.common import (
     HomeOpt,
     JsonOpt,
     NatsOpt,
+    Target,
     console,
     emit_json,
     err_console,
@@ -180,8 +181,14 @@ async def _forget(
     agent: str | None,
     home: Path | None,
 ) -> ForgetProof:
+    # The erase goes through the operator's connection (the node's key under home): agents may not delete.
+    operator = await Target(nats, home, agent).connect()
+    try:
+        async with connect(nats, agent=agent, home=home, outbox=False) as client:
+            report = await client.forget(project, artifact_id, reason=reason, eraser=operator.jetstream())
+    finally:
+        await operator.close()
     async with connect(nats, agent=agent, home=home, outbox=False) as client:
-        report = await client.forget(project, artifact_id, reason=reason)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         proof = await client.prove_forgotten(report)
