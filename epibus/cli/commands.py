@@ -79,13 +79,21 @@ def up(
         str | None,
         typer.Option("--name", envvar="EPIBUS_NODE_NAME", help="The node's name in replies; kept for later starts."),
     ] = None,
+    repair_streams: Annotated[
+        bool,
+        typer.Option(
+            "--repair-streams",
+            help="Restore streams whose settings drifted from what epibus needs, instead of refusing to start.",
+        ),
+    ] = False,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, the
     vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate).
-    The embedded server listens on the same ports at every start (free ones at the first, or --port)."""
+    The embedded server listens on the same ports at every start (free ones at the first, or --port). A stream
+    whose settings drifted from what epibus needs stops the start (--repair-streams restores it)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
     pairs = [c.partition("=") for c in coordinate or []]
@@ -103,6 +111,7 @@ def up(
         mirror=mirror,
         qdrant_url=qdrant_url,
         coordinate=tuple((project, policy) for project, _, policy in pairs),
+        repair_streams=repair_streams,
     )
     run(_up(config, as_json))
 
