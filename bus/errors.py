@@ -5,7 +5,7 @@ Every error's str() is one line: what went wrong and how to fix it."""
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 
@@ -133,6 +133,22 @@ class ConfigError(EpibusError, ValueError):
         if self.allowed is not None:
             message += " (allowed: " + ", ".join(self.allowed) + ")"
         super().__init__(message)
+
+
+class StreamDrift(ConfigError):
+    """A stream or KV bucket epibus relies on is configured otherwise than epibus needs (changed by hand, by
+    another tool or by an attacker). Nothing was changed; `epibus streams repair` restores it."""
+
+    def __init__(self, drifted: Mapping[str, Sequence[tuple[str, str]]]) -> None:
+        # drifted: stream name -> (field, "field=current (needs wanted)") for each difference
+        self.fields = {stream: [field for field, _ in found] for stream, found in drifted.items()}
+        self.setting = ", ".join(drifted)
+        self.problem = "; ".join(
+            f"stream {stream} drifted: " + ", ".join(text for _, text in found) for stream, found in drifted.items()
+        )
+        self.allowed = None
+        them = "it" if len(drifted) == 1 else "them"
+        EpibusError.__init__(self, f"{self.problem}; run `epibus streams repair` to restore {them}")
 
 
 def error_summary(error: BaseException, *, limit: int = 1024) -> str:

@@ -1,7 +1,8 @@
-"""Creating and updating the JetStream streams (EPI, EPI_DLQ) and the agent key registry.
+"""Creating and checking the JetStream streams (EPI, EPI_DLQ) and KV buckets, and the agent key registry.
 
 `ensure_streams` is idempotent and is re-run by clients after every reconnect: a server that lost its
-store (or a new cluster) gets the streams back before anything is published."""
+store (or a new cluster) gets the streams back before anything is published, and a stream whose settings
+drifted from what epibus needs (bus/drift.py) is refused, not used."""
 
 from __future__ import annotations
 
@@ -19,12 +20,24 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
+from bus.drift import (
+    EVENT_STREAM_FIELDS,
+    MANAGED_FIELDS,
+    Difference,
+    ManagedStream,
+    automatic,
+    differences,
+    kv_stream_config,
+    show,
+)
 from bus.errors import (
     ComponentFailed,
+    ConfigError,
     Conflict,
     EpibusError,
     Forbidden,
     InvalidEvent,
+    StreamDrift,
     Unavailable,
     error_summary,
 )
@@ -104,46 +117,6 @@ def stream_configs(replicas: int = 1) -> list[StreamConfig]:
     ]
 
 
-def _drifted(current: StreamConfig, wanted: StreamConfig) -> list[str]:
-    """The managed settings of a stream that differ from what epibus needs (changed by hand or by an older
-    version); each is put back by an update."""
-    managed = ("subjects", "duplicate_window", "num_replicas", "max_msg_size", "max_age", "max_msgs", "max_bytes")
-    return [name for name in managed if _normal(getattr(current, name)) != _normal(getattr(wanted, name))]
-
-
-def _normal(value: Any) -> Any:
-    # The server reports "no limit" as -1 or 0 depending on the field, and nats-py a missing field as None.
-    return -1 if value in (None, 0, -1) else value
-
-
-async def ensure_streams(js: JetStreamContext, *, replicas: int | None = None) -> None:
-    """Create EPI and EPI_DLQ, or update them to the managed config. Raises Unavailable.
-
-    `replicas=None` (clients): create with one replica if missing, never change an existing stream's
-    replicas; a node passes the replicas it is configured with and they are applied."""
-    try:
-        async with asyncio.timeout(JS_TIMEOUT_S):
-            for config in stream_configs(replicas or 1):
-                assert config.name is not None
-                try:
-                    current = await js.stream_info(config.name)
-                except nats.js.errors.NotFoundError:
-                    await js.add_stream(config)
-                    continue
-                if replicas is None:
-                    config.num_replicas = current.config.num_replicas
-                drifted = _drifted(current.config, config)
-                if drifted:
-                    log.warning("stream %s drifted (%s); restoring its managed config", config.name, ", ".join(drifted))
-                    await js.update_stream(config)
-            if replicas is not None:
-                for name in BUCKETS:
-                    await open_bucket(js, name, replicas=replicas)
-    except NATS_OR_API_ERROR as e:
-        # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
-        raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
-
-
 @dataclass(frozen=True)
 class BucketSpec:
     name: str
@@ -160,6 +133,94 @@ BUCKETS: dict[str, BucketSpec] = {
         BucketSpec(MESH_BUCKET, 64, "epibus mesh: tasks, coordinators, capabilities"),
     )
 }
+
+
+def managed_streams(replicas: int = 1) -> list[ManagedStream]:
+    """Every stream epibus relies on, with what it needs of it: the event streams, then each bucket's."""
+    events = [ManagedStream(config, EVENT_STREAM_FIELDS) for config in stream_configs(replicas)]
+    buckets = [
+        ManagedStream(
+            kv_stream_config(spec.name, spec.description, history=spec.history, replicas=replicas),
+            MANAGED_FIELDS,
+            bucket=spec.name,
+        )
+        for spec in BUCKETS.values()
+    ]
+    return events + buckets
+
+
+# A node checks its streams this often while it stays connected, and at every reconnect.
+DRIFT_CHECK_EVERY_S = 15.0
+Found = list[tuple[ManagedStream, StreamConfig, list[Difference]]]
+
+
+async def ensure_streams(
+    js: JetStreamContext, *, replicas: int | None = None, repair: bool = False
+) -> dict[str, list[Difference]]:
+    """Create EPI and EPI_DLQ (and, for a node, the KV buckets) when missing, and compare every existing one
+    with the configuration epibus needs. Returns what was changed, by stream.
+
+    A difference in any managed field is drift: StreamDrift names each one and nothing is changed, unless
+    `repair` restores the managed configuration. Applied without asking (logged): a node's configured
+    replicas (`replicas=None`, a client, never changes them nor counts them as drift) and a message size limit
+    on a stream that has none (`bus.drift.automatic`). Raises StreamDrift, Unavailable, ConfigError (the
+    server refused to restore a setting)."""
+    try:
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            found = await _compare(js, replicas)
+            drifted = {
+                stream.name: [(d.field, d.text(first=i == 0)) for i, d in enumerate(refused)]
+                for stream, _, diffs in found
+                if (refused := [d for d in diffs if not (d.field == "num_replicas" or automatic(d))])
+            }
+            if drifted and not repair:
+                raise StreamDrift(drifted)
+            changed: dict[str, list[Difference]] = {}
+            for stream, current, diffs in found:
+                if diffs:
+                    await _restore(js, stream, current, diffs)
+                    changed[stream.name] = diffs
+            return changed
+    except NATS_OR_API_ERROR as e:
+        # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
+        raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
+
+
+async def _compare(js: JetStreamContext, replicas: int | None) -> Found:
+    found: Found = []
+    for stream in managed_streams(replicas or 1):
+        try:
+            info = await js.stream_info(stream.name)
+        except nats.js.errors.NotFoundError:
+            if stream.bucket is None:
+                await js.add_stream(stream.config)
+            elif replicas is not None:  # a client leaves a missing bucket to open_bucket, on first use
+                await open_bucket(js, stream.bucket, replicas=replicas)
+            continue
+        if replicas is None:
+            stream.config.num_replicas = info.config.num_replicas
+        found.append((stream, info.config, differences(info.config, stream)))
+    return found
+
+
+async def _restore(js: JetStreamContext, stream: ManagedStream, current: StreamConfig, diffs: list[Difference]) -> None:
+    """The stream's own configuration with the managed fields put back (what epibus does not manage stays)."""
+    for diff in diffs:
+        setattr(current, diff.field, getattr(stream.config, diff.field))
+    try:
+        await js.update_stream(current)
+    except nats.js.errors.APIError as e:
+        if e.code in (408, 503):
+            raise
+        fields = ", ".join(d.field for d in diffs)
+        raise ConfigError(
+            f"stream {stream.name}",
+            f"JetStream refused to restore {fields}: {e.description} (err_code {e.err_code}); a setting the server "
+            "cannot undo in place needs the stream recreated with epibus's configuration and its messages copied in",
+        ) from e
+    for diff in diffs:
+        was, now = show(diff.field, diff.current), show(diff.field, diff.wanted)
+        log.warning("stream %s: %s was %s, now %s", stream.name, diff.field, was, now)
 
 
 async def open_bucket(js: JetStreamContext, name: str, *, replicas: int | None = None, create: bool = True) -> KeyValue:

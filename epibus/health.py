@@ -1,6 +1,7 @@
 """A node's health as the node itself sees it, kept in `<home>/health.json` (rewritten every few seconds) and
 read by `epibus health` and `epibus stats`. A node whose NATS connection closed, whose observer stalled or is
-waiting out a store outage, or that stopped reporting, says so, even while NATS itself still answers."""
+waiting out a store outage, whose streams drifted from what epibus needs, or that stopped reporting, says so,
+even while NATS itself still answers."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def problems(
             )
         elif stats.get("degraded"):
             found.append(f"observer {name} degraded, holding events: {stats.get('last_error')}")
+    drift = (report.get("streams") or {}).get("drift")
+    if drift:
+        found.append(f"{drift}; until then the node forwards nothing (its outbox keeps the events)")
     return found
 
 
@@ -100,6 +104,7 @@ def node_health(node: Node) -> dict[str, Any]:
             "server_restarts": node.server_restarts,
         },
         "observers": observers,
+        "streams": {"drift": node.stream_drift},
         "forwarder": asdict(node.forwarder.stats) if node.forwarder is not None else None,
         "services": {subject: asdict(responder.counts) for subject, responder in node.services.items()},
         "service_failures": dict(service_failures),

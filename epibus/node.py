@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from bus.client import EpibusClient
 from bus.enrol import enrol_locally
-from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
+from bus.errors import ConfigError, EpibusError, StreamDrift, Unavailable, error_summary
 from bus.forwarder import Forwarder
 from bus.home import (
     NodeInfo,
@@ -31,7 +31,7 @@ from bus.home import (
     remove_node_info,
     write_node_info,
 )
-from bus.jetstream import NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
+from bus.jetstream import DRIFT_CHECK_EVERY_S, NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.requests import (
@@ -94,6 +94,7 @@ class NodeConfig:
     authenticate: bool = True
     # Local clients enrol their agents with the node's key on first connect (see bus/client.py connect).
     auto_enrol: bool = True
+    repair_streams: bool = False  # restore drifted streams at start instead of refusing to start
 
 
 # How often each supervised service failed since the process started (each failure is also logged).
@@ -147,6 +148,8 @@ class Node:
         self.services: dict[str, Responder[Any, Any]] = {}  # request subject -> its responder (and counts)
         self.js: JetStreamContext | None = None
         self._streams_ready = False
+        self._streams_checked_at = 0.0
+        self.stream_drift: str | None = None  # the StreamDrift found at the last check, reported in health
         self.server_restarts = 0
         self.coordinators: list[Coordinator] = []
         self.recorder: MeshRecorder | None = None
@@ -224,7 +227,7 @@ class Node:
         )
         self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
-        await self._ensure_streams()
+        await self._ensure_streams(repair=self.config.repair_streams)
         enrolments = Enrolments(self.js, self.key, self.server if self.authenticated else None, node_name=self.name)
         self.enrolments = enrolments
         self.services |= await enrolments.serve(self.nc)
@@ -464,14 +467,23 @@ class Node:
     async def _on_reconnected(self) -> None:
         self._streams_ready = False  # the server may be new or have lost its store
 
-    async def _ensure_streams(self) -> None:
+    async def _ensure_streams(self, *, repair: bool = False) -> None:
         """Runs before every forwarder drain (at least once a second), so the streams come back within a
-        second of a reconnect to a server that lost them, and the runner's consumer with them."""
-        if self._streams_ready:
+        second of a reconnect to a server that lost them, and the runner's consumer with them. It checks
+        again every DRIFT_CHECK_EVERY_S: a stream changed behind the node's back stops the forwarding (the
+        events wait in the outbox, the forwarder logs and counts it) and is a problem in the node's health."""
+        now = asyncio.get_running_loop().time()
+        if self._streams_ready and now - self._streams_checked_at < DRIFT_CHECK_EVERY_S:
             return
         assert self.js is not None
-        await ensure_streams(self.js, replicas=self.config.replicas)
+        try:
+            await ensure_streams(self.js, replicas=self.config.replicas, repair=repair)
+        except StreamDrift as e:
+            self.stream_drift = str(e)
+            raise
+        self.stream_drift = None
         self._streams_ready = True
+        self._streams_checked_at = now
 
     async def _run_mirror(self, runner: ConsumerRunner) -> None:
         """The mirror's runner and its progress watch, replaced together when a reindex swaps the mirror."""

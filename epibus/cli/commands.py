@@ -95,13 +95,21 @@ def up(
             help="Agents created under this home are enrolled with the node's key on first connect.",
         ),
     ] = True,
+    repair_streams: Annotated[
+        bool,
+        typer.Option(
+            "--repair-streams",
+            help="Restore streams whose settings drifted from what epibus needs, instead of refusing to start.",
+        ),
+    ] = False,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, the
     vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate).
-    The embedded server listens on the same ports at every start (free ones at the first, or --port)."""
+    The embedded server listens on the same ports at every start (free ones at the first, or --port). A stream
+    whose settings drifted from what epibus needs stops the start (--repair-streams restores it)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
     pairs = [c.partition("=") for c in coordinate or []]
@@ -121,6 +129,7 @@ def up(
         coordinate=tuple((project, policy) for project, _, policy in pairs),
         authenticate=authenticate,
         auto_enrol=auto_enrol,
+        repair_streams=repair_streams,
     )
     run(_up(config, as_json))
 

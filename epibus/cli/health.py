@@ -15,7 +15,7 @@ from epibus.health import problems, read_health
 @handles_errors
 def health(home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Is the local node well? Exit 0 when it is; exit 1 with one line per problem when its NATS connection is
-    down, an observer is stalled or degraded, it stopped reporting, or no node runs."""
+    down, an observer is stalled or degraded, a stream drifted, it stopped reporting, or no node runs."""
     where = epibus_home(home)
     info = read_node_info(where)
     report = read_health(where) if info is not None else None
@@ -40,6 +40,7 @@ def _rows(report: dict[str, Any]) -> list[list[Any]]:
         ["nats", f"{'connected' if nats.get('connected') else 'DOWN'} {nats.get('url')}"],
         ["connection restarts", nats.get("connection_restarts")],
         ["server restarts", nats.get("server_restarts")],
+        ["streams", (report.get("streams") or {}).get("drift") or "ok"],
     ]
     for name, stats in sorted((report.get("observers") or {}).items()):
         state = "STALLED" if stats.get("stalled") else "degraded" if stats.get("degraded") else "ok"

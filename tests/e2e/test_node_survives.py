@@ -3,6 +3,7 @@ dead-lettered (or refused by the stream) and the node keeps journaling what come
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -10,12 +11,11 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
-from nats.js.api import StreamConfig
 
 from bus.client import connect
 from bus.errors import ConfigError
 from bus.home import read_node_info
-from bus.jetstream import EVENT_MAX_MSG_BYTES
+from bus.jetstream import EVENT_MAX_MSG_BYTES, stream_configs
 from bus.reader import dead_letters
 from bus.runner import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED
 from bus.server import NatsServer
@@ -81,13 +81,14 @@ async def test_a_message_over_the_event_limit_is_refused_by_the_stream(node, nat
 async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_and_prefix(
     nats_server: NatsServer, home: Path, sqlite_journal_url: str, project: str
 ):
-    """A stream made before the size limit (or by hand) may hold a message near the server's max payload: its
-    dead-letter copy once exceeded the max payload and the server closed the node's connection for good."""
+    """A stream an older epibus made before the size limit may hold a message near the server's max payload:
+    its dead-letter copy once exceeded the max payload and the server closed the node's connection for good.
+    The missing limit is the one setting a node restores without asking (any other drift stops its start)."""
     raw = await nats.connect(nats_server.url)
     huge = b"h" * HUGE
     try:
         js = raw.jetstream()
-        await js.add_stream(StreamConfig(name=STREAM, subjects=["epi.>"]))
+        await js.add_stream(dataclasses.replace(stream_configs()[0], max_msg_size=-1))
         ack = await js.publish(event_subject(project, "finding", "x"), huge)
     finally:
         await raw.close()
