@@ -25,7 +25,7 @@ from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.state import IdUse, id_use
-from bus.subjects import STREAM, event_subject, events_filter
+from bus.subjects import STREAM, event_subject, events_filter, parse_event_subject
 from bus.vocab import DeadLetterReason
 
 # How far ahead of the stream's clock a publisher's clock may run.
@@ -207,6 +207,21 @@ class Admission:
         metadata = msg.metadata
         event = await self.admit(msg.subject, msg.data, metadata.timestamp)
         return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
+
+
+def forgets_in(deliveries: Sequence[Delivery]) -> ErasedMap:
+    """What the `forgotten` events among `deliveries` recorded, per (project, artifact_id), in stream order: the
+    records ForgottenArtifacts finds by asking the stream, for a path that has read a whole project itself (an
+    agent's fold, which the broker lets read only its own projects' subjects)."""
+    found: dict[tuple[str, str], list[ErasedRecord]] = {}
+    for delivery in sorted(deliveries, key=lambda d: d.stream_seq):
+        address = parse_event_subject(delivery.subject)
+        if address is None or address.kind != "forgotten":
+            continue
+        record = erased_record(delivery.event, delivery.stream_seq)
+        if record is not None:
+            found.setdefault((address.project, address.artifact_id), []).append(record)
+    return {key: tuple(records) for key, records in found.items()}
 
 
 class ForgottenArtifacts:

@@ -20,7 +20,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from bus.event import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
-    DLQ_STREAM,
     MESH_BUCKET,
     PROJECT_PATTERN,
     STREAM,
@@ -99,32 +98,36 @@ def _event_subjects(projects: Sequence[str]) -> list[str]:
     return [f"epi.{project}.>" for project in sorted(set(projects))]
 
 
-# The JetStream API calls an agent's commands make: binding to streams and buckets, reading events and task
-# records, and ephemeral consumers for tails and watches. Everything else under $JS.API is refused.
-_AGENT_API = [
-    "$JS.API.INFO",
-    f"$JS.API.STREAM.INFO.{STREAM}",
-    f"$JS.API.STREAM.INFO.{DLQ_STREAM}",
-    f"$JS.API.STREAM.INFO.KV_{TOMBSTONES_BUCKET}",
-    f"$JS.API.STREAM.INFO.KV_{MESH_BUCKET}",
-    f"$JS.API.STREAM.INFO.KV_{AGENT_KEYS_BUCKET}",
-    f"$JS.API.STREAM.MSG.GET.{STREAM}",
-    f"$JS.API.DIRECT.GET.{STREAM}",
-    f"$JS.API.DIRECT.GET.{STREAM}.>",
-    f"$JS.API.DIRECT.GET.KV_{MESH_BUCKET}.>",
-    f"$JS.API.DIRECT.GET.KV_{AGENT_KEYS_BUCKET}.>",
-    f"$JS.API.STREAM.MSG.GET.KV_{MESH_BUCKET}",
-    f"$JS.API.STREAM.MSG.GET.KV_{AGENT_KEYS_BUCKET}",
-    f"$JS.API.CONSUMER.CREATE.{STREAM}",
-    f"$JS.API.CONSUMER.CREATE.{STREAM}.>",
-    f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}",
-    f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
-    f"$JS.API.CONSUMER.INFO.{STREAM}.*",
-    f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
-    f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
-    f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
-    f"$KV.{MESH_BUCKET}.>",  # task records: written by agents with compare-and-set, verified by every reader
-]
+# The JetStream API calls an agent's commands make. Reads of events are confined to its projects: consumers
+# are created with their filter in the request subject (the server refuses a body filter that differs), and the
+# one stream lookup allowed is a direct get with the filter in the subject. Everything else under $JS.API is
+# refused (stream info with a subjects filter, message gets by sequence, unfiltered consumers).
+def _agent_api(projects: Sequence[str]) -> list[str]:
+    scopes = ["epi.*.>"] if ANY_PROJECT in projects else [f"epi.{p}.>" for p in sorted(set(projects))]
+    return [
+        "$JS.API.INFO",
+        *(f"$JS.API.CONSUMER.CREATE.{STREAM}.*.{scope}" for scope in scopes),
+        *(f"$JS.API.DIRECT.GET.{STREAM}.{scope}" for scope in scopes),
+        f"$JS.API.CONSUMER.INFO.{STREAM}.*",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
+        # Tombstone keys (content hashes) of any project, read before publishing a claim.
+        f"$JS.API.STREAM.INFO.KV_{TOMBSTONES_BUCKET}",
+        # The registry: an agent reads enrolments (public keys, roles) to check the events it folds.
+        f"$JS.API.STREAM.INFO.KV_{AGENT_KEYS_BUCKET}",
+        f"$JS.API.STREAM.MSG.GET.KV_{AGENT_KEYS_BUCKET}",
+        f"$JS.API.DIRECT.GET.KV_{AGENT_KEYS_BUCKET}.>",
+        # Task records: written by agents with compare-and-set, verified by every reader.
+        f"$JS.API.STREAM.INFO.KV_{MESH_BUCKET}",
+        f"$JS.API.STREAM.MSG.GET.KV_{MESH_BUCKET}",
+        f"$JS.API.DIRECT.GET.KV_{MESH_BUCKET}.>",
+        f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}",
+        f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
+        f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
+        f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
+        f"$KV.{MESH_BUCKET}.>",
+    ]
+
+
 # Refused even where an allow above would match: deny wins in nats-server.
 _AGENT_DENY = [
     "$JS.API.STREAM.CREATE.>",
@@ -151,7 +154,7 @@ def agent_permissions(enrolment: Enrolment, *, node_consumers: Iterable[str] = (
     ]
     return {
         "publish": {
-            "allow": [*_event_subjects(enrolment.projects), "epibus.>", *_AGENT_API],
+            "allow": [*_event_subjects(enrolment.projects), "epibus.>", *_agent_api(enrolment.projects)],
             "deny": deny,
         },
         "subscribe": {"allow": [f"{inbox_prefix(enrolment.public_key)}.>"]},

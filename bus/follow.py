@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.errors import Unavailable
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE
-from bus.reader import last_sequence
+from bus.reader import last_matching
 
 log = logging.getLogger(__name__)
 CONSUMER_CHECK_S = 3.0  # an idle follower confirms its consumer still exists this often
@@ -29,6 +30,8 @@ MAX_BACKOFF_S = 2.0
 def resume_config(filter_subject: str, after_seq: int) -> ConsumerConfig:
     """An ephemeral pull consumer that starts right after `after_seq`: nothing to ack, gone when idle."""
     return ConsumerConfig(
+        # Named, so nats-py puts the filter in the create request's subject, where the broker checks it.
+        name=f"follow_{secrets.token_hex(8)}",
         ack_policy=AckPolicy.NONE,
         deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
         opt_start_seq=after_seq + 1,
@@ -105,7 +108,7 @@ class StreamFollower(ResumingSubscription):
 
     async def messages(self) -> AsyncGenerator[Msg, None]:
         if self.start_seq is None:
-            self.last_seq = await last_sequence(self.js, self.stream)
+            self.last_seq = await last_matching(self.js, self.stream, self.filter_subject)
         else:
             self.last_seq = max(0, self.start_seq - 1)
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
+from bus.admission import Admission, Delivery, Rejected, forgets_in
 from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.event import Envelope
@@ -66,8 +66,7 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
             read.append((seq, parse_event_subject(msg.subject), delivery))
-    admitted = await ForgottenArtifacts(js, admission).attach([d for _, _, d in read if d is not None])
-    erased = admitted[0].erased if admitted else {}
+    erased = forgets_in([d for _, _, d in read if d is not None])
     view.erased = erased
     for seq, address, delivery in read:
         if address is not None:

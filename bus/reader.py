@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,21 @@ async def last_sequence(js: JetStreamContext, stream: str) -> int:
     return int(info.state.last_seq)
 
 
+async def last_matching(js: JetStreamContext, stream: str, filter_subject: str) -> int:
+    """The sequence of the newest message matching `filter_subject` (0 when none): a direct get with the filter
+    in the request subject, the one form of stream lookup the broker can confine to an agent's projects."""
+    try:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            msg = await js.get_msg(stream, subject=filter_subject, direct=True)
+    except nats.js.errors.NotFoundError as e:
+        if e.err_code == STREAM_NOT_FOUND:
+            raise Unavailable("nats", f"stream {stream} is gone") from e
+        return 0  # no message matches: the answer, not a failure
+    except NATS_OR_API_ERROR as e:
+        raise Unavailable("nats", f"stream {stream} ({filter_subject}): {type(e).__name__} {e}") from e
+    return int(msg.seq or 0)
+
+
 async def read_stream(
     js: JetStreamContext,
     stream: str,
@@ -54,7 +70,10 @@ async def read_stream(
     Done is decided by stream sequences, never by pending counts: a filtered consumer on a recovered store
     has reported nothing pending with thousands of messages unread. Raises Unavailable when the read cannot
     make progress for READ_STALL_S, instead of returning short."""
-    end = await last_sequence(js, stream)
+    if filter_subject is not None and not last_per_subject:
+        end = await last_matching(js, stream, filter_subject)
+    else:
+        end = await last_sequence(js, stream)
     if end < start_seq:
         return
     read = _Read(js, stream, filter_subject, end, start_seq - 1, batch_size, last_per_subject)
@@ -135,6 +154,8 @@ class _Read:
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(
+            # Named, so nats-py puts the filter in the create request's subject, where the broker checks it.
+            name=f"read_{secrets.token_hex(8)}" if self.filter_subject else None,
             ack_policy=AckPolicy.NONE,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT if self.last_per_subject else DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=None if self.last_per_subject else self.delivered + 1,
@@ -147,7 +168,11 @@ class _Read:
 
     async def _next_owed(self) -> int | None:
         """The first sequence in (delivered, end] the read still owes, or None when there is none. Asked of
-        the stream itself (STREAM.MSG.GET, answered by the leader), not of the consumer."""
+        the stream itself (answered by the leader), not of the consumer. A filtered read asks for the newest
+        matching message only (the lookup an agent may make): any after `delivered` is owed."""
+        if self.filter_subject is not None and not self.last_per_subject:
+            newest = await last_matching(self.js, self.stream, self.filter_subject)
+            return newest if newest > self.delivered else None
         seq = self.delivered + 1
         while seq <= self.end:
             found = await self._get(seq=seq, next_by_subject=self.filter_subject or ">")

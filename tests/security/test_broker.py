@@ -14,7 +14,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from bus import enrol
 from bus.client import connect
@@ -195,3 +195,37 @@ async def test_an_unsigned_or_forged_enrolment_request_is_answered_with_a_refusa
     await nc.close()
     agents = (await _stream_state(node, home))["agents"]
     assert "x" not in agents
+
+
+async def test_an_agent_reads_its_own_projects_and_nothing_of_others(secured, project) -> None:
+    node, home = secured
+    other = f"{project}-x"
+    async with connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
+        secret = alice.event("finding", finding(1), project=other)
+        await alice.publish(secret)
+    bob = AgentKey.load_or_create(home, "bob")
+    await _enrol(node, home, bob, [project], [Role.agent])
+    async with connect(node.nats_url, agent="bob", home=home, outbox=False) as client:
+        claim = client.event("finding", finding(2), project=project)
+        await client.publish(claim)
+        # A state change folds the project first: a read the broker confines to bob's project.
+        await client.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=claim.artifact_id)
+        view = await client.project_view(project)
+        assert view.fold.artifacts[claim.artifact_id].resolution == "stale"
+
+    violations = Violations()
+    nc = await _as(node, bob, violations)
+    js = nc.jetstream(timeout=REFUSED_WITHIN_S)
+    config = ConsumerConfig(name="peek", filter_subject=f"epi.{other}.>", ack_policy=AckPolicy.NONE)
+    attempts = {
+        f"$JS.API.CONSUMER.CREATE.EPI.peek.epi.{other}.>": js.add_consumer(STREAM, config),
+        "$JS.API.CONSUMER.CREATE.EPI": js.add_consumer(STREAM, ConsumerConfig(filter_subject=f"epi.{other}.>")),
+        "$JS.API.STREAM.MSG.GET.EPI": js.get_msg(STREAM, 1),
+        "$JS.API.STREAM.INFO.EPI": js.stream_info(STREAM, subjects_filter="epi.>"),
+        f"$JS.API.DIRECT.GET.EPI.epi.{other}.>": js.get_msg(STREAM, subject=f"epi.{other}.>", direct=True),
+    }
+    for subject, attempt in attempts.items():
+        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+            await attempt
+        await eventually(lambda s=subject: violations.about(s), timeout_s=5)
+    await nc.close()
