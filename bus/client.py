@@ -21,6 +21,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from bus.auth import Enrolment
 from bus.changes import StateChanges
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
@@ -100,6 +101,7 @@ class EpibusClient(StateChanges, FleetRequests):
         self._tombstones_js: JetStreamContext | None = None
         self._streams_ready = False
         self._registry: AgentRegistry | None = None
+        self.enrolment: Enrolment | None = None  # this agent's, once connected: its projects and roles
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -241,6 +243,7 @@ class EpibusClient(StateChanges, FleetRequests):
             await ensure_streams(self.js, replicas=self.replicas)
         self._registry = self._registry or AgentRegistry(self.js)
         await self._registry.bind(self.key.actor)
+        self.enrolment = await self._registry.get(self.key.agent_id)
         self._streams_ready = True
 
     # -- events ----------------------------------------------------------------------------------------
@@ -278,6 +281,15 @@ class EpibusClient(StateChanges, FleetRequests):
             event = self.key.sign(event)
         elif event.actor != self.key.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
+        if self.enrolment is not None and not self.enrolment.member_of(event.project):
+            # The broker would refuse it (a timeout to nats-py); an outbox would retry it for ever.
+            raise Forbidden(
+                self.key.agent_id,
+                "publish in",
+                f"project {event.project}",
+                f"it is enrolled in {', '.join(self.enrolment.projects)}; an admin adds the project with "
+                f"`epibus agent add {self.key.agent_id} --key {self.key.public_key} --project {event.project}`",
+            )
         subject = event_subject(event.project, event.kind, event.artifact_id)
         return OutboxRow(str(event.event_id), subject, encode_event(event))
 

@@ -229,3 +229,15 @@ async def test_an_agent_reads_its_own_projects_and_nothing_of_others(secured, pr
             await attempt
         await eventually(lambda s=subject: violations.about(s), timeout_s=5)
     await nc.close()
+
+
+async def test_a_client_refuses_to_publish_outside_its_projects_before_anything_is_written(secured, project) -> None:
+    node, home = secured
+    bob = AgentKey.load_or_create(home, "bob")
+    await _enrol(node, home, bob, [project], [Role.agent])
+    before = await _stream_state(node, home)
+    async with connect(node.nats_url, agent="bob", home=home) as client:
+        with pytest.raises(Forbidden, match="enrolled in"):
+            await client.publish(client.event("finding", finding(1), project=f"{project}-x"))
+        assert await client.outbox_depth() == 0
+    assert (await _stream_state(node, home))["messages"] == before["messages"]
