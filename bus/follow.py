@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.errors import Unavailable
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE
+from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal
 from bus.reader import last_matching
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,9 @@ class StreamFollower(ResumingSubscription):
         try:
             await self._subscribe()
         except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"cannot follow {self.filter_subject} on stream {self.stream}: {e}") from e
+            create = f"$JS.API.CONSUMER.CREATE.{self.stream}."
+            refusal = broker_refusal(self.js, f".{self.filter_subject}", prefix=create)
+            raise refusal or Unavailable("nats", f"cannot follow {self.filter_subject} on {self.stream}: {e}") from e
         backoff_s = 0.0
         while True:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -295,6 +296,9 @@ async def open_nats(
 
     async def remember(error: Exception) -> None:
         errors[:] = [error]
+        if PERMISSIONS_VIOLATION in str(error).lower():
+            violations = _VIOLATIONS.setdefault(nc, [])
+            violations[:] = [*violations[-(MAX_VIOLATIONS_KEPT - 1) :], str(error)]
         moved = follow.moved() if follow is not None and not nc.is_closed else None
         if moved:
             log.warning("the local node now runs at %s; reconnecting there", ", ".join(moved))
@@ -344,6 +348,27 @@ async def open_nats(
             "nats", f"cannot connect to {', '.join(servers)}: {type(last).__name__} {last}; is the server running?"
         ) from e
     return nc
+
+
+PERMISSIONS_VIOLATION = "permissions violation"
+MAX_VIOLATIONS_KEPT = 32
+# The broker's permission refusals per connection, as nats-py reports them (to error_cb, lowercased): the call
+# that was refused only times out, so whoever translates that timeout asks here first.
+_VIOLATIONS: weakref.WeakKeyDictionary[NatsClient, list[str]] = weakref.WeakKeyDictionary()
+
+
+def broker_refusal(js_or_nc: JetStreamContext | NatsClient, subject: str, *, prefix: str = "") -> Forbidden | None:
+    """A Forbidden for `subject` (a message or JetStream API subject; with `prefix`, any subject starting with
+    `prefix` and ending with `subject`) if the broker reported refusing it on this connection, else None."""
+    nc = js_or_nc._nc if isinstance(js_or_nc, JetStreamContext) else js_or_nc  # nats-py keeps its connection there
+    wanted, start = subject.lower(), prefix.lower()
+    for violation in reversed(_VIOLATIONS.get(nc, [])):
+        quoted = violation.lower().rsplit(" to ", 1)[-1]
+        if quoted.startswith(f'"{start}') and quoted.endswith(f'{wanted}"'):
+            return Forbidden(
+                "this agent", "use", subject, f"the broker refused it ({violation}); ask an admin for the project"
+            )
+    return None
 
 
 def is_authorization_error(error: BaseException) -> bool:

@@ -17,7 +17,7 @@ from nats.js.api import PubAck
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bus.errors import EpibusError, Unavailable
-from bus.jetstream import NATS_UNAVAILABLE, translate_publish_error
+from bus.jetstream import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
 from bus.outbox import OutboxRow
 from bus.vocab import ReceiptLevel
 
@@ -89,7 +89,9 @@ async def send_batch(
         done, late = await asyncio.wait(in_flight, timeout=timeout_s)
         for future in late:
             future.cancel()  # frees nats-py's own pending slot too
-            results[in_flight[future].event_id] = Unavailable("nats", f"no PubAck within {timeout_s}s")
+            subject = in_flight[future].subject
+            refusal = broker_refusal(js, subject)
+            results[in_flight[future].event_id] = refusal or Unavailable("nats", f"no PubAck within {timeout_s}s")
         for future in done:
             row = in_flight[future]
             error = future.exception()
@@ -105,7 +107,7 @@ async def send_one(
     try:
         return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
     except Exception as e:
-        raise translate_publish_error(e, row.subject) from e
+        raise (broker_refusal(js, row.subject) or translate_publish_error(e, row.subject)) from e
 
 
 def retrying_unavailable() -> AsyncRetrying:

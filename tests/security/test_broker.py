@@ -19,6 +19,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from bus import enrol
 from bus.client import connect
 from bus.errors import Forbidden
+from bus.follow import StreamFollower
+from bus.jetstream import open_nats
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key
 from bus.subjects import AGENT_KEYS_BUCKET, STREAM, TOMBSTONES_BUCKET, event_subject
@@ -241,3 +243,15 @@ async def test_a_client_refuses_to_publish_outside_its_projects_before_anything_
             await client.publish(client.event("finding", finding(1), project=f"{project}-x"))
         assert await client.outbox_depth() == 0
     assert (await _stream_state(node, home))["messages"] == before["messages"]
+
+
+async def test_following_another_project_is_forbidden_not_a_hang(secured, project) -> None:
+    node, home = secured
+    bob = AgentKey.load_or_create(home, "bob")
+    await _enrol(node, home, bob, [project], [Role.agent])
+    nc = await open_nats([node.nats_url], name="bob", timeout_s=5, key=bob)
+    js = nc.jetstream(timeout=REFUSED_WITHIN_S)
+    follower = StreamFollower(js, STREAM, f"epi.{project}-x.>", start_seq=None, closed=lambda: nc.is_closed)
+    with pytest.raises(Forbidden, match="refused"):
+        await anext(follower.messages())
+    await nc.close()
