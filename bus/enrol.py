@@ -4,6 +4,7 @@ the role; the broker lets nobody else write the registry."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,15 @@ class Refused(EpibusError):
 
 
 async def _ask(nc: NatsClient, admin: AgentKey, subject: str, request: BaseModel, reply_model: type[R]) -> R:
-    replies = await fan_out(nc, subject, request, reply_model, timeout_s=ADMIN_TIMEOUT_S, signer=admin, one=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ADMIN_TIMEOUT_S
+    while True:  # a node that is reconnecting (its server just restarted) answers a moment later: ask again
+        replies = await fan_out(
+            nc, subject, request, reply_model, timeout_s=max(0.1, deadline - loop.time()), signer=admin, one=True
+        )
+        if replies.answers or loop.time() >= deadline:
+            break
+        await asyncio.sleep(0.25)
     if not replies.answers:
         why = "; ".join(f"{n}: {e}" for n, e in replies.malformed.items()) or "no node answered"
         raise Unavailable("epibus node", f"{subject}: {why}; is `epibus up` running?")

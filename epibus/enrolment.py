@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import nats.js.errors
+import nkeys
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.auth import Enrolment, render_authorization
+from bus.auth import Enrolment, first_use_enrolment, render_authorization
 from bus.errors import Forbidden, Unavailable
+from bus.event import AGENT_PATTERN
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
@@ -36,8 +39,17 @@ def initial_authorization(node: AgentKey) -> str:
 class Enrolments:
     """The enrol / revoke / list services and the authorization keeper of one node."""
 
-    def __init__(self, js: JetStreamContext, node: AgentKey, server: NatsServer | None, *, node_name: str) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        node: AgentKey,
+        server: NatsServer | None,
+        *,
+        node_name: str,
+        local_keys: Path | None = None,
+    ) -> None:
         self.js = js
+        self.local_keys = local_keys  # auto-enrolment: agents whose keys live under the node's home
         self.node = node
         self.server = server
         self.node_name = node_name
@@ -97,6 +109,7 @@ class Enrolments:
         if self.server is None:
             return False
         async with self._lock:
+            await self._enrol_local_agents()
             text = render_authorization(
                 [self.node.public_key], await self.registry.enrolments(), node_consumers=await self._durables()
             )
@@ -106,6 +119,25 @@ class Enrolments:
             self._applied = text
             log.info("server authorization updated from the agent registry")
             return True
+
+    async def _enrol_local_agents(self) -> None:
+        """Agents created under the node's home (their keys in `<home>/keys`) are enrolled as the local user's,
+        like a client enrolling itself with the node's key: an agent of every project, its own owner. This covers
+        events they signed while no node ran, which the node forwards from the home's outbox."""
+        if self.local_keys is None or not self.local_keys.is_dir():
+            return
+        known = {e.agent_id: e for e in await self.registry.enrolments()}
+        for path in sorted(self.local_keys.glob("*.nk")):
+            agent_id = path.stem
+            if agent_id in known or not AGENT_PATTERN.fullmatch(agent_id):
+                continue  # enrolled already (perhaps revoked: never re-enrolled behind an admin's back)
+            try:
+                key = AgentKey(agent_id, path.read_bytes().strip())
+            except (OSError, ValueError, nkeys.ErrInvalidSeed) as e:
+                log.warning("cannot read the key %s (%s); it is not enrolled", path, e)
+                continue
+            await self.registry.enrol(first_use_enrolment(agent_id, key.public_key, enrolled_at=datetime.now(UTC)))
+            log.info("enrolled local agent %s", agent_id)
 
     async def _durables(self) -> list[str]:
         """The node services' durable consumers on the event stream: no agent may pull from them."""

@@ -228,7 +228,9 @@ class Node:
         self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
         await self._ensure_streams(repair=self.config.repair_streams)
-        enrolments = Enrolments(self.js, self.key, self.server if self.authenticated else None, node_name=self.name)
+        local_keys = home / "keys" if self.authenticated and self.config.auto_enrol else None
+        server = self.server if self.authenticated else None
+        enrolments = Enrolments(self.js, self.key, server, node_name=self.name, local_keys=local_keys)
         self.enrolments = enrolments
         self.services |= await enrolments.serve(self.nc)
         if self.authenticated:
