@@ -5,7 +5,7 @@ decides broker permissions.
 An agent authenticates with the nkey it signs events with. The node's own service identity has every
 permission; an enrolled agent publishes events only under its projects, asks node services, reads through the
 JetStream calls its commands need and may never delete, purge or reconfigure a stream, delete a message, or
-write the buckets that decide things (agent registry, tombstones)."""
+write the buckets that decide things (agent registry, tombstones, the mesh)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,6 @@ _AGENT_API = [
     f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
     f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
     f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
-    f"$KV.{MESH_BUCKET}.>",  # task records: written by agents with compare-and-set, verified by every reader
 ]
 # Refused even where an allow above would match: deny wins in nats-server.
 _AGENT_DENY = [
@@ -138,6 +137,7 @@ _AGENT_DENY = [
     "$JS.API.CONSUMER.DURABLE.CREATE.>",
     f"$KV.{AGENT_KEYS_BUCKET}.>",
     f"$KV.{TOMBSTONES_BUCKET}.>",
+    f"$KV.{MESH_BUCKET}.>",  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
     "epidlq.>",
     "$SYS.>",
 ]
