@@ -95,7 +95,9 @@ class MeshAgent(RosterChanges):
                 now=at,
                 roster_version=roster.version,
             )
-            request = self._signed(record, message, entry.revision if entry is not None else 0, roster.version, at)
+            request = self.signed_request(
+                record, message, entry.revision if entry is not None else 0, roster.version, at
+            )
             revision = await self.ask_node(MESH_STEP, request)
             signed = request.signed(record)
             return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
@@ -113,11 +115,11 @@ class MeshAgent(RosterChanges):
             )
         return await self._follow_up(entry, entry.record.steps.index(step), duplicate=True)
 
-    def _signed(
+    def signed_request(
         self, record: TaskRecord, message: Message, revision: int, roster_version: int, at: datetime
     ) -> StepRequest:
-        """The request for the node: the record's newest step signed by this agent (and, for a change, the
-        counter-proposal's first step)."""
+        """The request for the node: `record` (what `message` makes, by `advance`) with its newest step signed by
+        this agent (and, for a change, the counter-proposal's first step)."""
         key, session = self.client.key, self.client.session_id
         counter = None
         if record.last_step.action is TaskAction.change:

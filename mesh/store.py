@@ -268,6 +268,7 @@ class MeshStore:
                 await verify_roster(roster, self.registry, key=key, revision=found[1])
             except MalformedRecord as e:
                 self.quarantine.add(e)
+                self._rosters.pop(project, None)  # nothing is judged by a roster read before it was replaced
                 raise
             entry = RosterEntry(roster, found[1])
         self._rosters[project] = (entry, time.monotonic())
