@@ -141,10 +141,10 @@ def _message_of(record: TaskRecord, step: Step) -> Message:
 
 
 def _is_counter_opening(record: TaskRecord, step: Step) -> bool:
+    """A proposal made as coordinator: only a change makes one (a proposer proposes as proposer)."""
     return (
         step.action is TaskAction.propose
         and record.proposal.parent_id is not None
-        and step.actor != record.proposal.proposer
         and step.roles == (MeshRole.coordinator,)
     )
 

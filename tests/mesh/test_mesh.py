@@ -253,6 +253,19 @@ async def test_change_counter_proposes_a_linked_task_that_then_runs_normally(
         await coord.change(parent.task_id, message_id=changed.step.message_id, **(same | {"title": "other"}))
 
 
+async def test_a_coordinator_that_counter_proposes_its_own_proposal_is_trusted_by_every_reader(
+    trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str
+) -> None:
+    _alice, coord, bob = trio
+    parent = (await coord.propose(project, "upgrade", "all hosts", category="strategic", agents=["bob"])).record
+    child_id = (await coord.change(parent.task_id, title="upgrade one host", reason="canary first")).step.child_id
+    assert child_id is not None
+    child = (await MeshAgent(bob.client).locate(child_id, project)).record  # a fresh reader verifies it
+    assert (child.proposal.proposer, child.steps[0].actor, child.steps[0].roles) == ("coord", "coord", ("coordinator",))
+    assert [e.record.task_id for e in await bob.tasks(project)] == [parent.task_id, child_id]
+    assert bob.store.quarantine.count == 0
+
+
 async def test_bad_input_gets_a_clear_error_and_writes_nothing(
     trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str, mesh_as: MeshFactory
 ) -> None:
