@@ -75,7 +75,7 @@ async def give_coordinator_role(mesh: MeshAgent, who: str, project: str, home: P
             "public_key": enrolment.public_key,
             "owner": enrolment.owner,
             "roles": list(dict.fromkeys([*enrolment.roles, Role.coordinator])),
-            "projects": list(dict.fromkeys([*enrolment.projects, project])),
+            "projects": list(enrolment.projects if enrolment.member_of(project) else (*enrolment.projects, project)),
         }
     else:
         key = AgentKey.load_or_create(home, who)

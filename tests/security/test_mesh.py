@@ -19,12 +19,15 @@ import nats
 import nats.errors
 import pytest
 
+from bus.client import EpibusClient
 from bus.errors import Forbidden
 from bus.ids import new_event_id
 from bus.recall import fan_out
 from bus.requests import ErrorReply
+from bus.signing import node_key
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key
 from bus.vocab import TaskAction, TaskState
+from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.events import unsigned_roster_event, unsigned_step_event
 from mesh.peer import Inbox, Notification
@@ -339,6 +342,10 @@ async def test_a_first_coordinator_claimed_by_an_agent_that_is_no_admin_is_refus
         assert reply.refused.error == "Forbidden"
         rule = "only an admin" if not seats else "only its coordinators \\(coord\\) or an admin may"
         assert re.search(rule, reply.refused.message), reply.refused.message
+    # even the operator seats only an agent with the coordinator role in the project
+    async with EpibusClient([fleet.url], node_key(fleet.home), outbox=None) as operator:
+        with pytest.raises(Forbidden, match="it lacks the coordinator role or the project"):
+            await MeshAgent(operator).add_coordinator(fresh, "mallory")
     # and one agent speaking for another: refused before anything is read
     impostor = await forged_decision(
         fleet,
