@@ -5,7 +5,7 @@ decides broker permissions.
 An agent authenticates with the nkey it signs events with. The node's own service identity has every
 permission; an enrolled agent publishes events only under its projects, asks node services, reads through the
 JetStream calls its commands need and may never delete, purge or reconfigure a stream, delete a message, or
-write the buckets that decide things (agent registry, tombstones)."""
+write the buckets that decide things (agent registry, tombstones, the mesh)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def _agent_api(projects: Sequence[str]) -> list[str]:
         f"$JS.API.STREAM.INFO.KV_{AGENT_KEYS_BUCKET}",
         f"$JS.API.STREAM.MSG.GET.KV_{AGENT_KEYS_BUCKET}",
         f"$JS.API.DIRECT.GET.KV_{AGENT_KEYS_BUCKET}.>",
-        # Task records: written by agents with compare-and-set, verified by every reader.
+        # Task records, rosters, capabilities: read and watched by agents; written only by a node (epibus.mesh.*).
         f"$JS.API.STREAM.INFO.KV_{MESH_BUCKET}",
         f"$JS.API.STREAM.MSG.GET.KV_{MESH_BUCKET}",
         f"$JS.API.DIRECT.GET.KV_{MESH_BUCKET}.>",
@@ -124,7 +124,6 @@ def _agent_api(projects: Sequence[str]) -> list[str]:
         f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
         f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
         f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
-        f"$KV.{MESH_BUCKET}.>",
     ]
 
 
@@ -141,6 +140,7 @@ _AGENT_DENY = [
     "$JS.API.CONSUMER.DURABLE.CREATE.>",
     f"$KV.{AGENT_KEYS_BUCKET}.>",
     f"$KV.{TOMBSTONES_BUCKET}.>",
+    f"$KV.{MESH_BUCKET}.>",  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
     "epidlq.>",
     "$SYS.>",
 ]

@@ -3,7 +3,10 @@
 writes: the broker refuses agents' writes to the bucket).
 
 On a server without authentication the first key seen for an agent is bound to it (trust on first use). A node
-with authentication marks the registry closed: from then on an agent without an enrolment record is refused."""
+with authentication marks the registry closed: from then on an agent without an enrolment record is refused.
+
+Each node also records its own key (`node.<key>`): what the node signs as its operator (identity `node`, e.g. a
+coordinator it seats) is then verifiable by every reader, on every node."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.event import AGENT_PATTERN, Actor
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.records import Quarantine, decode_enrolment
-from bus.subjects import AGENT_KEYS_BUCKET
+from bus.signing import NODE_IDENTITY
+from bus.subjects import AGENT_KEYS_BUCKET, node_key_record
 
 # Present once a node with authentication has run: agents must then be enrolled (no trust on first use).
 CLOSED_KEY = "policy.enrolment-required"
@@ -33,6 +37,7 @@ class AgentRegistry:
         self._kv: KeyValue | None = None
         self._known: dict[str, str] = {}
         self._closed: bool | None = None
+        self._node_keys: set[str] = set()
         self.quarantine = Quarantine("agent key registry")
 
     async def _bucket(self) -> KeyValue:
@@ -45,6 +50,8 @@ class AgentRegistry:
         use). Raises Conflict (another key, no enrolment on a closed registry, or an unreadable record:
         quarantined, never trusted), Unavailable."""
         if self._known.get(actor.agent_id) == actor.public_key:
+            return
+        if actor.agent_id == NODE_IDENTITY and await self.is_node_key(actor.public_key):
             return
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
@@ -181,6 +188,38 @@ class AgentRegistry:
         if not current.active:
             return current
         return await self.enrol(current.model_copy(update={"revoked_at": datetime.now(UTC)}))
+
+    async def is_node_key(self, public_key: str) -> bool:
+        """Whether `public_key` is a node's own key (recorded by `register_node`). Raises Unavailable."""
+        if public_key in self._node_keys:
+            return True
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                found = await self._entry(await self._bucket(), node_key_record(public_key)) is not None
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        if found:
+            self._node_keys.add(public_key)
+        return found
+
+    async def register_node(self, public_key: str, name: str) -> None:
+        """Record a node's own key (node services only, at start; idempotent)."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                kv = await self._bucket()
+                if await self._entry(kv, node_key_record(public_key)) is None:
+                    await kv.put(node_key_record(public_key), name.encode())
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        self._node_keys.add(public_key)
+
+    async def is_closed(self) -> bool:
+        """Whether only enrolled agents are admitted (a node with authentication has run). Raises Unavailable."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                return await self._is_closed(await self._bucket())
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
 
     async def close(self) -> None:
         """From now on only enrolled agents are admitted (idempotent)."""

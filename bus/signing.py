@@ -97,6 +97,11 @@ class AgentKey:
             SIGNATURE_HEADER: _b64(signature),
         }
 
+    def sign_document(self, purpose: str, document: bytes) -> str:
+        """A detached signature of `document` (canonical bytes) for one `purpose`: a signature made for one
+        purpose never verifies for another, nor as an event or a request."""
+        return _b64(self._pair.sign(_document_payload(purpose, document)))
+
     def sign(self, event: Envelope) -> Envelope:
         """The event signed by this key. Raises InvalidEvent if the event names another actor."""
         if event.actor != self.actor:
@@ -163,6 +168,18 @@ def verify_key(public_key: str) -> nacl.signing.VerifyKey:
     if nkeys.crc16_checksum(raw[:33]) != raw[33:]:
         raise InvalidEvent("actor.public_key", "fails its checksum")
     return nacl.signing.VerifyKey(raw[1:33])
+
+
+def _document_payload(purpose: str, document: bytes) -> bytes:
+    return b"epibus-document\n" + purpose.encode() + b"\n" + hashlib.sha256(document).hexdigest().encode()
+
+
+def verify_document(public_key: str, purpose: str, document: bytes, signature: str) -> None:
+    """Raise InvalidEvent unless `signature` is `public_key`'s signature of `document` for `purpose`."""
+    try:
+        verify_key(public_key).verify(_document_payload(purpose, document), _unb64(signature))
+    except (nacl.exceptions.BadSignatureError, binascii.Error, ValueError) as e:
+        raise InvalidEvent("signature", f"does not verify against {public_key[:12]}… for {purpose}") from e
 
 
 def verify_signature(event: Envelope) -> None:

@@ -36,6 +36,13 @@ REVOKE = "epibus.agent.revoke"
 LIST_AGENTS = "epibus.agent.list"
 ADMIN_QUEUE = "epibus-admin"
 
+# Core NATS requests answered by one node of the `epibus-mesh` queue group: the node is the only writer of the
+# mesh bucket; an agent asks it to apply a signed protocol step, a roster change or its capabilities.
+MESH_STEP = "epibus.mesh.step"
+MESH_ROSTER = "epibus.mesh.roster"
+MESH_ADVERTISE = "epibus.mesh.advertise"
+MESH_QUEUE = "epibus-mesh"
+
 # Mesh state: one KV bucket; keys are built only by the functions below.
 MESH_BUCKET = "epibus_mesh"
 MESH_STREAM = f"KV_{MESH_BUCKET}"
@@ -112,6 +119,11 @@ def roster_key(project: str) -> str:
 def capabilities_key(agent_id: str) -> str:
     """The mesh bucket key holding the capabilities an agent advertises."""
     return f"agent.{agent_id}"
+
+
+def node_key_record(public_key: str) -> str:
+    """The agent registry key recording that `public_key` is a node's own identity (its operator's key)."""
+    return f"node.{public_key}"
 
 
 def kv_subject_key(subject: str) -> str:

@@ -57,6 +57,7 @@ from mesh import events as mesh_events
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.recorder import MeshRecorder
+from mesh.service import MeshService
 from mesh.watch import FileCursor
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
@@ -153,6 +154,7 @@ class Node:
         self.server_restarts = 0
         self.coordinators: list[Coordinator] = []
         self.recorder: MeshRecorder | None = None
+        self.mesh_service: MeshService | None = None
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
         self.name = config.name or ""  # settled at start (node_name)
@@ -236,6 +238,9 @@ class Node:
         if self.authenticated:
             await enrolments.registry.close()
             await enrolments.apply()
+        # The mesh bucket's only writer: agents ask it (epibus.mesh.*); it records this node's key as a node's.
+        self.mesh_service = MeshService(self.js, self.key, node=self.name, replicas=self.config.replicas)
+        self.services |= await self.mesh_service.serve(self.nc)
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
         await self._serve(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, self._prove_forgotten)

@@ -1,10 +1,11 @@
 """One agent's handle on the mesh: every protocol message (propose, decide, start, complete, fail, cancel,
 acknowledge, expire), the coordinator roster and advertised capabilities.
 
-Each message is read → `advance` → compare-and-set on the task's KV revision → one event on the bus. A lost
-race re-reads and re-decides (so of two coordinators deciding one proposal exactly one wins, the other gets an
-IllegalTransition naming the winner's state). A message id already applied returns the recorded outcome and
-re-sends the same event id (deduplicated by the stream and the journal): retries are idempotent."""
+Each message is read (verified) → `advance` → the step signed → a node asked to write it (mesh.service: the
+node re-checks everything and writes with compare-and-set on the task's KV revision) → one event on the bus.
+A lost race re-reads and re-decides (so of two coordinators deciding one proposal exactly one wins, the other
+gets an IllegalTransition naming the winner's state). A message id already applied returns the recorded
+outcome and re-sends the same event id (deduplicated by the stream and the journal): retries are idempotent."""
 
 from __future__ import annotations
 
@@ -19,19 +20,14 @@ from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
-from bus.registry import AgentRegistry
+from bus.subjects import MESH_STEP
 from bus.vocab import ActionCategory, TaskAction, TaskState
-from mesh.events import require_trusted_acceptance, step_event, unsigned_step_event
-from mesh.protocol import advance, child_task_id, counter_opening
+from mesh.events import opening_record, step_event, unsigned_step_event
+from mesh.protocol import NO_COORDINATORS, advance, child_task_id, counter_record
 from mesh.roster import RosterChanges
-from mesh.store import (
-    MeshStore,
-    TaskEntry,
-    ensure_counter_task,
-    retry_on_conflict,
-    utc_now,
-)
+from mesh.store import MeshStore, TaskEntry, retry_on_conflict, utc_now
 from mesh.task import Message, Step, Targets, TaskRecord, message_digest, parse_message
+from mesh.wire import StepRequest
 
 
 @dataclass(frozen=True)
@@ -64,14 +60,6 @@ class MeshAgent(RosterChanges):
         self.client = client
         self.clock = clock
         self._store: MeshStore | None = None
-        self._registry: AgentRegistry | None = None
-        self._registry_js: object = None
-
-    @property
-    def registry(self) -> AgentRegistry:
-        if self._registry is None or self._registry_js is not self.client.js:
-            self._registry, self._registry_js = AgentRegistry(self.client.js), self.client.js
-        return self._registry
 
     @property
     def store(self) -> MeshStore:
@@ -83,7 +71,8 @@ class MeshAgent(RosterChanges):
 
     async def send(self, message: Message) -> Outcome:
         """Apply one message. Raises NotFound (no such task or project), IllegalTransition, Forbidden,
-        InvalidEvent (nothing written in every case), Conflict (a message id reused for something else)."""
+        InvalidEvent (nothing written in every case), Conflict (a message id reused for something else),
+        MalformedRecord (the task or its roster cannot be read or trusted: quarantined, never acted on)."""
         if message.sender != self.agent:
             raise Forbidden(self.agent, f"send {message.action}", f"as {message.sender}", "an agent sends as itself")
 
@@ -96,20 +85,22 @@ class MeshAgent(RosterChanges):
             roster = (await self.store.get_roster(message.project)).roster
             if message.action is TaskAction.propose and not roster.coordinators:
                 raise NotFound(
-                    "project",
-                    message.project,
-                    f"task {message.task_id} cannot be proposed: the project has no coordinators to decide it; add "
-                    "one with "
-                    f"`epibus mesh coordinators add --project {message.project} AGENT`",
+                    "project", message.project, f"task {message.task_id} cannot be proposed: {NO_COORDINATORS}"
                 )
-            current = entry.record if entry is not None else None
-            coordinators = frozenset(roster.coordinators)
-            advanced = advance(current, message, coordinators=coordinators, now=self.clock())
-            if current is not None and message.action is TaskAction.start:
-                await require_trusted_acceptance(current, coordinators, self.registry)
-            record = self._signed(advanced)
-            revision = await self.store.write_task(record, last=entry.revision if entry is not None else 0)
-            return await self._follow_up(TaskEntry(record, revision), len(record.steps) - 1, duplicate=False)
+            at = self.clock()
+            record = advance(
+                entry.record if entry is not None else None,
+                message,
+                coordinators=frozenset(roster.coordinators),
+                now=at,
+                roster_version=roster.version,
+            )
+            request = self.signed_request(
+                record, message, entry.revision if entry is not None else 0, roster.version, at
+            )
+            revision = await self.ask_node(MESH_STEP, request)
+            signed = request.signed(record)
+            return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
 
         return await retry_on_conflict(attempt, what=f"task {message.task_id}")
 
@@ -124,29 +115,36 @@ class MeshAgent(RosterChanges):
             )
         return await self._follow_up(entry, entry.record.steps.index(step), duplicate=True)
 
-    def _signed(self, record: TaskRecord) -> TaskRecord:
-        """The record with its newest step signed (and, for a change, the counter-proposal's opening step)."""
-        step = record.last_step
-        if step.action is TaskAction.change and step.counter is not None:
-            opening = TaskRecord(proposal=step.counter, state=TaskState.proposed, steps=(counter_opening(step),))
-            step = step.model_copy(update={"counter_opening": self._signed(opening).steps[0]})
-            record = record.model_copy(update={"steps": (*record.steps[:-1], step)})
-        index = len(record.steps) - 1
-        event = self.client.key.sign(unsigned_step_event(record, index, self.client.key.actor, self.client.session_id))
-        signed = step.model_copy(
-            update={"public_key": event.actor.public_key, "session_id": event.session_id, "signature": event.signature}
+    def signed_request(
+        self, record: TaskRecord, message: Message, revision: int, roster_version: int, at: datetime
+    ) -> StepRequest:
+        """The request for the node: `record` (what `message` makes, by `advance`) with its newest step signed by
+        this agent (and, for a change, the counter-proposal's first step)."""
+        key, session = self.client.key, self.client.session_id
+        counter = None
+        if record.last_step.action is TaskAction.change:
+            counter = key.sign(unsigned_step_event(opening_record(record), 0, key.actor, session)).signature
+        signed = key.sign(unsigned_step_event(record, len(record.steps) - 1, key.actor, session))
+        assert signed.signature is not None
+        return StepRequest(
+            message=message,
+            revision=revision,
+            roster_version=roster_version,
+            at=at,
+            public_key=key.public_key,
+            session_id=session,
+            signature=signed.signature,
+            counter_signature=counter,
         )
-        return record.model_copy(update={"steps": (*record.steps[:-1], signed)})
 
     async def _follow_up(self, entry: TaskEntry, index: int, *, duplicate: bool) -> Outcome:
-        """What a step entails beyond its KV write, done again on a replay (each part is idempotent, and the
-        node's MeshRecorder does the same from the bucket if this agent stops first): the step's event, and
-        for a change the counter-proposal task and its event."""
+        """The step's event, published again on a replay (idempotent: the stream and the journal deduplicate
+        it by id; the node's MeshRecorder publishes it from the bucket if this agent stops first), and for a
+        change the counter-proposal's (the node created its task)."""
         record, step = entry.record, entry.record.steps[index]
         receipts = [await self.client.publish(step_event(record, index))]
         if step.action is TaskAction.change:
-            child = await ensure_counter_task(self.store, step)
-            receipts.append(await self.client.publish(step_event(child, 0)))
+            receipts.append(await self.client.publish(step_event(counter_record(step), 0)))
         return Outcome(record, entry.revision, step, duplicate, tuple(receipts))
 
     def message(self, action: TaskAction, project: str, task_id: str, **fields: Any) -> Message:

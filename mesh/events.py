@@ -4,14 +4,24 @@ the message id, so a retried message is deduplicated by the stream and the journ
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from bus.errors import Conflict, Forbidden, InvalidEvent
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+
+from bus.errors import InvalidEvent
 from bus.event import Actor, AgentId, Body, Count, Envelope, Evidence, ShortText, Text, register_kind, validate_event
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
-from mesh.task import CommitSha, TaskId, TaskRecord
+from mesh.protocol import counter_opening
+from mesh.task import CommitSha, Digest, Roster, RosterDraft, TaskId, TaskRecord, proposal_digest
+
+
+def _without_unset(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """Fields added after events of a kind were first signed are left out when unset, so the events signed
+    before them serialize (and verify) byte for byte as they were signed."""
+    return {k: v for k, v in data.items() if not (k in names and v is None)}
+
 
 TASK_KIND = "task"
 COORDINATORS_KIND = "coordinators"
@@ -38,6 +48,15 @@ class TaskEventBody(Body):
     sha: CommitSha | None = None
     evidence: tuple[Evidence, ...] = ()
     note: Text | None = None
+    # What the signature binds beyond the fields above: the whole proposal (targets, payload, deadline...), the
+    # counter-proposal of a change, and the roster version the step was judged against.
+    proposal_digest: Digest | None = None
+    counter_digest: Digest | None = None
+    roster_version: Annotated[int, Field(ge=0, strict=True)] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset(handler(self), ("proposal_digest", "counter_digest", "roster_version"))
 
     def content_text(self) -> str:
         moved = f"{self.from_state} -> {self.to_state}" if self.from_state else str(self.to_state)
@@ -60,6 +79,11 @@ class CoordinatorsEventBody(Body):
     change: Literal["add", "remove"]
     agent: AgentId
     coordinators: tuple[AgentId, ...]  # the project's coordinators after the change
+    seq: Count | None = None  # the change's place in the project's roster (1 for the first)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unset(handler(self), ("seq",))
 
     def content_text(self) -> str:
         verb = "added to" if self.change == "add" else "removed from"
@@ -94,6 +118,9 @@ def task_event_body(record: TaskRecord, index: int) -> TaskEventBody:
         sha=completion.sha if completion else None,
         evidence=completion.evidence if completion else (),
         note=completion.note if completion else None,
+        proposal_digest=proposal_digest(proposal),
+        counter_digest=proposal_digest(step.counter) if step.counter is not None else None,
+        roster_version=step.roster_version,
     )
 
 
@@ -136,23 +163,49 @@ async def verify_step(record: TaskRecord, index: int, registry: AgentRegistry) -
     return event
 
 
-async def require_trusted_acceptance(record: TaskRecord, coordinators: frozenset[str], registry: AgentRegistry) -> None:
-    """Only coordinator-decided work is acted on: the task's acceptance must be a signed step by an agent
-    that coordinates the project. Raises Forbidden otherwise (e.g. a record written around the protocol)."""
-    index = next((i for i, s in enumerate(record.steps) if s.action is TaskAction.accept), None)
-    if index is None:
-        raise Forbidden(record.assignee or "?", "act on", f"task {record.task_id}", "it was never accepted")
-    step = record.steps[index]
-    try:
-        await verify_step(record, index, registry)
-    except (InvalidEvent, Conflict) as e:
-        raise Forbidden(
-            record.assignee or "?", "act on", f"task {record.task_id}", f"its acceptance is not trustworthy: {e}"
-        ) from e
-    if step.actor not in coordinators:
-        raise Forbidden(
-            record.assignee or "?",
-            "act on",
-            f"task {record.task_id}",
-            f"it was accepted by {step.actor}, who does not coordinate project {record.proposal.project}",
-        )
+def roster_event(roster: Roster, index: int) -> Envelope:
+    """The signed `coordinators` event of the roster's change at `index` (0-based), rebuilt from the roster."""
+    change = roster.changes[index]
+    actor = Actor(agent_id=change.actor, public_key=change.public_key)
+    return unsigned_roster_event(
+        roster.project, change, seq=index + 1, actor=actor, session_id=change.session_id
+    ).model_copy(update={"signature": change.signature})
+
+
+def unsigned_roster_event(project: str, change: RosterDraft, *, seq: int, actor: Actor, session_id: str) -> Envelope:
+    """A roster change's event before its actor signs it: the change's signature is the signature of this."""
+    body = CoordinatorsEventBody(change=change.change, agent=change.agent, coordinators=change.coordinators, seq=seq)
+    return validate_event(
+        {
+            "event_id": change.message_id,
+            "project": project,
+            "kind": COORDINATORS_KIND,
+            "artifact_id": str(change.message_id),
+            "actor": actor,
+            "session_id": session_id,
+            "recorded_at": change.at,
+            "body": body,
+        }
+    )
+
+
+def with_signatures(
+    record: TaskRecord, *, public_key: str, session_id: str, signature: str, counter_signature: str | None
+) -> TaskRecord:
+    """The record with its newest step signed (and, for a change, the counter-proposal's first step)."""
+    step = record.last_step
+    signed = {"public_key": public_key, "session_id": session_id}
+    if step.action is TaskAction.change and step.counter is not None:
+        if counter_signature is None:
+            raise InvalidEvent("counter_signature", "is required: a change signs its counter-proposal's first step")
+        opening = counter_opening(step).model_copy(update=signed | {"signature": counter_signature})
+        step = step.model_copy(update={"counter_opening": opening})
+    step = step.model_copy(update=signed | {"signature": signature})
+    return record.model_copy(update={"steps": (*record.steps[:-1], step)})
+
+
+def opening_record(change: TaskRecord) -> TaskRecord:
+    """The counter-proposal a record's newest step (a change) creates, before its opening step is signed."""
+    step = change.last_step
+    assert step.counter is not None
+    return TaskRecord(proposal=step.counter, state=TaskState.proposed, steps=(counter_opening(step),))

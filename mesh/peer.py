@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.errors import ConfigError, Forbidden, InvalidEvent, MalformedRecord, Unavailable
+from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
-from mesh.events import require_trusted_acceptance
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord
 from mesh.watch import Cursor, TaskWatcher
@@ -125,7 +124,6 @@ class Inbox:
         self._coordinated: dict[str, bool] = {}
         self._capabilities: frozenset[str] = frozenset()
         self._context_at = 0.0
-        self.untrusted = 0  # acceptances whose signature or coordinator did not check out
 
     async def run(self) -> None:
         await self.watcher.run()
@@ -143,17 +141,8 @@ class Inbox:
         record = entry.record
         coordinates, capabilities = await self._context(record.proposal.project)
         why = concern(self.mesh.agent, record, coordinates=coordinates, capabilities=capabilities)
-        if why is None:
-            return
-        if record.last_step.action is TaskAction.accept:
-            roster = frozenset(await self.mesh.coordinators(record.proposal.project))
-            try:
-                await require_trusted_acceptance(record, roster, self.mesh.registry)
-            except Forbidden as e:  # a record written around the protocol: never offered as work
-                self.untrusted += 1
-                log.error("inbox of %s: revision %d not shown: %s", self.mesh.agent, entry.revision, e)
-                return
-        await self.notify(notification(entry, why))
+        if why is not None:  # the watcher verified the record: forged or unsigned steps never reach here
+            await self.notify(notification(entry, why))
 
 
 def notification(entry: TaskEntry, why: str) -> Notification:

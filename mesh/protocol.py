@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from bus.errors import Forbidden, IllegalTransition, InvalidEvent
+from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
 from bus.vocab import MeshRole, TaskAction, TaskState
-from mesh.task import SHA_RULE, Message, Proposal, Step, TaskRecord, message_digest
+from mesh.task import SHA_RULE, Message, Proposal, Roster, Step, TaskRecord, message_digest
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,17 @@ def child_task_id(message_id: uuid.UUID) -> str:
     return str(uuid.uuid5(uuid.UUID(int=message_id.int), "epibus.mesh.change"))
 
 
-def advance(record: TaskRecord | None, message: Message, *, coordinators: frozenset[str], now: datetime) -> TaskRecord:
+def advance(
+    record: TaskRecord | None,
+    message: Message,
+    *,
+    coordinators: frozenset[str],
+    now: datetime,
+    roster_version: int = 0,
+) -> TaskRecord:
     """The task after `message`, or an error naming the task, its state and what is allowed; writes nothing.
+    `coordinators` are the project's roster at `roster_version` (recorded in the step, so a reader can judge
+    the step against the same roster).
 
     Raises IllegalTransition (not in the table, out of a terminal state, deadline passed), Forbidden (the
     sender lacks the role: e.g. a decision by an agent that is not a coordinator), InvalidEvent (a field the
@@ -110,10 +119,11 @@ def advance(record: TaskRecord | None, message: Message, *, coordinators: frozen
     if record is None:
         if message.proposal is None:
             raise InvalidEvent(f"task {message.task_id} (absent) propose.proposal", "is required")
-        return TaskRecord(proposal=message.proposal, state=move.target, steps=(_step(None, message, roles, now),))
+        step = _step(None, message, roles, now, roster_version)
+        return TaskRecord(proposal=message.proposal, state=move.target, steps=(step,))
     if message.action is TaskAction.change:
         _check_counter(record, message)
-    return _applied(record, message, _step(record, message, roles, now))
+    return _applied(record, message, _step(record, message, roles, now, roster_version))
 
 
 def _require_legal(record: TaskRecord | None, message: Message, move: Move, label: str) -> None:
@@ -135,7 +145,9 @@ def _require_legal(record: TaskRecord | None, message: Message, move: Move, labe
     )
 
 
-def _step(record: TaskRecord | None, message: Message, roles: set[MeshRole], now: datetime) -> Step:
+def _step(
+    record: TaskRecord | None, message: Message, roles: set[MeshRole], now: datetime, roster_version: int
+) -> Step:
     action = message.action
     return Step(
         message_id=message.message_id,
@@ -145,6 +157,7 @@ def _step(record: TaskRecord | None, message: Message, roles: set[MeshRole], now
         from_state=record.state if record is not None else None,
         to_state=TRANSITIONS[action].target,
         at=now,
+        roster_version=roster_version,
         assignee=_assignee(record, message) if action is TaskAction.accept else None,
         reason=message.reason,
         completion=message.completion,
@@ -184,6 +197,7 @@ def counter_opening(change: Step) -> Step:
         from_state=None,
         to_state=TaskState.proposed,
         at=change.at,
+        roster_version=change.roster_version,
         reason=change.reason,
         policy=change.policy,
     )
@@ -194,6 +208,32 @@ def counter_record(change: Step) -> TaskRecord:
     if change.counter is None or change.counter_opening is None:
         raise InvalidEvent(f"step {change.message_id}", "is not a change with a signed counter-proposal")
     return TaskRecord(proposal=change.counter, state=TaskState.proposed, steps=(change.counter_opening,))
+
+
+NO_COORDINATORS = "the project has no coordinators to decide it; an admin seats one with `epibus mesh coordinators add`"
+
+
+def who_may(roster: Roster) -> str:
+    """Who may change a roster, in words."""
+    if roster.coordinators:
+        return f"only its coordinators ({', '.join(roster.coordinators)}) or an admin may"
+    return "only an admin (the node's operator, or an agent with the admin role) seats a project's first coordinator"
+
+
+def roster_after(roster: Roster, change: str, agent: str, *, actor: str) -> tuple[str, ...]:
+    """The project's coordinators after `actor` adds or removes `agent` (who may is checked apart, against the
+    registry: mesh.trust.roster_authority). Raises NotFound (removing one who is not there), Forbidden (removing
+    the last one), Conflict (adding one who is there already: the caller returns the roster unchanged)."""
+    current = set(roster.coordinators)
+    if change == "add":
+        if agent in current:
+            raise Conflict(f"coordinators of {roster.project}", f"{agent} is one already", fix="nothing to do")
+        return tuple(sorted(current | {agent}))
+    if agent not in current:
+        raise NotFound("coordinator", agent, f"project {roster.project} has {sorted(current) or 'none'}")
+    if current == {agent}:
+        raise Forbidden(actor, "remove", f"the last coordinator of project {roster.project}", "add another one first")
+    return tuple(sorted(current - {agent}))
 
 
 def _who_may(move: Move, record: TaskRecord | None, coordinators: frozenset[str], project: str) -> str:

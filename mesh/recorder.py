@@ -1,8 +1,8 @@
 """The node's safety net for the mesh: every task step in the bucket reaches the stream as its event, and every
-change's counter-proposal task exists, even when the agent that wrote the step stopped right after its KV
-write. Steps are signed by their actors (mesh.protocol.Step.signature), so the recorder republishes them
-verbatim and cannot be used to forge one: a step whose signature does not verify, or whose key is not the one
-registered for its agent, is counted and logged, never published."""
+change's counter-proposal task exists, even when the agent that asked for the step (or the node that wrote it)
+stopped right after the KV write. Steps are signed by their actors (mesh.task.Step.signature), so the recorder
+republishes them verbatim and cannot be used to forge one: its watcher verifies every revision (mesh.trust),
+and one that is not trustworthy is quarantined (`watcher.stats.untrusted`), never published."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from bus.event import Envelope, encode_event
 from bus.jetstream import JS_TIMEOUT_S, ensure_streams
 from bus.outbox import OutboxRow
 from bus.publish import send_one
-from bus.registry import AgentRegistry
 from bus.subjects import event_subject
 from bus.vocab import TaskAction
-from mesh.events import verify_step
+from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
 from mesh.task import Step
 from mesh.watch import Cursor, TaskWatcher
@@ -33,8 +32,6 @@ class RecorderStats:
     published: int = 0
     duplicates: int = 0  # already on the stream (the agent published it): the usual case
     children_created: int = 0
-    unsigned: int = 0
-    forged: int = 0
     refused: int = 0  # published nowhere, or its counter-proposal not created: logged with the reason
 
 
@@ -51,25 +48,16 @@ class MeshRecorder:
         self._js = js
         self.stats = RecorderStats()
         self.watcher = TaskWatcher(js, self._on_revision, cursor=cursor, closed=closed, name="mesh-recorder")
-        self._registry: AgentRegistry | None = None
         self._streams_ready = False
 
     async def run(self) -> None:
         await self.watcher.run()
 
     async def _on_revision(self, entry: TaskEntry) -> None:
-        record = entry.record
+        record = entry.record  # verified by the watcher
         index = len(record.steps) - 1  # each write adds exactly one step
         step = record.steps[index]
-        try:
-            event = await verify_step(record, index, self._registry_for())
-        except (InvalidEvent, Conflict) as e:  # unsigned, a bad signature, or a key not the agent's
-            if step.signature is None:
-                self.stats.unsigned += 1
-            else:
-                self.stats.forged += 1
-            log.error("mesh recorder: revision %d of task %s not published: %s", entry.revision, record.task_id, e)
-            return
+        event = step_event(record, index)
         try:
             await self._publish(event)
         except InvalidEvent as e:  # JetStream refused it (e.g. over the stream's message size): kept in KV
@@ -98,11 +86,6 @@ class MeshRecorder:
                 record.task_id,
                 e,
             )
-
-    def _registry_for(self) -> AgentRegistry:
-        if self._registry is None:
-            self._registry = AgentRegistry(self._js())
-        return self._registry
 
     async def _publish(self, event: Envelope) -> None:
         """Publish with the event id as Nats-Msg-Id: a step its agent already published is a duplicate."""

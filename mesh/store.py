@@ -1,11 +1,13 @@
 """Mesh state in one JetStream KV bucket: tasks, each project's coordinators and the
-capabilities agents advertise. Every write is compare-and-set on the key's revision, so two coordinators (or a
-retried message) cannot both apply a decision. The one choke point from nats-py KV errors to epibus errors."""
+capabilities agents advertise. Only a node writes it (mesh.service; the broker refuses agents' writes), every
+write compare-and-set on the key's revision, so two coordinators (or a retried message) cannot both apply a
+decision. Every read is verified (mesh.trust): what is not trustworthy is quarantined, never returned. The one
+choke point from nats-py KV errors to epibus errors."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,13 +18,12 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from pydantic import AwareDatetime
 
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
-from bus.event import AgentId, Model, ProjectSlug
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.reader import read_stream
 from bus.records import Quarantine, decode_json
+from bus.registry import AgentRegistry
 from bus.subjects import (
     MESH_BUCKET,
     MESH_STREAM,
@@ -34,25 +35,15 @@ from bus.subjects import (
 )
 from bus.vocab import TaskState
 from mesh.protocol import counter_record
-from mesh.task import Capability, Step, TaskRecord
+from mesh.task import AgentCapabilities, Roster, Step, TaskRecord
+from mesh.trust import UntrustedRecord, verify_capabilities, verify_roster, verify_task
+
+__all__ = ["AgentCapabilities", "MeshStore", "Roster", "RosterEntry", "TaskEntry"]
 
 T = TypeVar("T")
 # KV keeps this many revisions per key: every step of a task stays readable by a watcher that was away.
 KV_OPERATION = "KV-Operation"
-
-
-class Roster(Model):
-    """A project's coordinators and the message ids that changed them (so a retried change applies once)."""
-
-    project: ProjectSlug
-    coordinators: tuple[AgentId, ...] = ()
-    applied: tuple[uuid.UUID, ...] = ()
-
-
-class AgentCapabilities(Model):
-    agent: AgentId
-    capabilities: tuple[Capability, ...]
-    updated_at: AwareDatetime
+ROSTER_FRESH_S = 2.0  # a verified roster judges the tasks read this soon after it (they need no newer one)
 
 
 @dataclass(frozen=True)
@@ -128,7 +119,9 @@ class MeshStore:
         self.create = create  # False: a reader that must not create the bucket (NotFound instead)
         self.timeout_s = timeout_s
         self.quarantine = Quarantine("mesh store")
+        self.registry = AgentRegistry(js)
         self._kv: KeyValue | None = None
+        self._rosters: dict[str, tuple[RosterEntry, float]] = {}
 
     @asynccontextmanager
     async def _answering(self, what: str) -> AsyncIterator[None]:
@@ -172,18 +165,45 @@ class MeshStore:
     # -- tasks -----------------------------------------------------------------------------------------
 
     async def get_task(self, project: str, task_id: str) -> TaskEntry | None:
-        """Raises MalformedRecord (quarantined) when the task's record cannot be understood."""
+        """Raises MalformedRecord (quarantined) when the task's record cannot be understood or trusted."""
         key = task_key(project, task_id)
         found = await self._get(key)
         if found is None:
             return None
+        return await self.task_entry(found[0], key=key, revision=found[1])
+
+    async def task_entry(self, data: bytes, *, key: str, revision: int) -> TaskEntry:
+        """`verified_task`, quarantining what it raises."""
         try:
-            return TaskEntry(decode_task(found[0], key=key, revision=found[1]), found[1])
+            return await self.verified_task(data, key=key, revision=revision)
         except MalformedRecord as e:
             self.quarantine.add(e)
             raise
 
+    async def verified_task(self, data: bytes, *, key: str, revision: int) -> TaskEntry:
+        """A task record as the bucket holds it, decoded and verified. Raises MalformedRecord or
+        UntrustedRecord."""
+        record = decode_task(data, key=key, revision=revision)
+        needed = max(step.roster_version for step in record.steps)
+        roster = await self._roster_for(record.proposal.project, needed, key=key, revision=revision)
+        await verify_task(record, roster, self.registry, key=key, revision=revision)
+        return TaskEntry(record, revision)
+
+    async def _roster_for(self, project: str, needed: int, *, key: str, revision: int) -> Roster:
+        """The verified roster to judge a task by: one read moments ago will do unless the task needs a newer
+        version. A roster that is not trustworthy makes every task judged by it untrustworthy."""
+        cached = self._rosters.get(project)
+        if cached is not None and cached[0].roster.version >= needed and time.monotonic() - cached[1] < ROSTER_FRESH_S:
+            return cached[0].roster
+        try:
+            return (await self.get_roster(project)).roster
+        except MalformedRecord as e:
+            raise UntrustedRecord(
+                MESH_BUCKET, key, revision, f"the roster of project {project} it is judged by is not: {e.reason}"
+            ) from e
+
     async def write_task(self, record: TaskRecord, *, last: int) -> int:
+        """Node services only (the broker refuses agents' writes)."""
         key = task_key(record.proposal.project, record.task_id)
         return await self._write(key, record.model_dump_json().encode(), last=last)
 
@@ -193,7 +213,7 @@ class MeshStore:
         await self.bucket()
         subject = tasks_key_filter().removesuffix("*") + task_id
         unreadable: list[MalformedRecord] = []
-        found = self._decoded(await self._current(subject, f"find task {task_id}"), unreadable)
+        found = await self._decoded(await self._current(subject, f"find task {task_id}"), unreadable)
         if not found and unreadable:
             raise unreadable[0]
         if len(found) > 1:
@@ -202,21 +222,21 @@ class MeshStore:
         return found[0] if found else None
 
     async def tasks(self, project: str | None = None) -> list[TaskEntry]:
-        """The current record of every task (of one project, or all); records that cannot be understood are
-        left out and quarantined (`self.quarantine`)."""
+        """The current record of every task (of one project, or all); records that cannot be understood or
+        trusted are left out and quarantined (`self.quarantine`)."""
         await self.bucket()
-        return self._decoded(await self._current(tasks_key_filter(project), "list tasks"), [])
+        return await self._decoded(await self._current(tasks_key_filter(project), "list tasks"), [])
 
-    def _decoded(self, messages: list[Msg], unreadable: list[MalformedRecord]) -> list[TaskEntry]:
+    async def _decoded(self, messages: list[Msg], unreadable: list[MalformedRecord]) -> list[TaskEntry]:
         entries: list[TaskEntry] = []
         for msg in messages:
-            revision = msg.metadata.sequence.stream
             try:
                 entries.append(
-                    TaskEntry(decode_task(msg.data, key=kv_subject_key(msg.subject), revision=revision), revision)
+                    await self.task_entry(
+                        msg.data, key=kv_subject_key(msg.subject), revision=msg.metadata.sequence.stream
+                    )
                 )
             except MalformedRecord as e:
-                self.quarantine.add(e)
                 unreadable.append(e)
         return entries
 
@@ -236,17 +256,26 @@ class MeshStore:
     # -- coordinators and capabilities -----------------------------------------------------------------
 
     async def get_roster(self, project: str) -> RosterEntry:
+        """The project's verified roster (revision 0: none written yet). Raises MalformedRecord or
+        UntrustedRecord (quarantined): never read as "no coordinators", which would let anyone seat the first."""
         key = roster_key(project)
         found = await self._get(key)
         if found is None:
-            return RosterEntry(Roster(project=project), 0)
-        try:
-            return RosterEntry(decode_roster(found[0], key=key, revision=found[1]), found[1])
-        except MalformedRecord as e:  # never read as "no coordinators": anyone may add the first one
-            self.quarantine.add(e)
-            raise
+            entry = RosterEntry(Roster(project=project), 0)
+        else:
+            try:
+                roster = decode_roster(found[0], key=key, revision=found[1])
+                await verify_roster(roster, self.registry, key=key, revision=found[1])
+            except MalformedRecord as e:
+                self.quarantine.add(e)
+                self._rosters.pop(project, None)  # nothing is judged by a roster read before it was replaced
+                raise
+            entry = RosterEntry(roster, found[1])
+        self._rosters[project] = (entry, time.monotonic())
+        return entry
 
     async def write_roster(self, roster: Roster, *, last: int) -> int:
+        """Node services only."""
         return await self._write(roster_key(roster.project), roster.model_dump_json().encode(), last=last)
 
     async def get_capabilities(self, agent: str) -> AgentCapabilities | None:
@@ -255,16 +284,19 @@ class MeshStore:
         if found is None:
             return None
         try:
-            return decode_capabilities(found[0], key=key, revision=found[1])
+            advertised = decode_capabilities(found[0], key=key, revision=found[1])
+            await verify_capabilities(advertised, self.registry, key=key, revision=found[1])
         except MalformedRecord as e:
             self.quarantine.add(e)
             raise
+        return advertised
 
-    async def set_capabilities(self, advertised: AgentCapabilities) -> None:
+    async def set_capabilities(self, advertised: AgentCapabilities) -> int:
+        """Node services only."""
         kv = await self.bucket()
         key = capabilities_key(advertised.agent)
         async with self._answering(f"put {key}"):
-            await kv.put(key, advertised.model_dump_json().encode())
+            return await kv.put(key, advertised.model_dump_json().encode())
 
     async def all_capabilities(self) -> dict[str, tuple[str, ...]]:
         await self.bucket()
@@ -273,6 +305,7 @@ class MeshStore:
             key, revision = kv_subject_key(msg.subject), msg.metadata.sequence.stream
             try:
                 advertised = decode_capabilities(msg.data, key=key, revision=revision)
+                await verify_capabilities(advertised, self.registry, key=key, revision=revision)
             except MalformedRecord as e:
                 self.quarantine.add(e)
                 continue

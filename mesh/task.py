@@ -7,7 +7,7 @@ import hashlib
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
 
@@ -31,6 +31,9 @@ Capability = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_.:-]{0,
 # A git object id: SHA-1 (40) or SHA-256 (64), lowercase hex, as `git rev-parse` prints it.
 CommitSha = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")]
 SHA_RULE = "must be a commit SHA: 40 or 64 lowercase hex characters"
+Signature = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")]  # ed25519, base64url unpadded
+SessionId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+Digest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 MAX_PAYLOAD_KEYS = 64
 
 
@@ -99,6 +102,8 @@ class Step(Model):
     from_state: TaskState | None
     to_state: TaskState
     at: AwareDatetime
+    # The project's roster as it was judged against: its first `roster_version` changes (mesh.store.Roster).
+    roster_version: Annotated[int, Field(ge=0, strict=True)] = 0
     assignee: AgentId | None = None
     reason: Text | None = None
     completion: Completion | None = None
@@ -109,9 +114,9 @@ class Step(Model):
     # The step's event, signed by its actor (mesh.events.step_event rebuilds it): any node can publish it, and
     # nobody without the actor's key can forge a step that a recorder would publish.
     public_key: PublicKey | None = None
-    session_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
-    signature: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{86}$")] | None = None
-    digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None  # of the message
+    session_id: SessionId | None = None
+    signature: Signature | None = None
+    digest: Digest | None = None  # of the message
 
 
 class TaskRecord(Model):
@@ -137,6 +142,79 @@ class TaskRecord(Model):
     @property
     def last_step(self) -> Step:
         return self.steps[-1]
+
+
+MAX_ROSTER_CHANGES = 1000  # a project's roster keeps every change (readers judge steps against any of them)
+
+
+class RosterDraft(Model):
+    """One change of a project's coordinators, before it is signed."""
+
+    message_id: uuid.UUID
+    change: Literal["add", "remove"]
+    agent: AgentId
+    coordinators: tuple[AgentId, ...]  # after this change
+    actor: AgentId
+    at: AwareDatetime
+
+
+class RosterChange(RosterDraft):
+    """A change signed by whoever made it: the signature is that of the change's `coordinators` event
+    (mesh.events.roster_event rebuilds it), which names the coordinators after it."""
+
+    public_key: PublicKey
+    session_id: SessionId
+    signature: Signature
+
+
+class Roster(Model):
+    """A project's coordinators: every change that made them, in order (append-only). A step records how many
+    of these changes it was judged against (`Step.roster_version`)."""
+
+    project: ProjectSlug
+    changes: tuple[RosterChange, ...] = Field(default=(), max_length=MAX_ROSTER_CHANGES)
+
+    @property
+    def version(self) -> int:
+        return len(self.changes)
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        return self.changes[-1].coordinators if self.changes else ()
+
+    def at_version(self, version: int) -> frozenset[str]:
+        """The coordinators after the first `version` changes."""
+        return frozenset(self.changes[version - 1].coordinators) if version > 0 else frozenset()
+
+    def change_for(self, message_id: uuid.UUID) -> RosterChange | None:
+        return next((c for c in self.changes if c.message_id == message_id), None)
+
+
+class AgentCapabilities(Model):
+    """What an agent advertises, signed by it (`document` is what the signature covers)."""
+
+    agent: AgentId
+    capabilities: tuple[Capability, ...] = Field(max_length=64)
+    updated_at: AwareDatetime
+    public_key: PublicKey
+    signature: Signature
+
+    def document(self) -> bytes:
+        return capabilities_document(self.agent, self.capabilities, self.updated_at)
+
+
+CAPABILITIES_PURPOSE = "mesh capabilities"
+
+
+def capabilities_document(agent: str, capabilities: tuple[str, ...], updated_at: datetime) -> bytes:
+    return canonical_json(
+        {"agent": agent, "capabilities": list(capabilities), "updated_at": updated_at.astimezone(UTC).isoformat()}
+    )
+
+
+def proposal_digest(proposal: Proposal) -> str:
+    """What a step's signature binds of the proposal it acts on: all of it (targets, payload, deadline...)."""
+    return hashlib.sha256(canonical_json(proposal.model_dump(mode="json"))).hexdigest()
 
 
 def message_digest(message: Message) -> str:

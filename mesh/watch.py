@@ -1,5 +1,6 @@
 """Following task revisions in the mesh bucket from a cursor (a listener that hits errors says
-so loudly and keeps its state; an empty poll never resets what was seen).
+so loudly and keeps its state; an empty poll never resets what was seen). Every revision is verified before it
+is handed over (mesh.trust): one that cannot be read or trusted is quarantined and skipped past.
 
 The watcher reads the bucket's stream in revision order from `last_seen + 1` with an ephemeral consumer. It
 hands each revision to its handler once, then advances (and saves) the cursor; a revision at or below the
@@ -25,7 +26,8 @@ from bus.home import write_private
 from bus.jetstream import JS_TIMEOUT_S, RETRYABLE
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
-from mesh.store import MeshStore, TaskEntry, decode_task, is_value
+from mesh.store import MeshStore, TaskEntry, is_value
+from mesh.trust import UntrustedRecord
 
 log = logging.getLogger(__name__)
 MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
@@ -79,7 +81,8 @@ class WatchStats:
     skipped_seen: int = 0  # revisions at or below the cursor that a new consumer delivered again
     empty_polls: int = 0
     errors: int = 0
-    quarantined: int = 0  # records that could not be understood, skipped past (the watcher's quarantine lists them)
+    quarantined: int = 0  # records that could not be understood or trusted, skipped past (see the quarantine)
+    untrusted: int = 0  # of those, records that decode but are not trustworthy (a forged or unsigned step...)
     resubscribed: int = 0
     last_error: str | None = None
 
@@ -117,6 +120,12 @@ class TaskWatcher(ResumingSubscription):
         self.stats = WatchStats()
         self.quarantine = Quarantine(name)
         self.label = name
+        self._store: MeshStore | None = None
+
+    def _store_for(self, js: JetStreamContext) -> MeshStore:
+        if self._store is None or self._store.js is not js:
+            self._store = MeshStore(js)
+        return self._store
 
     async def run(self) -> None:
         backoff_s = 0.0
@@ -164,18 +173,21 @@ class TaskWatcher(ResumingSubscription):
         read for it, like a roster or a counter-proposal) is quarantined instead: left in the bucket for
         inspection, counted, logged once, and the cursor moves past it, so no record can stop a watcher."""
         try:
-            record = decode_task(msg.data, key=kv_subject_key(msg.subject), revision=revision)
-            await self.handler(TaskEntry(record, revision))
+            entry = await self._store_for(self._js()).verified_task(
+                msg.data, key=kv_subject_key(msg.subject), revision=revision
+            )
+            await self.handler(entry)
         except MalformedRecord as e:
             if self.quarantine.add(e):
                 self.stats.quarantined += 1
+                self.stats.untrusted += isinstance(e, UntrustedRecord)
             return False
         return True
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         if self._subscription is None:
             js = self._js()
-            await MeshStore(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
+            await self._store_for(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
             await self._check_cursor(js)
             config = resume_config(tasks_key_filter(self.project), self.last_seen)
             async with asyncio.timeout(JS_TIMEOUT_S):

@@ -7,7 +7,20 @@ import os
 
 import typer
 
-from epibus.cli import agents, certs, commands, dlq, health, mesh, mesh_views, recall, state, streams, verify
+from epibus.cli import (
+    agents,
+    certs,
+    commands,
+    dlq,
+    health,
+    mesh,
+    mesh_roster,
+    mesh_views,
+    recall,
+    state,
+    streams,
+    verify,
+)
 from epibus.cli.display import SafeFormatter
 from epibus.cli.publish import publish_app, register_publish_commands
 
@@ -23,8 +36,9 @@ app.add_typer(publish_app, name="publish")
 app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
 app.add_typer(streams.streams_app, name="streams")
-app.add_typer(mesh.mesh_app, name="mesh")  # its reading commands are in mesh_views
+app.add_typer(mesh.mesh_app, name="mesh")  # its reading commands are in mesh_views, the roster's in mesh_roster
 assert mesh_views.show is not None
+assert mesh_roster.coordinators_add is not None
 app.command()(commands.up)
 app.command()(commands.tail)
 app.command()(commands.events)

@@ -1,5 +1,5 @@
-"""`epibus mesh show|outbox|pending|inbox|coordinate|advertise|coordinators`: reading the mesh, watching an
-inbox, and running a coordinator service."""
+"""`epibus mesh show|outbox|pending|inbox|coordinate|advertise`: reading the mesh, watching an inbox, and
+running a coordinator service. (`coordinators` is in mesh_roster.)"""
 
 from __future__ import annotations
 
@@ -30,13 +30,10 @@ from epibus.cli.common import (
 )
 from epibus.cli.display import shown
 from epibus.cli.mesh import (
-    MessageIdOpt,
     ProjectOpt,
     RequiredProject,
     TaskArg,
-    coordinators_app,
     mesh_app,
-    message_id_of,
     run_mesh,
     show_tasks,
     task_row,
@@ -303,60 +300,3 @@ def advertise(
         emit_json({"ok": True, **advertised.model_dump(mode="json")})
     else:
         console.print(shown(f"{advertised.agent} advertises {', '.join(advertised.capabilities)}"), soft_wrap=True)
-
-
-AgentArg = Annotated[str, typer.Argument(help="The agent.")]
-
-
-def _show_roster(project: str, coordinators: tuple[str, ...], as_json: bool) -> None:
-    if as_json:
-        emit_json({"ok": True, "project": project, "coordinators": list(coordinators)})
-    else:
-        console.print(shown(f"coordinators of {project}: {', '.join(coordinators) or 'none'}"), soft_wrap=True)
-
-
-@coordinators_app.command("add")
-@handles_errors
-def coordinators_add(
-    who: AgentArg,
-    project: RequiredProject,
-    message_id: MessageIdOpt = None,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Add a coordinator (anyone may add a project's first; after that, only its coordinators)."""
-    mid = message_id_of(message_id)
-    roster = run_mesh(nats, agent, home, lambda m: m.add_coordinator(project, who, message_id=mid))
-    _show_roster(project, roster.coordinators, as_json)
-
-
-@coordinators_app.command("remove")
-@handles_errors
-def coordinators_remove(
-    who: AgentArg,
-    project: RequiredProject,
-    message_id: MessageIdOpt = None,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Remove a coordinator (coordinators only; the last one stays)."""
-    mid = message_id_of(message_id)
-    roster = run_mesh(nats, agent, home, lambda m: m.remove_coordinator(project, who, message_id=mid))
-    _show_roster(project, roster.coordinators, as_json)
-
-
-@coordinators_app.command("list")
-@handles_errors
-def coordinators_list(
-    project: RequiredProject,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """The project's coordinators."""
-    _show_roster(project, run_mesh(nats, agent, home, lambda m: m.coordinators(project)), as_json)

@@ -21,6 +21,7 @@ from bus.client import connect
 from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT
 from bus.subjects import dlq_subject
 from bus.vocab import ReceiptLevel
+from epibus.cli.mesh_roster import seat_as_operator
 from mesh.agent import MeshAgent
 from tests.conftest import finding
 from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
@@ -115,7 +116,7 @@ def test_mesh_task_titles_with_hostile_texts_are_shown_inert_in_the_inbox_and_ex
     async def propose() -> None:
         async with connect(url, agent="mallory", home=home) as client:
             mesh = MeshAgent(client)
-            await mesh.add_coordinator(project, "mallory")
+            await seat_as_operator([url], home, project, "mallory")
             for text in HOSTILE:
                 await mesh.propose(project, text, text, category="operational", agents=["bob"])
 

@@ -18,6 +18,7 @@ import pytest
 from bus.client import connect
 from bus.receipts import ReceiptLevel
 from bus.server import NatsServer
+from epibus.cli.mesh_roster import seat_as_operator
 from epibus.health import HEALTH_FILE
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
@@ -110,7 +111,7 @@ async def test_every_directory_and_file_of_a_running_node_with_its_server_and_mi
             )
             assert receipt.level is ReceiptLevel.journaled
             mesh = MeshAgent(alice)
-            await mesh.add_coordinator(project, "alice")
+            await seat_as_operator([node.nats_url], home, project, "alice")
             await mesh.propose(project, "rotate logs", "the disk fills up", category="operational", agents=["alice"])
             await eventually(lambda: node.mirror is not None and node.mirror.indexed >= 1, timeout_s=15)
             await eventually(lambda: (home / "mesh" / "recorder.cursor").exists() and (home / HEALTH_FILE).exists())

@@ -32,8 +32,9 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
 def both_read_before_either_writes(*agents: MeshAgent) -> Callable[[], None]:
-    """Hold each agent's first KV write of a round until every agent reached its own, so both decisions are
-    made against the same revision and compare-and-set must pick the winner. Returns `next_round`."""
+    """Hold each agent's first request to the node of a round until every agent reached its own, so both
+    decisions are made against the same revision and the node's compare-and-set must pick the winner. Returns
+    `next_round`."""
     state: dict[str, Any] = {}
 
     def next_round() -> None:
@@ -41,15 +42,15 @@ def both_read_before_either_writes(*agents: MeshAgent) -> Callable[[], None]:
         state["waited"] = set()
 
     for mesh in agents:
-        original = mesh.store.write_task
+        original = mesh.ask_node
 
-        async def write_task(record: Any, *, last: int, _original: Any = original, _agent: str = mesh.agent) -> int:
+        async def ask_node(subject: str, request: Any, _original: Any = original, _agent: str = mesh.agent) -> int:
             if _agent not in state["waited"]:
                 state["waited"].add(_agent)
                 await state["barrier"].wait()
-            return int(await _original(record, last=last))
+            return int(await _original(subject, request))
 
-        mesh.store.write_task = write_task  # type: ignore[method-assign]
+        mesh.ask_node = ask_node  # type: ignore[method-assign]
     next_round()
     return next_round
 
@@ -135,7 +136,8 @@ async def test_two_coordinators_racing_to_decide_one_proposal_exactly_one_wins(
         )
         wins = [r for r in results if not isinstance(r, BaseException)]
         losses = [r for r in results if isinstance(r, BaseException)]
-        assert len(wins) == 1 and len(losses) == 1, results
+        assert len(wins) == 1, results
+        assert len(losses) == 1, results
         assert isinstance(losses[0], IllegalTransition)
         assert "allowed from" in str(losses[0])
         entry = await alice.locate(task, project)
@@ -251,6 +253,19 @@ async def test_change_counter_proposes_a_linked_task_that_then_runs_normally(
         await coord.change(parent.task_id, message_id=changed.step.message_id, **(same | {"title": "other"}))
 
 
+async def test_a_coordinator_that_counter_proposes_its_own_proposal_is_trusted_by_every_reader(
+    trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str
+) -> None:
+    _alice, coord, bob = trio
+    parent = (await coord.propose(project, "upgrade", "all hosts", category="strategic", agents=["bob"])).record
+    child_id = (await coord.change(parent.task_id, title="upgrade one host", reason="canary first")).step.child_id
+    assert child_id is not None
+    child = (await MeshAgent(bob.client).locate(child_id, project)).record  # a fresh reader verifies it
+    assert (child.proposal.proposer, child.steps[0].actor, child.steps[0].roles) == ("coord", "coord", ("coordinator",))
+    assert [e.record.task_id for e in await bob.tasks(project)] == [parent.task_id, child_id]
+    assert bob.store.quarantine.count == 0
+
+
 async def test_bad_input_gets_a_clear_error_and_writes_nothing(
     trio: tuple[MeshAgent, MeshAgent, MeshAgent], project: str, mesh_as: MeshFactory
 ) -> None:
@@ -286,11 +301,13 @@ async def test_bad_input_gets_a_clear_error_and_writes_nothing(
         await MeshAgent(alice.client).locate("whatever", "nobody-coordinates")
 
 
-async def test_only_coordinators_change_the_roster_and_the_last_one_stays(mesh_as: MeshFactory, project: str) -> None:
+async def test_only_coordinators_or_an_admin_change_the_roster_and_the_last_one_stays(
+    mesh_as: MeshFactory, project: str
+) -> None:
     alice, coord = await mesh_as("alice"), await mesh_as("coord")
     assert await alice.coordinators(project) == ()
-    await coord.add_coordinator(project, "coord")  # the first may be added by anyone
-    with pytest.raises(Forbidden, match="only its coordinators \\(coord\\) may"):
+    await coord.add_coordinator(project, "coord")  # a registry open to first use: anyone seats the first
+    with pytest.raises(Forbidden, match="only its coordinators \\(coord\\) or an admin may"):
         await alice.add_coordinator(project, "alice")
     with pytest.raises(Forbidden, match="last coordinator"):
         await coord.remove_coordinator(project, "coord")

@@ -18,6 +18,7 @@ import pytest
 from bus.errors import MalformedRecord, Unavailable
 from bus.ids import new_event_id
 from bus.server import NatsServer
+from bus.signing import AgentKey
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
 from bus.vocab import TaskAction
 from epibus.node import Node, service_failures
@@ -78,10 +79,13 @@ def test_every_hostile_roster_or_capabilities_record_decodes_to_a_malformed_reco
 
 
 def test_a_roster_or_capabilities_record_under_another_key_is_malformed() -> None:
-    roster = json.dumps({"project": "elsewhere", "coordinators": ["mallory"]}).encode()
+    roster = json.dumps({"project": "elsewhere", "changes": []}).encode()
     with pytest.raises(MalformedRecord, match="belongs under"):
         decode_roster(roster, key=roster_key(PROJECT), revision=1)
-    advertised = json.dumps({"agent": "mallory", "capabilities": ["python"], "updated_at": "2025-01-01T00:00:00Z"})
+    signed = {"public_key": AgentKey.generate("mallory").public_key, "signature": "A" * 86}
+    advertised = json.dumps(
+        {"agent": "mallory", "capabilities": ["python"], "updated_at": "2025-01-01T00:00:00Z"} | signed
+    )
     with pytest.raises(MalformedRecord, match="belongs under"):
         decode_capabilities(advertised.encode(), key=capabilities_key("bob"), revision=1)
 

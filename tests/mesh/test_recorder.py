@@ -11,17 +11,19 @@ from typing import Any
 import nkeys
 import pytest
 
-from bus.errors import Forbidden, Unavailable
+import mesh.service
+from bus.errors import Unavailable
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.reader import read_stream
 from bus.signing import AgentKey
-from bus.subjects import STREAM, events_filter
+from bus.subjects import MESH_BUCKET, STREAM, events_filter, task_key
 from bus.vocab import MeshRole, TaskAction, TaskState
 from epibus.node import Node
 from mesh.agent import MeshAgent
 from mesh.events import unsigned_step_event
 from mesh.task import Step
+from mesh.trust import UntrustedRecord
 from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
 
@@ -68,17 +70,22 @@ async def test_a_step_its_agent_never_published_reaches_the_stream_and_the_journ
     rows = await eventually(journaled)
     assert [(r[0], r[2]) for r in rows] == [(str(message_id), "alice")]  # alice's signature, verified by the journal
     assert node.recorder is not None
-    assert node.recorder.stats.forged == 0
+    assert node.recorder.watcher.stats.untrusted == 0
 
 
-async def test_a_counter_proposal_its_coordinator_never_created_is_created_by_the_recorder(
+async def test_a_counter_proposal_the_node_never_created_is_created_by_the_recorder(
     mesh_as: MeshFactory, project: str, node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     alice, coord = await mesh_as("alice"), await mesh_as("coord")
     await coord.add_coordinator(project, "coord")
     parent = (await alice.propose(project, "big", "s", category="strategic", agents=["bob"])).record
+
+    async def writer_stops(*_args: Any) -> None:
+        raise Unavailable("nats", "the node stopped between the change and its counter-proposal")
+
+    monkeypatch.setattr(mesh.service, "ensure_counter_task", writer_stops)  # whichever node writes the change
     stop_after_the_kv_write(coord, monkeypatch)
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable, match="between the change and its counter-proposal"):
         await coord.change(parent.task_id, title="smaller", reason="too big")
     changed = (await alice.locate(parent.task_id, project)).record
     assert changed.state is TaskState.changed
@@ -111,7 +118,8 @@ async def test_a_step_signed_with_another_agents_key_is_never_published(
     alice, coord = await mesh_as("alice"), await mesh_as("coord")
     await coord.add_coordinator(project, "coord")
     entry = (await alice.propose(project, "t", "s", category="operational", agents=["mallory"])).record
-    # mallory writes an acceptance in coord's name straight into the bucket, signed with her own key
+    # an acceptance in coord's name signed with mallory's key, written straight into the bucket (as a writer
+    # around the node could on this open server)
     mallory = AgentKey("coord", nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))  # coord's name, her key
     step = Step(
         message_id=new_event_id(),
@@ -121,6 +129,7 @@ async def test_a_step_signed_with_another_agents_key_is_never_published(
         from_state=TaskState.proposed,
         to_state=TaskState.accepted,
         at=entry.steps[0].at,
+        roster_version=1,
         assignee="mallory",
     )
     forged = entry.model_copy(
@@ -132,10 +141,15 @@ async def test_a_step_signed_with_another_agents_key_is_never_published(
     )
     forged = forged.model_copy(update={"steps": (*entry.steps, step)})
     current = await alice.locate(entry.task_id, project)
-    await alice.store.write_task(forged, last=current.revision)
-    await eventually(lambda: node.recorder is not None and node.recorder.stats.forged == 1)
+    written = await alice.store.write_task(forged, last=current.revision)
+    await eventually(lambda: node.recorder is not None and node.recorder.watcher.stats.untrusted == 1)
+    assert node.recorder is not None
+    assert [(q.key, q.revision) for q in node.recorder.watcher.quarantine.records] == [
+        (task_key(project, entry.task_id), written)
+    ]
     assert str(step.message_id) not in await stream_task_events(alice, project)
     worker = await mesh_as("mallory")
-    with pytest.raises(Forbidden, match="acceptance is not trustworthy"):  # never acted on
+    with pytest.raises(UntrustedRecord, match="step 2 \\(accept by coord\\) is not trustworthy"):  # never acted on
         await worker.start(entry.task_id, project=project)
-    assert (await alice.locate(entry.task_id, project)).record.state is TaskState.accepted
+    kv = await alice.client.js.key_value(MESH_BUCKET)
+    assert (await kv.get(task_key(project, entry.task_id))).revision == written  # nothing written over it
