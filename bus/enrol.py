@@ -12,16 +12,15 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NatsClient
 from pydantic import BaseModel
 
+from bus.ask import ask_one
 from bus.auth import ANY_PROJECT
-from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
+from bus.errors import ConfigError
 from bus.jetstream import open_nats
-from bus.recall import fan_out
 from bus.requests import (
     AgentListReply,
     AgentListRequest,
     EnrolmentReply,
     EnrolRequest,
-    ErrorReply,
     RevokeRequest,
     build_request,
 )
@@ -33,26 +32,8 @@ ADMIN_TIMEOUT_S = 10.0
 R = TypeVar("R", bound=BaseModel)
 
 
-class Refused(EpibusError):
-    """A node answered an admin request with an error."""
-
-    def __init__(self, node: str, error: str) -> None:
-        self.node = node
-        self.error = error
-        super().__init__(f"node {node} refused: {error}")
-
-
 async def _ask(nc: NatsClient, admin: AgentKey, subject: str, request: BaseModel, reply_model: type[R]) -> R:
-    replies = await fan_out(nc, subject, request, reply_model, timeout_s=ADMIN_TIMEOUT_S, signer=admin, one=True)
-    if not replies.answers:
-        why = "; ".join(f"{n}: {e}" for n, e in replies.malformed.items()) or "no node answered"
-        raise Unavailable("epibus node", f"{subject}: {why}; is `epibus up` running?")
-    reply = replies.answers[0]
-    if isinstance(reply, ErrorReply):
-        if "may not" in reply.error:
-            raise Forbidden(admin.agent_id, "ask", subject, reply.error)
-        raise Refused(reply.node, reply.error)
-    return reply
+    return await ask_one(nc, subject, request, reply_model, signer=admin, timeout_s=ADMIN_TIMEOUT_S)
 
 
 async def enrol(nc: NatsClient, admin: AgentKey, request: EnrolRequest) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from bus.subjects import AGENT_KEYS_BUCKET, STREAM, TOMBSTONES_BUCKET, event_sub
 from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
-from tests.support import eventually, operator_credentials
+from tests.support import enrol_agent, eventually, operator_credentials
 
 REFUSED_WITHIN_S = 2.0
 
@@ -39,15 +39,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[Node, Path]]:
 
 
 async def _enrol(node: Node, home: Path, agent: AgentKey, projects: list[str], roles: list[Role]) -> None:
-    admin = node_key(home)
-    nc = await nats.connect(node.nats_url, **admin.nats_credentials)
-    try:
-        request = build_request(
-            EnrolRequest, agent_id=agent.agent_id, public_key=agent.public_key, projects=projects, roles=roles
-        )
-        await enrol.enrol(nc, admin, request)
-    finally:
-        await nc.close()
+    await enrol_agent(node.nats_url, home, agent, roles=roles, projects=projects)
 
 
 class Violations:
