@@ -137,3 +137,10 @@ def refusal(reply: ErrorReply, signer: AgentKey, subject: str) -> Forbidden | Re
         rule = reply.error.removeprefix(prefix).strip()
         return Forbidden(signer.agent_id, "ask", subject, f"{rule} (node {reply.node})")
     return Refused(reply.node, reply.error)
+
+
+def refused_by_all(replies: Replies[R], signer: AgentKey, subject: str) -> Forbidden | None:
+    """The refusal to raise when every node that answered refused the signer, else None."""
+    errors = [refusal(a, signer, subject) if isinstance(a, ErrorReply) else None for a in replies.answers]
+    refusals = [e for e in errors if isinstance(e, Forbidden)]
+    return refusals[0] if refusals and len(refusals) == len(errors) else None

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.ask import Replies, ask_one, fan_out
+from bus.ask import Replies, ask_one, fan_out, refused_by_all
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
@@ -190,7 +190,8 @@ async def ask_forget_proof(
     """Read every store back: the stream by sequence, and each node's journal and mirror by event id. With
     `scrub` (admins), a node that has applied the forget first erases what is left of the content in its files
     (outbox rows, cached vectors, SQLite WALs, the mirror's WAL and pages; idempotent); then every node scans
-    every file it owns for the report's fingerprints and names the files that hold one."""
+    every file it owns for the report's fingerprints and names the files that hold one. Raises Forbidden when
+    every node that answered refused the signer."""
     js = nc.jetstream()
     erased = []
     for seq, _ in report.messages:
@@ -208,6 +209,9 @@ async def ask_forget_proof(
         scrub=scrub,
     )
     replies = await fan_out(nc, PROVE_FORGOTTEN, request, ForgetProofReply, signer=signer, timeout_s=timeout_s)
+    refused = refused_by_all(replies, signer, PROVE_FORGOTTEN)
+    if refused is not None:
+        raise refused
     nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
     return ForgetProof(report, erased, nodes, replies.malformed)
 
@@ -220,7 +224,7 @@ async def ask_verify(
     malformed reply, and why). Raises Unavailable when no node answered."""
     request = build_request(VerifyRequest, project=project, repair=repair)
     replies = await fan_out(nc, VERIFY, request, VerifyReply, signer=signer, timeout_s=timeout_s)
-    return _answers_of("verify", replies, timeout_s)
+    return _answers_of("verify", replies, timeout_s, signer, VERIFY)
 
 
 async def ask_reindex(
@@ -251,12 +255,17 @@ async def ask_reindex(
         replies = await fan_out(nc, REINDEX, request, ReindexReply, signer=signer, timeout_s=timeout_s)
     finally:
         await subscription.unsubscribe()
-    return _answers_of("reindex", replies, timeout_s)
+    return _answers_of("reindex", replies, timeout_s, signer, REINDEX)
 
 
-def _answers_of(service: str, replies: Replies[Any], timeout_s: float) -> list[dict[str, Any]]:
+def _answers_of(
+    service: str, replies: Replies[Any], timeout_s: float, signer: AgentKey, subject: str
+) -> list[dict[str, Any]]:
     """Each node's answer as a dict, then each malformed reply as a failed one. Raises Unavailable when no node
-    answered (malformed replies are no node's answer)."""
+    answered (malformed replies are no node's answer), Forbidden when every node that answered refused."""
+    refused = refused_by_all(replies, signer, subject)
+    if refused is not None:
+        raise refused
     if not replies.answers:
         bad = "; ".join(f"{origin}: {why}" for origin, why in replies.malformed.items())
         raise Unavailable(

@@ -11,7 +11,7 @@ from typing import Any, get_args
 
 from nats.aio.client import Client as NatsClient
 
-from bus.ask import fan_out
+from bus.ask import fan_out, refused_by_all
 from bus.errors import Unavailable
 from bus.event import Body, Text
 from bus.requests import ErrorReply, RecallReply, RecallRequest, build_request
@@ -179,7 +179,7 @@ def recall_request(
 async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, timeout_s: float = 3.0) -> RecallAnswer:
     """Fan out (signed by `signer`, see fan_out), merge by event id (best score kept), rank. Nodes that answered
     with an error and replies that were malformed are named in failed_nodes. Raises Unavailable when no node
-    answered with hits."""
+    answered with hits, Forbidden when every node that answered refused the signer."""
     answer = RecallAnswer(request.query, request.project)
     merged: dict[str, dict[str, Any]] = {}
     replies = await fan_out(nc, RECALL, request, RecallReply, signer=signer, timeout_s=timeout_s)
@@ -193,6 +193,9 @@ async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, t
             if best is None or hit.score > best["score"]:
                 merged[hit.event_id] = hit.model_dump(mode="json") | {"answered_by": reply.node}
     answer.failed_nodes |= replies.malformed
+    refused = refused_by_all(replies, signer, RECALL)
+    if refused is not None:
+        raise refused
     if not answer.nodes:
         why = "; ".join(f"{n}: {e}" for n, e in answer.failed_nodes.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")

@@ -40,7 +40,7 @@ class ServiceCounts:
     refused: int = 0  # the request did not fit its model: replied with the field and what is allowed
     forbidden: int = 0  # the asker may not ask this (unsigned, unknown, or lacking the role): replied with why
     failed: int = 0  # the handler (or the registry the authorizer reads) raised: replied with the exception
-    unanswerable: int = 0  # no reply subject: nobody to answer, ignored
+    unanswerable: int = 0  # no reply subject, or one the node may not publish on (not an inbox): ignored
     unsent: int = 0  # the reply could not be published (connection lost)
 
 
@@ -84,6 +84,15 @@ class Responder(Generic[Req, Rep]):
         if not msg.reply:
             self.counts.unanswerable += 1
             log.warning("%s request without a reply subject ignored (%d)", self.subject, self.counts.unanswerable)
+            return
+        if self.authorize is not None and not self.authorize.replies_to(msg.reply):
+            self.counts.unanswerable += 1
+            log.warning(
+                "%s request ignored (%d): its reply subject %r is no inbox, and this node publishes only on inboxes",
+                self.subject,
+                self.counts.unanswerable,
+                msg.reply[:200],
+            )
             return
         await self._send(msg.reply, await self._reply_to(msg))
 

@@ -2,9 +2,12 @@
 signer's enrolment in the agent registry) before its body is read; then the service's rule, one function per
 rule below, decides on the validated request. A refusal is a Forbidden naming the rule.
 
-A node with authentication answers signed requests only. A node without it (anyone may connect and ask
-unsigned) answers unsigned requests as before and refuses only a signature that does not verify: applying a
-rule to a signed request there would keep out nobody who leaves the signature off."""
+A node with authentication answers signed requests only, and replies (even to refuse) only on an identity's
+inbox (`_INBOX_<key>.…`): the node publishes with every permission, so a reply subject of the asker's choosing
+(a stream's delete API, an event subject) is never published to; such a request is counted and logged. A node
+without authentication (anyone may connect, ask unsigned and publish anywhere) answers unsigned requests as
+before and refuses only a signature that does not verify: applying a rule to a signed request there would
+keep out nobody who leaves the signature off."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
-from bus.auth import Enrolment, inbox_prefix
+from bus.auth import Enrolment, inbox_owner, inbox_prefix
 from bus.errors import Conflict, Forbidden
 from bus.registry import AgentRegistry
 from bus.requests import (
@@ -65,10 +68,11 @@ Rule = Callable[[Asker, Req], None]
 
 @dataclass(frozen=True)
 class Authorizer(Generic[Req_contra]):
-    """What a responder checks: `identify` on the raw message before its body is read (who signed it; None when
-    nobody needs to, an unsigned request on a node without authentication), then `rule` on the validated
-    request. Both raise Forbidden."""
+    """What a responder checks: `replies_to` whether it may publish on the reply subject at all, `identify` on
+    the raw message before its body is read (who signed it; None when nobody needs to, an unsigned request on a
+    node without authentication), then `rule` on the validated request. The last two raise Forbidden."""
 
+    replies_to: Callable[[str], bool]
     identify: Callable[[Msg], Awaitable[Asker | None]]
     rule: Callable[[Asker, Req_contra], None]
 
@@ -87,10 +91,15 @@ class ServiceGuard:
         """`always`: apply the rule on a node without authentication too (the enrolment services: the registry
         is written for admins only, whatever the server)."""
 
-        async def identify(msg: Msg) -> Asker | None:
-            return await self.identify(msg, enforce=always or self.enforce)
+        enforce = always or self.enforce
 
-        return Authorizer(identify, rule)
+        def replies_to(reply: str) -> bool:
+            return not enforce or inbox_owner(reply) is not None
+
+        async def identify(msg: Msg) -> Asker | None:
+            return await self.identify(msg, enforce=enforce)
+
+        return Authorizer(replies_to, identify, rule)
 
     def drop(self, agent_id: str) -> None:
         """Forget a cached enrolment (this node changed it)."""
