@@ -94,34 +94,43 @@ class FleetRequests:
         """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
         mirror deletes the points), ask a node to erase every earlier message on the artifact's subjects from
         the stream (`eraser` signs it, this client by default: an admin's request), and drop them from this
-        client's outbox. Raises NotFound for an unknown artifact, Forbidden when the eraser is no admin. Follow
-        it with `prove_forgotten`: each node then erases what is left in its files and scans them."""
+        client's outbox. An artifact already forgotten whose messages are still in the stream (the erase was
+        refused, or no node answered) is only erased. Raises NotFound for an unknown artifact, Forbidden when the
+        eraser is no admin, Unavailable. Follow it with `prove_forgotten`: each node then erases what is left in
+        its files and scans them."""
         view = await self.project_view(project)
-        if artifact_id not in view.fold.artifacts:
-            raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
         messages = list(view.messages.get(artifact_id, []))
-        embedded = [view.fold.artifacts[artifact_id].content]
+        earlier = view.erased.get((project, artifact_id), ())  # forgets of the artifact (or of one before it)
+        if artifact_id in view.fold.artifacts:
+            embedded = [view.fold.artifacts[artifact_id].content]
+        else:  # forgotten already: only what is left before its last forget is to erase
+            last = earlier[-1].forget_seq if earlier else 0
+            forgotten_id = next((e for seq, e in messages if seq == last and e), "")
+            messages = [(seq, e) for seq, e in messages if seq < last]
+            if not messages:
+                raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
+            embedded = []
         texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
-        # The artifact's states without its content: paths that read the stream after the erase below decide
-        # what other events did with it (contradicted by it, superseding it) as the live nodes did.
-        earlier = view.erased.get((project, artifact_id), ())  # forgets of an earlier artifact under this id
-        body = {
-            "reason": reason,
-            "history": [
-                h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)
-            ],
-            "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
-        }
-        receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
+        if embedded:
+            # The artifact's states without its content: paths that read the stream after the erase below
+            # decide what other events did with it (contradicted by it, superseding it) as the live nodes did.
+            history = erased_history(view.fold.history.get(artifact_id, []), earlier)
+            body = {
+                "reason": reason,
+                "history": [h.model_dump(mode="json") for h in history],
+                "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
+            }
+            receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
+            forgotten_id = str(receipt.event_id)
         nc, signer = eraser if eraser is not None else (self._require_nc(), self.key)
         erased = await ask_erase(nc, signer, project, artifact_id, timeout_s=self.publish_timeout_s)
         if self.outbox is not None:
             await self.outbox.forget(project, artifact_id)
-        fingerprints = content_fingerprints(texts)
         seen = dict(messages)  # what this client saw, and what the node erased (it may have seen more)
         for seq, event_id in erased:
             seen[seq] = seen.get(seq) or event_id
-        return ForgetReport(project, artifact_id, str(receipt.event_id), sorted(seen.items()), fingerprints, embedded)
+        fingerprints = content_fingerprints(texts)
+        return ForgetReport(project, artifact_id, forgotten_id, sorted(seen.items()), fingerprints, embedded or texts)
 
     async def prove_forgotten(
         self: FleetCore, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0

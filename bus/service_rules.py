@@ -49,10 +49,6 @@ class Asker:
     subject: str
     enrolment: Enrolment | None  # None: the node's own key
 
-    @property
-    def operator(self) -> bool:
-        return self.enrolment is None
-
     def has_role(self, *roles: Role) -> bool:
         return self.enrolment is None or any(self.enrolment.has_role(role) for role in roles)
 
@@ -90,7 +86,6 @@ class ServiceGuard:
     def authorizer(self, rule: Rule[Req], *, always: bool = False) -> Authorizer[Req]:
         """`always`: apply the rule on a node without authentication too (the enrolment services: the registry
         is written for admins only, whatever the server)."""
-
         enforce = always or self.enforce
 
         def replies_to(reply: str) -> bool:
