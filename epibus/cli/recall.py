@@ -80,7 +80,6 @@ def recall_command(
 ) -> None:
     """The safe door by meaning: never contradicted, rolled back, retracted or mistyped items. Ranked by
     similarity x relevance; says which nodes answered. No mirror answering is an error, not "no matches"."""
-
     since, resolved = parse_time(as_of, "--as-of"), include_resolved
     request = recall_request(query, project, k=k, kinds=kind, include_resolved=resolved, as_of=since, audit=False)
     _show(run(_recall(request, timeout, Target(nats, home, agent))), "recall", as_json)
