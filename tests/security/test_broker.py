@@ -64,11 +64,12 @@ async def _stream_state(node: Node, home: Path) -> dict[str, Any]:
     try:
         js = nc.jetstream()
         info = await js.stream_info(STREAM)
-        agents = await js.key_value(AGENT_KEYS_BUCKET)
+        # The registry's keys as the stream holds them (nats-py's kv.keys() can come back short while it is written).
+        agents = await js.stream_info(f"KV_{AGENT_KEYS_BUCKET}", subjects_filter=f"$KV.{AGENT_KEYS_BUCKET}.>")
         return {
             "config": info.config.as_dict(),
             "messages": info.state.messages,
-            "agents": sorted(await agents.keys()),
+            "agents": sorted(s.removeprefix(f"$KV.{AGENT_KEYS_BUCKET}.") for s in agents.state.subjects or {}),
         }
     finally:
         await nc.close()
