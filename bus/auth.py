@@ -92,6 +92,16 @@ def inbox_prefix(public_key: str) -> str:
     return f"_INBOX_{public_key}"
 
 
+_INBOX = re.compile(r"^_INBOX_(U[A-Z2-7]{55})(\.[^\s.*>]+)+$")
+
+
+def inbox_owner(subject: str) -> str | None:
+    """The public key whose inbox `subject` is (`_INBOX_<key>.<token>…`, no wildcards), or None when it is no
+    identity's inbox."""
+    match = _INBOX.fullmatch(subject)
+    return match.group(1) if match else None
+
+
 def _event_subjects(projects: Sequence[str]) -> list[str]:
     if ANY_PROJECT in projects:
         return ["epi.*.>"]

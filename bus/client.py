@@ -482,7 +482,9 @@ class EpibusClient(StateChanges, FleetRequests):
     async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> dict[str, dict[str, Any]]:
         """Return once a journal observer confirms every event id, with what the state projection made of
         each (status, reason, flags). Raises Unavailable naming what is missing."""
-        return await wait_journaled(lambda: self.nc if self.connected else None, event_ids, timeout_s=timeout_s)
+        return await wait_journaled(
+            lambda: self.nc if self.connected else None, event_ids, signer=self.key, timeout_s=timeout_s
+        )
 
     def _require_nc(self) -> NatsClient:
         if self.nc is None or not self.connected:

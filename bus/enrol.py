@@ -13,16 +13,15 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NatsClient
 from pydantic import BaseModel
 
+from bus.ask import ask_one
 from bus.auth import ANY_PROJECT
-from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
+from bus.errors import ConfigError, Unavailable
 from bus.jetstream import open_nats
-from bus.recall import fan_out
 from bus.requests import (
     AgentListReply,
     AgentListRequest,
     EnrolmentReply,
     EnrolRequest,
-    ErrorReply,
     RevokeRequest,
     build_request,
 )
@@ -34,34 +33,18 @@ ADMIN_TIMEOUT_S = 10.0
 R = TypeVar("R", bound=BaseModel)
 
 
-class Refused(EpibusError):
-    """A node answered an admin request with an error."""
-
-    def __init__(self, node: str, error: str) -> None:
-        self.node = node
-        self.error = error
-        super().__init__(f"node {node} refused: {error}")
-
-
 async def _ask(nc: NatsClient, admin: AgentKey, subject: str, request: BaseModel, reply_model: type[R]) -> R:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ADMIN_TIMEOUT_S
     while True:  # a node that is reconnecting (its server just restarted) answers a moment later: ask again
-        replies = await fan_out(
-            nc, subject, request, reply_model, timeout_s=max(0.1, deadline - loop.time()), signer=admin, one=True
-        )
-        if replies.answers or loop.time() >= deadline:
-            break
+        try:
+            return await ask_one(
+                nc, subject, request, reply_model, signer=admin, timeout_s=max(0.1, deadline - loop.time())
+            )
+        except Unavailable:
+            if loop.time() >= deadline:
+                raise
         await asyncio.sleep(0.25)
-    if not replies.answers:
-        why = "; ".join(f"{n}: {e}" for n, e in replies.malformed.items()) or "no node answered"
-        raise Unavailable("epibus node", f"{subject}: {why}; is `epibus up` running?")
-    reply = replies.answers[0]
-    if isinstance(reply, ErrorReply):
-        if "may not" in reply.error:
-            raise Forbidden(admin.agent_id, "ask", subject, reply.error)
-        raise Refused(reply.node, reply.error)
-    return reply
 
 
 async def enrol(nc: NatsClient, admin: AgentKey, request: EnrolRequest) -> dict[str, Any]:
@@ -87,7 +70,9 @@ async def enrol_locally(servers: Sequence[str], home: Path, key: AgentKey) -> di
     admin = node_key(home)
     nc = await open_nats(servers, name=f"epibus-enrol:{key.agent_id}", timeout_s=ADMIN_TIMEOUT_S, key=admin)
     try:
-        request = build_request(EnrolRequest, agent_id=key.agent_id, public_key=key.public_key, projects=[ANY_PROJECT])
+        request = build_request(
+            EnrolRequest, agent_id=key.agent_id, public_key=key.public_key, projects=[ANY_PROJECT], if_absent=True
+        )
         enrolment = await enrol(nc, admin, request)
     finally:
         await nc.close()

@@ -1,6 +1,7 @@
-"""What a client asks of every node at once, over core NATS request subjects: recall by meaning, forget with
-proof, reconciliation and reindexing. A mixin of EpibusClient, kept apart so the client module stays about
-connecting and publishing."""
+"""What a client asks of the nodes over core NATS request subjects, every request signed: recall by meaning,
+forget (an admin's erase) with proof, reconciliation and reindexing. The `ask_*` functions take the connection
+and the key that signs; the FleetRequests mixin of EpibusClient asks them with its own, so the client module
+stays about connecting and publishing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
+from bus.ask import Replies, ask_one, fan_out, refused_by_all
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
@@ -28,14 +30,14 @@ from bus.recall import (
     ForgetProof,
     ForgetReport,
     RecallAnswer,
-    Replies,
     ask_all,
     content_fingerprints,
-    fan_out,
     free_texts,
     recall_request,
 )
 from bus.requests import (
+    EraseReply,
+    EraseRequest,
     ForgetProofReply,
     ForgetProofRequest,
     ReindexProgress,
@@ -46,9 +48,14 @@ from bus.requests import (
     build_request,
     describe_invalid,
 )
-from bus.subjects import PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
+from bus.signing import AgentKey
+from bus.subjects import FORGET_ERASE, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
 
 log = logging.getLogger(__name__)
+
+
+# A connection and the key that signs requests on it (the connection receives on that key's inboxes).
+Asking = tuple[NatsClient, AgentKey]
 
 
 class FleetCore(Protocol):
@@ -56,6 +63,7 @@ class FleetCore(Protocol):
 
     publish_timeout_s: float
     outbox: Outbox | None
+    key: AgentKey
 
     @property
     def js(self) -> JetStreamContext: ...
@@ -77,107 +85,70 @@ class FleetCore(Protocol):
 
 
 class FleetRequests:
+    """Requests signed by this client's key on its own connection. Another signer (an admin's, the node
+    operator's) asks through the `ask_*` functions below with its own connection."""
+
     async def forget(
-        self: FleetCore, project: str, artifact_id: str, *, reason: str, eraser: JetStreamContext | None = None
+        self: FleetCore, project: str, artifact_id: str, *, reason: str, eraser: Asking | None = None
     ) -> ForgetReport:
         """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
-        mirror deletes the points), erase every message on the artifact's subjects from the stream, and drop
-        them from this client's outbox. Raises NotFound for an unknown artifact. Follow it with
-        `prove_forgotten`: each node then erases what is left in its files and scans them.
-
-        Erasing stream messages needs the node operator's connection (`eraser`) on a server that authenticates:
-        the broker refuses agents' message deletes."""
+        mirror deletes the points), ask a node to erase every earlier message on the artifact's subjects from
+        the stream (`eraser` signs it, this client by default: an admin's request), and drop them from this
+        client's outbox. An artifact already forgotten whose messages are still in the stream (the erase was
+        refused, or no node answered) is only erased. Raises NotFound for an unknown artifact, Forbidden when the
+        eraser is no admin, Unavailable. Follow it with `prove_forgotten`: each node then erases what is left in
+        its files and scans them."""
         view = await self.project_view(project)
-        if artifact_id not in view.fold.artifacts:
-            raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
         messages = list(view.messages.get(artifact_id, []))
-        embedded = [view.fold.artifacts[artifact_id].content]
+        earlier = view.erased.get((project, artifact_id), ())  # forgets of the artifact (or of one before it)
+        if artifact_id in view.fold.artifacts:
+            embedded = [view.fold.artifacts[artifact_id].content]
+        else:  # forgotten already: only what is left before its last forget is to erase
+            last = earlier[-1].forget_seq if earlier else 0
+            forgotten_id = next((e for seq, e in messages if seq == last and e), "")
+            messages = [(seq, e) for seq, e in messages if seq < last]
+            if not messages:
+                raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
+            embedded = []
         texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
-        # The artifact's states without its content: paths that read the stream after the erase below decide
-        # what other events did with it (contradicted by it, superseding it) as the live nodes did.
-        earlier = view.erased.get((project, artifact_id), ())  # forgets of an earlier artifact under this id
-        body = {
-            "reason": reason,
-            "history": [
-                h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)
-            ],
-            "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
-        }
-        receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
-        for seq, _ in messages:
-            try:
-                async with asyncio.timeout(self.publish_timeout_s):
-                    await (eraser or self.js).delete_msg(STREAM, seq)  # erases: the server overwrites the bytes
-            except nats.js.errors.NotFoundError:
-                continue  # already gone
-            except NATS_OR_API_ERROR as e:
-                raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
+        if embedded:
+            # The artifact's states without its content: paths that read the stream after the erase below
+            # decide what other events did with it (contradicted by it, superseding it) as the live nodes did.
+            history = erased_history(view.fold.history.get(artifact_id, []), earlier)
+            body = {
+                "reason": reason,
+                "history": [h.model_dump(mode="json") for h in history],
+                "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
+            }
+            receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
+            forgotten_id = str(receipt.event_id)
+        nc, signer = eraser if eraser is not None else (self._require_nc(), self.key)
+        erased = await ask_erase(nc, signer, project, artifact_id, timeout_s=self.publish_timeout_s)
         if self.outbox is not None:
             await self.outbox.forget(project, artifact_id)
+        seen = dict(messages)  # what this client saw, and what the node erased (it may have seen more)
+        for seq, event_id in erased:
+            seen[seq] = seen.get(seq) or event_id
         fingerprints = content_fingerprints(texts)
-        return ForgetReport(project, artifact_id, str(receipt.event_id), messages, fingerprints, embedded)
+        return ForgetReport(project, artifact_id, forgotten_id, sorted(seen.items()), fingerprints, embedded or texts)
 
     async def prove_forgotten(
         self: FleetCore, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0
     ) -> ForgetProof:
-        """Read every store back: the stream by sequence, and each node's journal and mirror by event id. With
-        `scrub`, a node that has applied the forget first erases what is left of the content in its files
-        (outbox rows, cached vectors, SQLite WALs, the mirror's WAL and pages; idempotent); then every node
-        scans every file it owns for the report's fingerprints and names the files that hold one."""
-        erased = []
-        for seq, _ in report.messages:
-            try:
-                await self.js.get_msg(STREAM, seq)
-            except nats.js.errors.NotFoundError:
-                erased.append(seq)
-        request = build_request(
-            ForgetProofRequest,
-            project=report.project,
-            artifact_id=report.artifact_id,
-            event_ids=[e for _, e in report.messages if e],
-            fingerprints=report.fingerprints,
-            embedded_texts=report.embedded_texts,
-            scrub=scrub,
-        )
-        replies = await fan_out(self._require_nc(), PROVE_FORGOTTEN, request, ForgetProofReply, timeout_s=timeout_s)
-        nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
-        return ForgetProof(report, erased, nodes, replies.malformed)
+        """See ask_forget_proof; signed by this client's key (`scrub` is for admins)."""
+        return await ask_forget_proof(self._require_nc(), self.key, report, scrub=scrub, timeout_s=timeout_s)
 
     async def verify_nodes(
         self: FleetCore, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
     ) -> list[dict[str, Any]]:
-        """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked). A reply
-        that is no node's answer is listed as a failed answer (`error`: malformed reply, and why). Raises
-        Unavailable when no node answered."""
-        request = build_request(VerifyRequest, project=project, repair=repair)
-        replies = await fan_out(self._require_nc(), VERIFY, request, VerifyReply, timeout_s=timeout_s)
-        return _answers_of("verify", replies, timeout_s)
+        """See ask_verify; signed by this client's key."""
+        return await ask_verify(self._require_nc(), self.key, project, repair=repair, timeout_s=timeout_s)
 
     async def reindex_nodes(
         self: FleetCore, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
     ) -> list[dict[str, Any]]:
-        """Ask every node to rebuild its mirror from the stream into a new collection and swap it in.
-        `progress(node, done_seq, last_seq)` is called as they go. A reply that is no node's answer is listed as
-        a failed answer. Raises Unavailable if no node answered."""
-        nc = self._require_nc()
-        inbox = nc.new_inbox()
-
-        async def on_progress(msg: Msg) -> None:
-            try:
-                update = ReindexProgress.model_validate_json(msg.data)
-            except ValidationError as e:  # not a node's progress: the answer itself still tells
-                log.warning("progress update on %s ignored: %s", inbox, describe_invalid(ReindexProgress, e))
-                return
-            if progress is not None:
-                progress(update.node, update.done, update.total)
-
-        subscription = await nc.subscribe(inbox, cb=on_progress)
-        try:
-            request = build_request(ReindexRequest, progress=inbox)
-            replies = await fan_out(nc, REINDEX, request, ReindexReply, timeout_s=timeout_s)
-        finally:
-            await subscription.unsubscribe()
-        return _answers_of("reindex", replies, timeout_s)
+        """See ask_reindex; signed by this client's key (an admin's)."""
+        return await ask_reindex(self._require_nc(), self.key, progress, timeout_s=timeout_s)
 
     async def recall(
         self: FleetCore,
@@ -195,7 +166,7 @@ class FleetRequests:
         request = recall_request(
             query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, audit=False
         )
-        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+        return await ask_all(self._require_nc(), request, signer=self.key, timeout_s=timeout_s)
 
     async def audit_recall(
         self: FleetCore,
@@ -206,14 +177,104 @@ class FleetRequests:
         kinds: list[str] | None = None,
         timeout_s: float = 3.0,
     ) -> RecallAnswer:
-        """The audit door: every mirrored item whatever its state, with that state."""
+        """The audit door: every mirrored item whatever its state, with that state (reviewers and admins)."""
         request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
-        return await ask_all(self._require_nc(), request, timeout_s=timeout_s)
+        return await ask_all(self._require_nc(), request, signer=self.key, timeout_s=timeout_s)
 
 
-def _answers_of(service: str, replies: Replies[Any], timeout_s: float) -> list[dict[str, Any]]:
+async def ask_erase(
+    nc: NatsClient, signer: AgentKey, project: str, artifact_id: str, *, timeout_s: float
+) -> list[tuple[int, str | None]]:
+    """Ask a node (an admin's request) to erase from the stream every message on the artifact's subjects before
+    its last `forgotten` event; the node finds them itself. Returns what it erased: (stream seq, event id).
+    Raises Forbidden, Refused (no `forgotten` event yet, ...), Unavailable."""
+    request = build_request(EraseRequest, project=project, artifact_id=artifact_id)
+    reply = await ask_one(nc, FORGET_ERASE, request, EraseReply, signer=signer, timeout_s=timeout_s)
+    return [(m.seq, m.event_id) for m in reply.erased]
+
+
+async def ask_forget_proof(
+    nc: NatsClient, signer: AgentKey, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0
+) -> ForgetProof:
+    """Read every store back: the stream by sequence, and each node's journal and mirror by event id. With
+    `scrub` (admins), a node that has applied the forget first erases what is left of the content in its files
+    (outbox rows, cached vectors, SQLite WALs, the mirror's WAL and pages; idempotent); then every node scans
+    every file it owns for the report's fingerprints and names the files that hold one. Raises Forbidden when
+    every node that answered refused the signer."""
+    js = nc.jetstream()
+    erased = []
+    for seq, _ in report.messages:
+        try:
+            await js.get_msg(STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            erased.append(seq)
+    request = build_request(
+        ForgetProofRequest,
+        project=report.project,
+        artifact_id=report.artifact_id,
+        event_ids=[e for _, e in report.messages if e],
+        fingerprints=report.fingerprints,
+        embedded_texts=report.embedded_texts,
+        scrub=scrub,
+    )
+    replies = await fan_out(nc, PROVE_FORGOTTEN, request, ForgetProofReply, signer=signer, timeout_s=timeout_s)
+    refused = refused_by_all(replies, signer, PROVE_FORGOTTEN)
+    if refused is not None:
+        raise refused
+    nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
+    return ForgetProof(report, erased, nodes, replies.malformed)
+
+
+async def ask_verify(
+    nc: NatsClient, signer: AgentKey, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
+) -> list[dict[str, Any]]:
+    """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked: admins; every
+    project, project None: admins). A reply that is no node's answer is listed as a failed answer (`error`:
+    malformed reply, and why). Raises Unavailable when no node answered."""
+    request = build_request(VerifyRequest, project=project, repair=repair)
+    replies = await fan_out(nc, VERIFY, request, VerifyReply, signer=signer, timeout_s=timeout_s)
+    return _answers_of("verify", replies, timeout_s, signer, VERIFY)
+
+
+async def ask_reindex(
+    nc: NatsClient,
+    signer: AgentKey,
+    progress: Callable[[str, int, int], None] | None = None,
+    *,
+    timeout_s: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Ask every node (an admin's request) to rebuild its mirror from the stream into a new collection and swap
+    it in. `progress(node, done_seq, last_seq)` is called as they go: the nodes publish it on an inbox of the
+    signer. A reply that is no node's answer is listed as a failed answer. Raises Unavailable if no node
+    answered."""
+    inbox = nc.new_inbox()
+
+    async def on_progress(msg: Msg) -> None:
+        try:
+            update = ReindexProgress.model_validate_json(msg.data)
+        except ValidationError as e:  # not a node's progress: the answer itself still tells
+            log.warning("progress update on %s ignored: %s", inbox, describe_invalid(ReindexProgress, e))
+            return
+        if progress is not None:
+            progress(update.node, update.done, update.total)
+
+    subscription = await nc.subscribe(inbox, cb=on_progress)
+    try:
+        request = build_request(ReindexRequest, progress=inbox)
+        replies = await fan_out(nc, REINDEX, request, ReindexReply, signer=signer, timeout_s=timeout_s)
+    finally:
+        await subscription.unsubscribe()
+    return _answers_of("reindex", replies, timeout_s, signer, REINDEX)
+
+
+def _answers_of(
+    service: str, replies: Replies[Any], timeout_s: float, signer: AgentKey, subject: str
+) -> list[dict[str, Any]]:
     """Each node's answer as a dict, then each malformed reply as a failed one. Raises Unavailable when no node
-    answered (malformed replies are no node's answer)."""
+    answered (malformed replies are no node's answer), Forbidden when every node that answered refused."""
+    refused = refused_by_all(replies, signer, subject)
+    if refused is not None:
+        raise refused
     if not replies.answers:
         bad = "; ".join(f"{origin}: {why}" for origin, why in replies.malformed.items())
         raise Unavailable(

@@ -3,26 +3,20 @@ the answers are merged by event id. The answer says which nodes answered, and wh
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar, get_args
+from datetime import datetime
+from typing import Any, get_args
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from pydantic import BaseModel
 
+from bus.ask import fan_out, refused_by_all
 from bus.errors import Unavailable
 from bus.event import Body, Text
-from bus.jetstream import NATS_UNAVAILABLE
-from bus.requests import ErrorReply, Malformed, RecallReply, RecallRequest, build_request, read_reply
+from bus.requests import ErrorReply, RecallReply, RecallRequest, build_request
 from bus.signing import AgentKey
 from bus.subjects import RECALL
-
-SETTLE_S = 0.3  # after the first answer, how long to wait for the other nodes
-R = TypeVar("R", bound=BaseModel)
 
 
 @dataclass
@@ -182,88 +176,13 @@ def recall_request(
     )
 
 
-@dataclass
-class Replies(Generic[R]):
-    """What came back from a fan-out: each node's answer (its reply, or the error it answered with), and the
-    replies that were neither, by who sent them (the node they name, else their arrival order) with why."""
-
-    answers: list[R | ErrorReply] = field(default_factory=list)
-    malformed: dict[str, str] = field(default_factory=dict)
-
-    def add_malformed(self, reply: Malformed, arrived: int) -> None:
-        origin = reply.origin or f"reply {arrived}"
-        while origin in self.malformed:  # two bad replies naming one node: keep both
-            origin += "'"
-        self.malformed[origin] = f"malformed reply: {reply.reason}"
-
-
-async def fan_out(
-    nc: NatsClient,
-    subject: str,
-    request: BaseModel,
-    reply_model: type[R],
-    *,
-    timeout_s: float,
-    signer: AgentKey | None = None,
-    one: bool = False,
-) -> Replies[R]:
-    """Publish one request that every node answers; collect the answers until timeout_s, or SETTLE_S after the
-    last one came in. Each reply is read with `reply_model`: one that does not fit (not JSON, the wrong shape,
-    too big) is recorded as malformed, never taken as an answer. No answers means no node answered.
-
-    With `signer` the request is signed by that key (nodes with authentication answer nothing else), and the
-    connection must receive on that key's inboxes (`AgentKey.nats_credentials`). `one`: stop at the first answer
-    (a service answered by one node of a queue group)."""
-    inbox = nc.new_inbox()
-    queue: asyncio.Queue[Msg] = asyncio.Queue()
-
-    async def collect(msg: Msg) -> None:
-        await queue.put(msg)
-
-    subscription = await nc.subscribe(inbox, cb=collect)
-    replies: Replies[R] = Replies()
-    arrived = 0
-    first_s = 0.0
-    try:
-        data = request.model_dump_json().encode()
-        headers = signer.sign_request(subject, inbox, data, signed_at=datetime.now(UTC)) if signer else None
-        await nc.publish(subject, data, reply=inbox, headers=headers)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            # After the first answer the others get SETTLE_S more (slow work: as long as the first took).
-            wait_s = deadline - loop.time() if not arrived else min(max(SETTLE_S, first_s), deadline - loop.time())
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, wait_s))
-            except TimeoutError:
-                break
-            if not msg.data:  # a status message (503: no responders), not an answer
-                if (msg.headers or {}).get("Status") == "503" and not arrived:
-                    break
-                continue
-            if not arrived:
-                first_s = timeout_s - (deadline - loop.time())
-            arrived += 1
-            reply = read_reply(msg.data, reply_model, max_bytes=nc.max_payload)
-            if isinstance(reply, Malformed):
-                replies.add_malformed(reply, arrived)
-            else:
-                replies.answers.append(reply)
-            if one:
-                break
-    except NATS_UNAVAILABLE as e:
-        raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
-    finally:
-        await subscription.unsubscribe()
-    return replies
-
-
-async def ask_all(nc: NatsClient, request: RecallRequest, *, timeout_s: float = 3.0) -> RecallAnswer:
-    """Fan out, merge by event id (best score kept), rank. Nodes that answered with an error and replies that
-    were malformed are named in failed_nodes. Raises Unavailable when no node answered with hits."""
+async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, timeout_s: float = 3.0) -> RecallAnswer:
+    """Fan out (signed by `signer`, see fan_out), merge by event id (best score kept), rank. Nodes that answered
+    with an error and replies that were malformed are named in failed_nodes. Raises Unavailable when no node
+    answered with hits, Forbidden when every node that answered refused the signer."""
     answer = RecallAnswer(request.query, request.project)
     merged: dict[str, dict[str, Any]] = {}
-    replies = await fan_out(nc, RECALL, request, RecallReply, timeout_s=timeout_s)
+    replies = await fan_out(nc, RECALL, request, RecallReply, signer=signer, timeout_s=timeout_s)
     for reply in replies.answers:
         if isinstance(reply, ErrorReply):
             answer.failed_nodes[reply.node] = reply.error
@@ -274,6 +193,9 @@ async def ask_all(nc: NatsClient, request: RecallRequest, *, timeout_s: float = 
             if best is None or hit.score > best["score"]:
                 merged[hit.event_id] = hit.model_dump(mode="json") | {"answered_by": reply.node}
     answer.failed_nodes |= replies.malformed
+    refused = refused_by_all(replies, signer, RECALL)
+    if refused is not None:
+        raise refused
     if not answer.nodes:
         why = "; ".join(f"{n}: {e}" for n, e in answer.failed_nodes.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")

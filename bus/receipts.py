@@ -9,17 +9,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import PubAck
 
-from bus.errors import Unavailable
-from bus.jetstream import NATS_UNAVAILABLE
+from bus.ask import fan_out, refusal
+from bus.errors import Forbidden, Unavailable
 from bus.outbox import Outbox
 from bus.publish import Receipt
-from bus.requests import LOOKUP_CHUNK, ErrorReply, LookupReply, LookupRequest, Malformed, read_reply
+from bus.requests import LOOKUP_CHUNK, ErrorReply, LookupReply, LookupRequest
+from bus.signing import AgentKey
 from bus.subjects import JOURNAL_LOOKUP
 from bus.vocab import ReceiptLevel
+
+LOOKUP_TIMEOUT_S = 2.0  # one lookup; wait_journaled asks again until its own timeout
 
 
 async def await_acks(
@@ -49,10 +51,15 @@ async def await_acks(
 
 
 async def wait_journaled(
-    connection: Callable[[], NatsClient | None], event_ids: Sequence[uuid.UUID], *, timeout_s: float
+    connection: Callable[[], NatsClient | None],
+    event_ids: Sequence[uuid.UUID],
+    *,
+    signer: AgentKey,
+    timeout_s: float,
 ) -> dict[str, dict[str, Any]]:
-    """Ask the journal observers (JOURNAL_LOOKUP) until every event id is confirmed. Returns each one's
-    outcome (status, reason, flags). Raises Unavailable naming how many are missing and why."""
+    """Ask the journal observers (JOURNAL_LOOKUP, signed by `signer`: the connection receives on its inboxes)
+    until every event id is confirmed. Returns each one's outcome (status, reason, flags). Raises Unavailable
+    naming how many are missing and why, Forbidden when a journal refuses the signer."""
     missing = {str(e) for e in event_ids}
     outcomes: dict[str, dict[str, Any]] = {}
     delay_s = 0.01
@@ -64,21 +71,26 @@ async def wait_journaled(
         asking = sorted(missing)
         for start in range(0, len(asking) if nc is not None else 0, LOOKUP_CHUNK):  # stay under max_payload
             assert nc is not None
+            chunk = LookupRequest(asking[start : start + LOOKUP_CHUNK])
             try:
-                chunk = LookupRequest(asking[start : start + LOOKUP_CHUNK]).model_dump_json().encode()
-                data = (await nc.request(JOURNAL_LOOKUP, chunk, timeout=2)).data
-            except nats.errors.NoRespondersError:
+                replies = await fan_out(
+                    nc, JOURNAL_LOOKUP, chunk, LookupReply, signer=signer, timeout_s=LOOKUP_TIMEOUT_S, one=True
+                )
+            except Unavailable as e:
+                last_problem = e.cause
+                break
+            if replies.malformed:  # not a journal's answer: ask again, and say so if none comes
+                origin, why = next(iter(replies.malformed.items()))
+                last_problem = f"malformed journal lookup reply from {origin}: {why.removeprefix('malformed reply: ')}"
+                continue
+            if not replies.answers:
                 last_problem = "no journal observer answered; is `epibus up` running?"
                 break
-            except NATS_UNAVAILABLE as e:
-                last_problem = f"{type(e).__name__} {e}"
-                break
-            answer = read_reply(data, LookupReply, max_bytes=nc.max_payload)
-            if isinstance(answer, Malformed):  # not a journal's answer: ask again, and say so if none comes
-                last_problem = f"malformed journal lookup reply from {answer.origin or 'an unnamed process'}: "
-                last_problem += answer.reason
-                continue
+            answer = replies.answers[0]
             if isinstance(answer, ErrorReply):
+                error = refusal(answer, signer, JOURNAL_LOOKUP)
+                if isinstance(error, Forbidden):  # asking again cannot help
+                    raise error
                 last_problem = f"journal {answer.node}: {answer.error}"
                 continue
             missing -= set(answer.journaled)

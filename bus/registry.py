@@ -128,10 +128,11 @@ class AgentRegistry:
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
                 kv = await self._bucket()
-                try:
-                    keys = await kv.keys()
-                except nats.js.errors.NoKeysError:
-                    return []
+                # The keys from the stream's own state: nats-py's kv.keys() (a watcher) can come back short while
+                # the bucket is written, and a short list here would drop enrolled agents from the server.
+                prefix = f"$KV.{AGENT_KEYS_BUCKET}."
+                info = await self._js.stream_info(f"KV_{AGENT_KEYS_BUCKET}", subjects_filter=f"{prefix}>")
+                keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
                 for key in sorted(keys):
                     if not AGENT_PATTERN.fullmatch(key):
                         continue  # policy records

@@ -109,6 +109,13 @@ class ReindexRequest(Message):
     )
 
 
+class EraseRequest(Message):
+    """An admin asks a node to erase from the stream the messages of an artifact whose `forgotten` event is there."""
+
+    project: Project = Field(description=f"a project slug matching {PROJECT_PATTERN.pattern}")
+    artifact_id: ArtifactId = Field(description=f"an artifact id matching {ARTIFACT_PATTERN.pattern}")
+
+
 class EnrolRequest(Message):
     """An admin enrols an agent (or changes its roles, projects or owner)."""
 
@@ -122,6 +129,9 @@ class EnrolRequest(Message):
         description=f"a list of project slugs, or [{ANY_PROJECT!r}] for every project"
     )
     replace_key: bool = Field(False, description="true to rotate the key of an agent enrolled with another")
+    if_absent: bool = Field(
+        False, description="true to leave an agent already enrolled (or revoked) as it is: a local first connect"
+    )
 
 
 class RevokeRequest(Message):
@@ -206,6 +216,17 @@ class ReindexReply(Message):
     points: Count
     last_seq: Count
     rejected: Count
+
+
+class ErasedMessage(Message):
+    seq: Annotated[int, Field(ge=1)]
+    event_id: str | None  # None: the message was not an event any store admits
+
+
+class EraseReply(Message):
+    node: NodeName
+    forget_seq: Annotated[int, Field(ge=1)]  # the `forgotten` event the erase is for; every message before it went
+    erased: Annotated[list[ErasedMessage], Field(max_length=MAX_IDS)]
 
 
 class EnrolmentReply(Message):

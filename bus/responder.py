@@ -1,7 +1,8 @@
-"""The one way a process answers a core NATS request: decode the body, validate it with the service's request
-model, call the handler, reply. Every request with a reply subject gets a reply: the answer, or an error line
-naming the refused field or the handler's exception. An asker can then tell a refusal from a node that is not
-there."""
+"""The one way a process answers a core NATS request: find who signed it (with an authorizer), decode the body,
+validate it with the service's request model, apply the service's rule to the signer and the request, call the
+handler, reply. Every request with a reply subject gets a reply: the answer, or an error line naming the refused
+field, the rule that refused the asker, or the handler's exception. An asker can then tell a refusal from a node
+that is not there."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from bus.errors import ConfigError, Forbidden, error_summary
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
+from bus.service_rules import Authorizer
 
 log = logging.getLogger(__name__)
 # What publishing a reply can run into: the connection is gone, or the server lowered max_payload since the check.
@@ -28,8 +30,6 @@ REPLY_NOT_SENT: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, MaxPayload
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 Handler = Callable[[Req], Awaitable[dict[str, Any]]]
-# Checks who asked (a signed request, see bus.signing.verify_request) before the handler runs; raises Forbidden.
-Authorizer = Callable[[Msg], Awaitable[None]]
 
 
 @dataclass
@@ -39,8 +39,8 @@ class ServiceCounts:
     answered: int = 0  # replied with the handler's answer
     refused: int = 0  # the request did not fit its model: replied with the field and what is allowed
     forbidden: int = 0  # the asker may not ask this (unsigned, unknown, or lacking the role): replied with why
-    failed: int = 0  # the handler raised: replied with the exception
-    unanswerable: int = 0  # no reply subject: nobody to answer, ignored
+    failed: int = 0  # the handler (or the registry the authorizer reads) raised: replied with the exception
+    unanswerable: int = 0  # no reply subject, or one the node may not publish on (not an inbox): ignored
     unsent: int = 0  # the reply could not be published (connection lost)
 
 
@@ -57,7 +57,7 @@ class Responder(Generic[Req, Rep]):
         handle: Handler[Req],
         *,
         node: str,
-        authorize: Authorizer | None = None,
+        authorize: Authorizer[Req] | None = None,
         queue: str = "",
     ) -> None:
         self.nc = nc
@@ -85,27 +85,32 @@ class Responder(Generic[Req, Rep]):
             self.counts.unanswerable += 1
             log.warning("%s request without a reply subject ignored (%d)", self.subject, self.counts.unanswerable)
             return
-        if self.authorize is not None:
-            try:
-                await self.authorize(msg)
-            except Forbidden as e:
-                self.counts.forbidden += 1
-                log.warning("%s request refused (%d so far): %s", self.subject, self.counts.forbidden, e)
-                await self._send(msg.reply, self._error(str(e)))
-                return
-        await self._send(msg.reply, await self._reply_to(msg.data))
+        if self.authorize is not None and not self.authorize.replies_to(msg.reply):
+            self.counts.unanswerable += 1
+            log.warning(
+                "%s request ignored (%d): its reply subject %r is no inbox, and this node publishes only on inboxes",
+                self.subject,
+                self.counts.unanswerable,
+                msg.reply[:200],
+            )
+            return
+        await self._send(msg.reply, await self._reply_to(msg))
 
-    async def _reply_to(self, data: bytes) -> bytes:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            self.counts.refused += 1
-            return self._error(describe_undecodable(self.request_model, data, e))
-        try:
-            request = self.request_model.model_validate_json(text)
-        except ValidationError as e:
-            self.counts.refused += 1
-            return self._error(describe_invalid(self.request_model, e))
+    async def _reply_to(self, msg: Msg) -> bytes:
+        try:  # who signed it, before anything of the body is read
+            asker = await self.authorize.identify(msg) if self.authorize is not None else None
+        except Forbidden as e:
+            return self._forbidden(e)
+        except Exception as e:  # noqa: BLE001 - the registry did not answer (or a bug): answered, never silent
+            return self._failed(f"{type(e).__name__}: {e}", e)
+        request = self._request(msg.data)
+        if isinstance(request, bytes):
+            return request
+        if asker is not None and self.authorize is not None:
+            try:
+                self.authorize.rule(asker, request)
+            except Forbidden as e:
+                return self._forbidden(e)
         try:
             body = await self.handle(request)
             reply = json.dumps({"node": self.node} | body, allow_nan=False).encode()
@@ -116,6 +121,24 @@ class Responder(Generic[Req, Rep]):
             return self._failed(problem, None)
         self.counts.answered += 1
         return reply
+
+    def _request(self, data: bytes) -> Req | bytes:
+        """The validated request, or the error reply refusing it."""
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.counts.refused += 1
+            return self._error(describe_undecodable(self.request_model, data, e))
+        try:
+            return self.request_model.model_validate_json(text)
+        except ValidationError as e:
+            self.counts.refused += 1
+            return self._error(describe_invalid(self.request_model, e))
+
+    def _forbidden(self, error: Forbidden) -> bytes:
+        self.counts.forbidden += 1
+        log.warning("%s request refused (%d so far): %s", self.subject, self.counts.forbidden, error)
+        return self._error(str(error))
 
     def _failed(self, error: str, cause: Exception | None) -> bytes:
         self.counts.failed += 1
@@ -162,7 +185,7 @@ async def serve(
     handle: Handler[Req],
     *,
     node: str,
-    authorize: Authorizer | None = None,
+    authorize: Authorizer[Req] | None = None,
     queue: str = "",
 ) -> Responder[Req, Rep]:
     """Answer `subject` with `handle` from now on (with `queue`, one process of the group answers each request);

@@ -30,7 +30,9 @@ VERIFY = "epibus.verify"
 # `progress` inbox).
 REINDEX = "epibus.reindex"
 
-# Core NATS requests answered by one node of the `epibus-admin` queue group: enrol, revoke and list agents.
+# Core NATS requests answered by one node of the `epibus-admin` queue group: enrol, revoke and list agents, and
+# erase a forgotten artifact's messages from the stream (an admin asks; the node finds the messages itself).
+FORGET_ERASE = "epibus.forget.erase"
 ENROL = "epibus.agent.enrol"
 REVOKE = "epibus.agent.revoke"
 LIST_AGENTS = "epibus.agent.list"

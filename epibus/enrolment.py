@@ -12,20 +12,19 @@ from typing import Any
 import nats.js.errors
 import nkeys
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.auth import Enrolment, first_use_enrolment, render_authorization
-from bus.errors import Forbidden, Unavailable
+from bus.errors import Unavailable
 from bus.event import AGENT_PATTERN
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
 from bus.responder import Responder, serve
 from bus.server import NatsServer
-from bus.signing import AgentKey, verify_request
+from bus.service_rules import Authorizer, ServiceGuard, admin_rule
+from bus.signing import AgentKey
 from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
-from bus.vocab import Role
 
 log = logging.getLogger(__name__)
 KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node reaches this node's server
@@ -54,11 +53,14 @@ class Enrolments:
         self.server = server
         self.node_name = node_name
         self.registry = AgentRegistry(js)
+        # Who signed each request to this node's services; a server to keep in step means the node authenticates.
+        self.guard = ServiceGuard(self.registry, node.public_key, enforce=server is not None)
         self._applied: str | None = None
         self._lock = asyncio.Lock()
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
-        name, admin, queue = self.node_name, self._authorize_admin, ADMIN_QUEUE
+        name, queue = self.node_name, ADMIN_QUEUE
+        admin: Authorizer[Any] = self.guard.authorizer(admin_rule, always=True)  # on any server: admins only
         return {
             ENROL: await serve(
                 nc, ENROL, EnrolRequest, EnrolmentReply, self._enrol, node=name, authorize=admin, queue=queue
@@ -71,17 +73,11 @@ class Enrolments:
             ),
         }
 
-    async def _authorize_admin(self, msg: Msg) -> None:
-        signer = verify_request(msg.headers, msg.subject, msg.reply, msg.data, now=datetime.now(UTC))
-        if signer.public_key == self.node.public_key:
-            return
-        enrolment = await self.registry.get(signer.agent_id)
-        if enrolment is None or enrolment.public_key != signer.public_key or not enrolment.active:
-            raise Forbidden(signer.agent_id, "ask", msg.subject, "the signing key is not an enrolled agent's")
-        if not enrolment.has_role(Role.admin):
-            raise Forbidden(signer.agent_id, "ask", msg.subject, "only an admin enrols, revokes or lists agents")
-
     async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
+        if request.if_absent:
+            current = await self.registry.get(request.agent_id)
+            if current is not None:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
+                return {"enrolment": current.model_dump(mode="json")}
         enrolment = Enrolment(
             agent_id=request.agent_id,
             public_key=request.public_key,
@@ -92,11 +88,13 @@ class Enrolments:
             enrolled_at=datetime.now(UTC),
         )
         await self.registry.enrol(enrolment, replace_key=request.replace_key)
+        self.guard.drop(enrolment.agent_id)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
 
     async def _revoke(self, request: RevokeRequest) -> dict[str, Any]:
         enrolment = await self.registry.revoke(request.agent_id)
+        self.guard.drop(enrolment.agent_id)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
 

@@ -35,6 +35,8 @@ from bus.jetstream import DRIFT_CHECK_EVERY_S, NATS_OR_API_ERROR, NATS_UNAVAILAB
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
 from bus.requests import (
+    EraseReply,
+    EraseRequest,
     ForgetProofReply,
     ForgetProofRequest,
     RecallReply,
@@ -48,10 +50,29 @@ from bus.requests import (
 from bus.responder import Handler, Req, Responder, serve
 from bus.runner import ConsumerRunner
 from bus.server import AUTHORIZATION_FILE, NatsServer
+from bus.service_rules import (
+    Rule,
+    enrolled_rule,
+    erase_rule,
+    forget_proof_rule,
+    recall_rule,
+    reindex_rule,
+    verify_rule,
+)
 from bus.signing import AgentKey, node_key
-from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, STREAM, VERIFY
+from bus.subjects import (
+    ADMIN_QUEUE,
+    FORGET_ERASE,
+    JOURNAL_LOOKUP,
+    PROVE_FORGOTTEN,
+    RECALL,
+    REINDEX,
+    STREAM,
+    VERIFY,
+)
 from bus.tasks import cancel_and_wait
 from epibus.enrolment import Enrolments, initial_authorization
+from epibus.erase import erase_forgotten
 from epibus.health import REPORT_EVERY_S, node_health, write_health
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
@@ -243,10 +264,14 @@ class Node:
         self.services |= await self.mesh_service.serve(self.nc)
 
         self.observer = JournalObserver(self.journal, tombstones=TombstoneRegistry(self.js))
-        await self._serve(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, self._prove_forgotten)
-        await self._serve(VERIFY, VerifyRequest, VerifyReply, self._verify)
-        await self._serve(REINDEX, ReindexRequest, ReindexReply, self._answer_reindex)
-        self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(self.nc)
+        await self._serve(
+            PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, self._prove_forgotten, forget_proof_rule
+        )
+        await self._serve(VERIFY, VerifyRequest, VerifyReply, self._verify, verify_rule)
+        await self._serve(REINDEX, ReindexRequest, ReindexReply, self._answer_reindex, reindex_rule)
+        await self._serve(FORGET_ERASE, EraseRequest, EraseReply, self._erase, erase_rule, queue=ADMIN_QUEUE)
+        lookups = enrolments.guard.authorizer(enrolled_rule)
+        self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(self.nc, authorize=lookups)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
         self._stack.push_async_callback(outbox.close)
@@ -346,18 +371,30 @@ class Node:
             self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.name
         )
         self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
-        await self._serve(RECALL, RecallRequest, RecallReply, self._answer_recall)
+        await self._serve(RECALL, RecallRequest, RecallReply, self._answer_recall, recall_rule)
 
     async def _close_store(self) -> None:
         if self.store is not None:
             await self.store.close()
 
     async def _serve(
-        self, subject: str, request_model: type[Req], reply_model: type[BaseModel], handle: Handler[Req]
+        self,
+        subject: str,
+        request_model: type[Req],
+        reply_model: type[BaseModel],
+        handle: Handler[Req],
+        rule: Rule[Req],
+        *,
+        queue: str = "",
     ) -> None:
-        """Answer a request subject through the one responder: every request gets a reply, counted per service."""
+        """Answer a request subject through the one responder: every request gets a reply, counted per service;
+        who may ask is the service's rule (bus/service_rules.py)."""
         assert self.nc is not None
-        self.services[subject] = await serve(self.nc, subject, request_model, reply_model, handle, node=self.name)
+        assert self.enrolments is not None
+        authorize = self.enrolments.guard.authorizer(rule)
+        self.services[subject] = await serve(
+            self.nc, subject, request_model, reply_model, handle, node=self.name, authorize=authorize, queue=queue
+        )
 
     async def _answer_reindex(self, request: ReindexRequest) -> dict[str, Any]:
         node = self.name
@@ -409,6 +446,11 @@ class Node:
         assert self.js is not None
         report = await verify(self.js, self.journal, self.mirror, project=request.project, repair=request.repair)
         return report.as_dict()
+
+    async def _erase(self, request: EraseRequest) -> dict[str, Any]:
+        """Erase a forgotten artifact's messages from the stream (an admin asked; see epibus/erase.py)."""
+        assert self.enrolments is not None
+        return await erase_forgotten(self._require_js(), self.enrolments.registry, request)
 
     async def _prove_forgotten(self, request: ForgetProofRequest) -> dict[str, Any]:
         """Finish a forget on this node's files (when asked) and prove it: rows, points and bytes."""

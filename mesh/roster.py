@@ -16,12 +16,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ValidationError
 
+from bus.ask import fan_out
 from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, Unavailable
 from bus.event import raise_for_validation
 from bus.ids import new_event_id
 from bus.publish import Receipt
-from bus.recall import fan_out
 from bus.requests import ErrorReply
 from bus.subjects import MESH_ADVERTISE, MESH_ROSTER
 from mesh.events import roster_event, unsigned_roster_event

@@ -19,9 +19,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
+from bus.auth import Enrolment, inbox_owner
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Actor, raise_for_validation
 from bus.responder import Responder, serve
+from bus.service_rules import Asker, Authorizer
 from bus.signing import (
     NODE_IDENTITY,
     REQUEST_MAX_AGE_S,
@@ -96,38 +98,37 @@ class MeshService:
 
     # -- who asks ----------------------------------------------------------------------------------------
 
-    def _authorizer(self, model: MeshRequest) -> Callable[[Msg], Awaitable[None]]:
-        async def authorize(msg: Msg) -> None:
+    def _authorizer(self, model: MeshRequest) -> Authorizer[Any]:
+        """Who asks, before the body is read (the signature and the signer's standing), then whether the
+        request speaks for its signer in a project it belongs to. Answers go to inboxes only."""
+
+        async def identify(msg: Msg) -> Asker:
             signer = verify_request(msg.headers, msg.subject, msg.reply, msg.data, now=datetime.now(UTC))
-            try:
-                request = model.model_validate_json(msg.data)
-            except ValidationError:
-                return  # the responder refuses it, naming the field
-            actor, public_key, project = request.actor, request.public_key, request.project
-            if (signer.agent_id, signer.public_key) != (actor, public_key):
-                raise Forbidden(
-                    signer.agent_id, "ask", msg.subject, f"the request speaks for {actor}: an agent asks as itself"
-                )
-            await self._require_member(signer, project, msg.subject)
+            return Asker(signer.agent_id, signer.public_key, msg.subject, await self._standing(signer, msg.subject))
 
-        return authorize
+        def rule(asker: Asker, request: Any) -> None:
+            if (asker.agent_id, asker.public_key) != (request.actor, request.public_key):
+                raise asker.refuse(f"the request speaks for {request.actor}: an agent asks as itself")
+            if request.project is not None and not asker.member_of(request.project):
+                raise asker.refuse(f"it is not a member of project {request.project}")
 
-    async def _require_member(self, signer: RequestSigner, project: str | None, subject: str) -> None:
-        """The signer is a node (its operator), or the agent its key is registered to: on a closed registry an
-        enrolled, active member of the project."""
+        return Authorizer(lambda reply: inbox_owner(reply) is not None, identify, rule)
+
+    async def _standing(self, signer: RequestSigner, subject: str) -> Enrolment | None:
+        """The signer's enrolment; None for a node (its operator) and on a registry without enrolment, where the
+        key is bound on first use. Raises Forbidden for a key that is not the one enrolled, or revoked."""
         if signer.agent_id == NODE_IDENTITY and await self.registry.is_node_key(signer.public_key):
-            return
+            return None
         try:
             if not await self.registry.is_closed():
                 await self.registry.bind(Actor(agent_id=signer.agent_id, public_key=signer.public_key))
-                return
+                return None
             enrolment = await self.registry.get(signer.agent_id)
         except Conflict as e:
             raise Forbidden(signer.agent_id, "ask", subject, f"its key is not the one registered to it ({e})") from e
         if enrolment is None or enrolment.public_key != signer.public_key or not enrolment.active:
             raise Forbidden(signer.agent_id, "ask", subject, "the signing key is not an enrolled agent's")
-        if project is not None and not enrolment.member_of(project):
-            raise Forbidden(signer.agent_id, "ask", subject, f"it is not a member of project {project}")
+        return enrolment
 
     # -- what it asks ------------------------------------------------------------------------------------
 

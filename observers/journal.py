@@ -38,6 +38,7 @@ from bus.home import private_sqlite
 from bus.knowledge import TombstoneRegistry
 from bus.requests import LookupReply, LookupRequest
 from bus.responder import Responder, serve
+from bus.service_rules import Authorizer
 from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
 from observers.projection import project_deliveries, rebuild
@@ -398,9 +399,14 @@ class JournalObserver:
                 self.tombstone_sync_failures += 1
                 log.error("tombstone %s not published to the KV registry: %s", tombstone.content_hash[:12], e)
 
-    async def serve_lookups(self, nc: NatsClient) -> Responder[LookupRequest, LookupReply]:
-        """Answer JOURNAL_LOOKUP from now on: every request gets the outcomes of the ids it asks, or an error."""
-        return await serve(nc, JOURNAL_LOOKUP, LookupRequest, LookupReply, self._lookup, node=self.name)
+    async def serve_lookups(
+        self, nc: NatsClient, *, authorize: Authorizer[LookupRequest] | None = None
+    ) -> Responder[LookupRequest, LookupReply]:
+        """Answer JOURNAL_LOOKUP from now on: every request gets the outcomes of the ids it asks, or an error
+        (`authorize`: who may ask, see bus/service_rules.py)."""
+        return await serve(
+            nc, JOURNAL_LOOKUP, LookupRequest, LookupReply, self._lookup, node=self.name, authorize=authorize
+        )
 
     async def _lookup(self, request: LookupRequest) -> dict[str, Any]:
         try:

@@ -14,9 +14,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import nats
+import nats.errors
 from sqlalchemy import text
 
-from bus.signing import node_key
+from bus import enrol
+from bus.requests import EnrolRequest, build_request
+from bus.signing import AgentKey, node_key
+from bus.vocab import Role
 from observers.journal import make_engine
 
 T = TypeVar("T")
@@ -117,3 +122,28 @@ def operator_credentials(home: Path) -> dict[str, Any]:
     """nats-py connect options for the operator of the node under `home` (its node key): what a raw client
     needs to reach a node that authenticates, for tests that write what no agent may (forged dead letters)."""
     return node_key(home).nats_credentials
+
+
+async def enrol_agent(url: str, home: Path, agent: AgentKey, *, roles: list[Role], projects: list[str]) -> None:
+    """Enrol `agent` with these roles and projects, signed by the operator of the node under `home` (the node's
+    key): what `epibus agent add` does. Returns once the agent's key connects (a client refused at its first
+    connect would enrol itself again with the defaults)."""
+    admin = node_key(home)
+    nc = await nats.connect(url, **admin.nats_credentials)
+    try:
+        request = build_request(
+            EnrolRequest, agent_id=agent.agent_id, public_key=agent.public_key, projects=projects, roles=roles
+        )
+        await enrol.enrol(nc, admin, request)
+    finally:
+        await nc.close()
+
+    async def connects() -> bool:
+        try:
+            probe = await nats.connect(url, allow_reconnect=False, connect_timeout=2, **agent.nats_credentials)
+        except (nats.errors.Error, OSError, TimeoutError):
+            return False
+        await probe.close()
+        return True
+
+    await eventually(connects)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import re
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -136,6 +137,16 @@ class Target:
         follow = NodeFollower(home, servers) if explicit_nats_url(self.nats) is None else None
         name = f"epibus-cli:{self.agent or default_agent()}"
         return await open_nats(servers, name=name, timeout_s=5, follow=follow, key=self.key(home))
+
+    @contextlib.asynccontextmanager
+    async def asking(self) -> AsyncIterator[tuple[NatsClient, AgentKey]]:
+        """A connection and the key that signs node requests on it (see `key`): under a node's home the
+        operator's, which may ask for what only admins and reviewers may."""
+        nc = await self.connect()
+        try:
+            yield nc, self.key(epibus_home(self.home))
+        finally:
+            await nc.close()
 
     def key(self, home: Path) -> AgentKey:
         """Who the command acts as: the node's key where the home holds one (whoever can read the home runs the

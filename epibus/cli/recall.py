@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from bus.client import connect
-from bus.recall import ForgetProof, RecallAnswer
+from bus.fleet import ask_forget_proof, ask_reindex, ask_verify
+from bus.recall import ForgetProof, RecallAnswer, ask_all, recall_request
+from bus.requests import RecallRequest
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -78,20 +80,9 @@ def recall_command(
 ) -> None:
     """The safe door by meaning: never contradicted, rolled back, retracted or mistyped items. Ranked by
     similarity x relevance; says which nodes answered. No mirror answering is an error, not "no matches"."""
-
-    async def ask() -> RecallAnswer:
-        async with connect(nats, agent=agent, home=home, outbox=False) as client:
-            return await client.recall(
-                query,
-                project,
-                k=k,
-                kinds=kind,
-                include_resolved=include_resolved,
-                as_of=parse_time(as_of, "--as-of"),
-                timeout_s=timeout,
-            )
-
-    _show(run(ask()), "recall", as_json)
+    since, resolved = parse_time(as_of, "--as-of"), include_resolved
+    request = recall_request(query, project, k=k, kinds=kind, include_resolved=resolved, as_of=since, audit=False)
+    _show(run(_recall(request, timeout, Target(nats, home, agent))), "recall", as_json)
 
 
 @handles_errors
@@ -106,13 +97,15 @@ def audit_recall_command(
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """The audit door by meaning: everything mirrored, whatever its state, with that state."""
+    """The audit door by meaning: everything mirrored, whatever its state, with that state (for reviewers and
+    admins; under a node's home the node's operator asks)."""
+    request = recall_request(query, project, k=k, kinds=kind, include_resolved=True, as_of=None, audit=True)
+    _show(run(_recall(request, timeout, Target(nats, home, agent))), "audit recall", as_json)
 
-    async def ask() -> RecallAnswer:
-        async with connect(nats, agent=agent, home=home, outbox=False) as client:
-            return await client.audit_recall(query, project, k=k, kinds=kind, timeout_s=timeout)
 
-    _show(run(ask()), "audit recall", as_json)
+async def _recall(request: RecallRequest, timeout_s: float, target: Target) -> RecallAnswer:
+    async with target.asking() as (nc, signer):
+        return await ask_all(nc, request, signer=signer, timeout_s=timeout_s)
 
 
 @handles_errors
@@ -181,20 +174,19 @@ async def _forget(
     agent: str | None,
     home: Path | None,
 ) -> ForgetProof:
-    # The erase goes through the operator's connection (the node's key under home): agents may not delete.
-    operator = await Target(nats, home, agent).connect()
-    try:
-        async with connect(nats, agent=agent, home=home, outbox=False) as client:
-            report = await client.forget(project, artifact_id, reason=reason, eraser=operator.jetstream())
-    finally:
-        await operator.close()
-    async with connect(nats, agent=agent, home=home, outbox=False) as client:
+    # The agent publishes `forgotten`; the erase and the scrubbing proof are an admin's requests: the node's
+    # operator signs them under a node's home, else the agent, which must hold the admin role.
+    async with (
+        Target(nats, home, agent).asking() as admin,
+        connect(nats, agent=agent, home=home, outbox=False) as client,
+    ):
+        report = await client.forget(project, artifact_id, reason=reason, eraser=admin)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        proof = await client.prove_forgotten(report)
+        proof = await ask_forget_proof(*admin, report)
         while not proof.complete and loop.time() < deadline:  # observers apply the forget asynchronously
             await asyncio.sleep(0.5)
-            proof = await client.prove_forgotten(report)
+            proof = await ask_forget_proof(*admin, report)
         return proof
 
 
@@ -211,11 +203,12 @@ def verify_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Reconcile the stream, every node's journal and every node's mirror by event id: missing, extra and
-    stale-payload counts per store (--repair to fix them). Exit code 1 unless every store is clean."""
+    stale-payload counts per store (--repair to fix them). Exit code 1 unless every store is clean. Every
+    project and --repair are for admins (under a node's home the node's operator asks)."""
 
-    async def ask() -> list[dict[str, object]]:
-        async with connect(nats, agent=agent, home=home, outbox=False) as client:
-            return await client.verify_nodes(project, repair=repair, timeout_s=timeout)
+    async def ask() -> list[dict[str, Any]]:
+        async with Target(nats, home, agent).asking() as (nc, signer):
+            return await ask_verify(nc, signer, project, repair=repair, timeout_s=timeout)
 
     answers = run(ask())
     clean = all(bool(a.get("clean")) for a in answers)
@@ -251,7 +244,8 @@ def reindex_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Rebuild every node's mirror from the stream into a new collection and swap it in (after a model
-    change, or to start clean); the old mirror keeps answering until the swap."""
+    change, or to start clean); the old mirror keeps answering until the swap. For admins (under a node's
+    home the node's operator asks)."""
     with Progress(
         TextColumn("{task.description}", markup=False),
         BarColumn(),
@@ -266,9 +260,9 @@ def reindex_command(
                 tasks[node] = bar.add_task(plain(f"reindexing on {node}"), total=total)
             bar.update(tasks[node], completed=done, total=total)
 
-        async def ask() -> list[dict[str, object]]:
-            async with connect(nats, agent=agent, home=home, outbox=False) as client:
-                return await client.reindex_nodes(advance, timeout_s=timeout)
+        async def ask() -> list[dict[str, Any]]:
+            async with Target(nats, home, agent).asking() as (nc, signer):
+                return await ask_reindex(nc, signer, advance, timeout_s=timeout)
 
         answers = run(ask())
     ok = all("error" not in a for a in answers)

@@ -4,13 +4,17 @@ publish."""
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats
 import pytest
 
+from bus.auth import first_use_enrolment
 from bus.client import connect
 from bus.errors import MalformedRecord
+from bus.jetstream import ensure_streams
 from bus.records import decode_agent_key, decode_tombstone_key
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
@@ -103,3 +107,36 @@ async def test_a_hostile_tombstone_record_never_refuses_or_crashes_a_publish(
         await eventually(lambda: str(event.event_id) in journal_event_ids(sqlite_journal_url, project), timeout_s=20)
         assert await registry.hashes(project) == set()
         assert registry.quarantine.count == len(keys)
+
+
+async def test_every_enrolment_is_listed_while_the_registry_is_being_written(nats_server: NatsServer) -> None:
+    """The node renders its server's users from this list: an agent missing from it would be disconnected."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        registry = AgentRegistry(js)
+        now = datetime.now(UTC)
+        names = [f"agent{i}" for i in range(5)]
+        for name in names:
+            await registry.enrol(first_use_enrolment(name, AgentKey.generate(name).public_key, enrolled_at=now))
+        writing = True
+
+        async def churn() -> None:  # other agents enrolled meanwhile
+            i = 0
+            while writing:
+                key = AgentKey.generate(f"churn{i % 7}").public_key
+                await registry.enrol(first_use_enrolment(f"churn{i % 7}", key, enrolled_at=now), replace_key=True)
+                i += 1
+
+        writer = asyncio.create_task(churn())
+        try:
+            short = [len(listed) for listed in [await registry.enrolments() for _ in range(300)]]
+        finally:
+            writing = False
+            await writer
+        assert [n for n in short if n < len(names)] == []
+        listed = {e.agent_id for e in await registry.enrolments()}
+        assert set(names) | {f"churn{i}" for i in range(7)} == listed
+    finally:
+        await nc.close()

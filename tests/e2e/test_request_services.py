@@ -16,7 +16,6 @@ from nats.aio.msg import Msg
 
 from bus.client import connect
 from bus.errors import Unavailable
-from bus.receipts import wait_journaled
 from bus.requests import ForgetProofReply, VerifyReply
 from bus.server import NatsServer
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, VERIFY
@@ -166,4 +165,4 @@ async def test_a_garbage_journal_lookup_reply_is_a_reason_not_a_crash(nats_serve
     await answer_with_garbage(raw, JOURNAL_LOOKUP)
     event = client.event("finding", finding(), project=project)
     with pytest.raises(Unavailable, match="malformed journal lookup reply"):
-        await wait_journaled(lambda: raw, [event.event_id], timeout_s=1)
+        await client.wait_journaled([event.event_id], timeout_s=1)

@@ -40,6 +40,7 @@ from bus.signing import AgentKey
 from bus.state import ArtifactState
 from bus.subjects import STREAM, event_subject, events_filter
 from bus.vocab import ReceiptLevel
+from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.observer import MirrorObserver, payload_state
@@ -70,8 +71,8 @@ async def _history_with_links_to_a_forgotten_artifact(
     server: NatsServer, tmp_path: Path, project: str
 ) -> dict[str, str]:
     """alice claims `forgotten`, `contradicted` and `successor` (which supersedes `forgotten`); bob contradicts
-    `contradicted` by `forgotten`; then alice forgets `forgotten` (the client's forget: publish, then erase its
-    messages from the stream)."""
+    `contradicted` by `forgotten`; then alice forgets `forgotten` (the client's forget: publish, then a running
+    node erases its messages from the stream)."""
     async with (
         connect(server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice,
         connect(server.url, agent="bob", home=tmp_path / "bob", outbox=False) as bob,
@@ -122,7 +123,9 @@ async def test_replay_and_the_client_fold_keep_what_others_said_with_a_forgotten
 ) -> None:
     """After the client's forget erased the claim from the stream, replay into a fresh journal and the client's
     fold (load_project) no longer have it: the contradiction by it and the supersession of it are rejected."""
-    names = await _history_with_links_to_a_forgotten_artifact(nats_server, tmp_path, project)
+    eraser = NodeConfig(home=tmp_path / "eraser", nats_url=nats_server.url, mirror="off", name="eraser")
+    async with Node(eraser):  # the node that erases the forgotten claim's messages
+        names = await _history_with_links_to_a_forgotten_artifact(nats_server, tmp_path, project)
     nc = await nats.connect(nats_server.url)
     fresh = Journal(f"sqlite:///{tmp_path / 'replayed.db'}")
     fresh.migrate()

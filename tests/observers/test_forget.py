@@ -16,13 +16,14 @@ from bus.client import EpibusClient, connect
 from bus.errors import NotFound
 from bus.ids import point_id
 from bus.recall import ForgetProof
+from bus.signing import AgentKey
 from bus.subjects import STREAM
-from bus.vocab import ReceiptLevel
+from bus.vocab import ReceiptLevel, Role
 from epibus.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from observers.reads import artifacts, audit_artifacts, snapshot
 from tests.conftest import finding
-from tests.support import eventually
+from tests.support import enrol_agent, eventually
 
 
 async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_server, tmp_path: Path, project):
@@ -124,6 +125,13 @@ async def publish_and_forget_completely(client: EpibusClient, project: str, text
     return await eventually(complete, timeout_s=30)
 
 
+async def as_admin(node: Node, home: Path, agent: str = "alice") -> None:
+    """Enrol the agent under the node's home as an admin of every project before it connects: the stream's
+    erase and the files' scrub are requests only admins may make."""
+    key = AgentKey.load_or_create(home, agent)
+    await enrol_agent(node.nats_url, home, key, roles=[Role.agent, Role.admin], projects=["*"])
+
+
 async def publish_and_index(node: Node, client: EpibusClient, project: str, text: str) -> str:
     """Publish a claim and wait until the node has journaled and mirrored it. Returns its artifact id."""
     assert node.mirror is not None
@@ -137,6 +145,7 @@ async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path,
     home = tmp_path / "home"
     text_, token = secret_claim()
     async with Node(NodeConfig(home=home, name="node-a")) as node:
+        await as_admin(node, home)
         async with connect(node.nats_url, agent="alice", home=home) as alice:
             artifact_id = await publish_and_index(node, alice, project, text_)
             before = {path.split("/")[0].removesuffix("-wal") for path in files_holding(home, token)}
@@ -150,9 +159,11 @@ async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path
     home = tmp_path / "home"
     text_, token = secret_claim()
     config = NodeConfig(home=home, name="node-a")
-    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
-        artifact_id = await publish_and_index(node, alice, project, text_)
-        await forget_and_prove(alice, project, artifact_id)
+    async with Node(config) as node:
+        await as_admin(node, home)
+        async with connect(node.nats_url, agent="alice", home=home) as alice:
+            artifact_id = await publish_and_index(node, alice, project, text_)
+            await forget_and_prove(alice, project, artifact_id)
     async with Node(config) as node, connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
         kept = alice.event("finding", finding(text="the mill is closed on sundays"), project=project)
         await alice.publish(kept, wait_for=ReceiptLevel.journaled, timeout_s=30)
@@ -164,12 +175,14 @@ async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, proj
     home = tmp_path / "home"
     text_, _ = secret_claim()
     config = NodeConfig(home=home, name="node-a")
-    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
-        artifact_id = await publish_and_index(node, alice, project, text_)
-        clean = await forget_and_prove(alice, project, artifact_id)
-        stray = home / "mirror" / "stray-copy.bin"
-        stray.write_bytes(b"kept by accident: " + text_.encode())
-        proof = await alice.prove_forgotten(clean.report)
+    async with Node(config) as node:
+        await as_admin(node, home)
+        async with connect(node.nats_url, agent="alice", home=home) as alice:
+            artifact_id = await publish_and_index(node, alice, project, text_)
+            clean = await forget_and_prove(alice, project, artifact_id)
+            stray = home / "mirror" / "stray-copy.bin"
+            stray.write_bytes(b"kept by accident: " + text_.encode())
+            proof = await alice.prove_forgotten(clean.report)
     assert not proof.clean
     assert proof.nodes["node-a"]["files"] == [str(stray)]
 
@@ -196,21 +209,25 @@ async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, proj
             return int(db.execute("SELECT count(*) FROM vectors WHERE key = ?", (key,)).fetchone()[0])
 
     config = NodeConfig(home=home, name="node-a")
-    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
-        assert node.embedder is not None
-        key = text_key(node.embedder.model_id, text_)
-        artifact_id = await publish_and_index(node, alice, project, text_)
-        assert cached(key) == 1
-        await forget_and_prove(alice, project, artifact_id)
-        assert cached(key) == 0
+    async with Node(config) as node:
+        await as_admin(node, home)
+        async with connect(node.nats_url, agent="alice", home=home) as alice:
+            assert node.embedder is not None
+            key = text_key(node.embedder.model_id, text_)
+            artifact_id = await publish_and_index(node, alice, project, text_)
+            assert cached(key) == 1
+            await forget_and_prove(alice, project, artifact_id)
+            assert cached(key) == 0
 
 
 async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str):
     home = tmp_path / "home"
     text_, token = secret_claim()
     config = NodeConfig(home=home, name="node-a", journal_url=postgres_url, mirror="off")
-    async with Node(config) as node, connect(node.nats_url, agent="alice", home=home) as alice:
-        proof = await publish_and_forget_completely(alice, project, text_)
+    async with Node(config) as node:
+        await as_admin(node, home)
+        async with connect(node.nats_url, agent="alice", home=home) as alice:
+            proof = await publish_and_forget_completely(alice, project, text_)
     assert files_holding(home, token) == []
     assert set(proof.nodes["node-a"]["unscrubbable"]) == {"journal"}
     assert not proof.clean

@@ -27,7 +27,7 @@ from bus.subjects import AGENT_KEYS_BUCKET, STREAM, TOMBSTONES_BUCKET, event_sub
 from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
-from tests.support import eventually, operator_credentials
+from tests.support import enrol_agent, eventually, operator_credentials
 
 REFUSED_WITHIN_S = 2.0
 
@@ -41,15 +41,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[Node, Path]]:
 
 
 async def _enrol(node: Node, home: Path, agent: AgentKey, projects: list[str], roles: list[Role]) -> None:
-    admin = node_key(home)
-    nc = await nats.connect(node.nats_url, **admin.nats_credentials)
-    try:
-        request = build_request(
-            EnrolRequest, agent_id=agent.agent_id, public_key=agent.public_key, projects=projects, roles=roles
-        )
-        await enrol.enrol(nc, admin, request)
-    finally:
-        await nc.close()
+    await enrol_agent(node.nats_url, home, agent, roles=roles, projects=projects)
 
 
 class Violations:
@@ -74,11 +66,12 @@ async def _stream_state(node: Node, home: Path) -> dict[str, Any]:
     try:
         js = nc.jetstream()
         info = await js.stream_info(STREAM)
-        agents = await js.key_value(AGENT_KEYS_BUCKET)
+        # The registry's keys as the stream holds them (nats-py's kv.keys() can come back short while it is written).
+        agents = await js.stream_info(f"KV_{AGENT_KEYS_BUCKET}", subjects_filter=f"$KV.{AGENT_KEYS_BUCKET}.>")
         return {
             "config": info.config.as_dict(),
             "messages": info.state.messages,
-            "agents": sorted(await agents.keys()),
+            "agents": sorted(s.removeprefix(f"$KV.{AGENT_KEYS_BUCKET}.") for s in agents.state.subjects or {}),
         }
     finally:
         await nc.close()
@@ -255,3 +248,16 @@ async def test_following_another_project_is_forbidden_not_a_hang(secured, projec
     with pytest.raises(Forbidden, match="refused"):
         await anext(follower.messages())
     await nc.close()
+
+
+async def test_a_local_first_connect_never_changes_an_enrolled_agent(secured, project) -> None:
+    node, home = secured
+    carol = AgentKey.load_or_create(home, "carol")
+    await _enrol(node, home, carol, [project], [Role.admin])
+    await enrol.enrol_locally([node.nats_url], home, carol)  # what a client does when its connect is refused
+    admin = node_key(home)
+    nc = await nats.connect(node.nats_url, **admin.nats_credentials)
+    listed = {a["agent_id"]: a for a in await enrol.list_agents(nc, admin)}
+    await nc.close()
+    assert listed["carol"]["roles"] == ["admin"]
+    assert listed["carol"]["projects"] == [project]

@@ -1,0 +1,146 @@
+"""Asking the nodes: one request, signed by the asker's key, answered on an inbox of that key; every node's
+answer (`fan_out`) or one node's (`ask_one`, for services a queue group answers). The one way a client asks a
+node anything."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Generic, TypeVar
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from pydantic import BaseModel
+
+from bus.auth import inbox_prefix
+from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
+from bus.jetstream import NATS_UNAVAILABLE
+from bus.requests import ErrorReply, Malformed, read_reply
+from bus.signing import AgentKey
+
+SETTLE_S = 0.3  # after the first answer, how long to wait for the other nodes
+R = TypeVar("R", bound=BaseModel)
+
+
+class Refused(EpibusError):
+    """A node answered a request with an error."""
+
+    def __init__(self, node: str, error: str) -> None:
+        self.node = node
+        self.error = error
+        super().__init__(f"node {node} refused: {error}")
+
+
+@dataclass
+class Replies(Generic[R]):
+    """What came back from a fan-out: each node's answer (its reply, or the error it answered with), and the
+    replies that were neither, by who sent them (the node they name, else their arrival order) with why."""
+
+    answers: list[R | ErrorReply] = field(default_factory=list)
+    malformed: dict[str, str] = field(default_factory=dict)
+
+    def add_malformed(self, reply: Malformed, arrived: int) -> None:
+        origin = reply.origin or f"reply {arrived}"
+        while origin in self.malformed:  # two bad replies naming one node: keep both
+            origin += "'"
+        self.malformed[origin] = f"malformed reply: {reply.reason}"
+
+
+async def fan_out(
+    nc: NatsClient,
+    subject: str,
+    request: BaseModel,
+    reply_model: type[R],
+    *,
+    signer: AgentKey,
+    timeout_s: float,
+    one: bool = False,
+) -> Replies[R]:
+    """Publish one request, signed by `signer`, that every node answers; collect the answers until timeout_s, or
+    SETTLE_S after the last one came in. Each reply is read with `reply_model`: one that does not fit (not JSON,
+    the wrong shape, too big) is recorded as malformed, never taken as an answer. No answers means no node
+    answered. `one`: stop at the first answer (a service answered by one node of a queue group).
+
+    The connection must receive on the signer's inboxes (`AgentKey.nats_credentials`): nodes answer only there.
+    Raises ConfigError when it does not, Unavailable when NATS does."""
+    inbox = nc.new_inbox()
+    if not inbox.startswith(inbox_prefix(signer.public_key) + "."):
+        raise ConfigError(
+            "signer",
+            f"this connection receives on {inbox.rsplit('.', 1)[0]}, not on the inboxes of {signer.agent_id}'s key; "
+            "connect with that key (AgentKey.nats_credentials)",
+        )
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def collect(msg: Msg) -> None:
+        await queue.put(msg)
+
+    subscription = await nc.subscribe(inbox, cb=collect)
+    replies: Replies[R] = Replies()
+    arrived = 0
+    first_s = 0.0
+    try:
+        data = request.model_dump_json().encode()
+        headers = signer.sign_request(subject, inbox, data, signed_at=datetime.now(UTC))
+        await nc.publish(subject, data, reply=inbox, headers=headers)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            # After the first answer the others get SETTLE_S more (slow work: as long as the first took).
+            wait_s = deadline - loop.time() if not arrived else min(max(SETTLE_S, first_s), deadline - loop.time())
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, wait_s))
+            except TimeoutError:
+                break
+            if not msg.data:  # a status message (503: no responders), not an answer
+                if (msg.headers or {}).get("Status") == "503" and not arrived:
+                    break
+                continue
+            if not arrived:
+                first_s = timeout_s - (deadline - loop.time())
+            arrived += 1
+            reply = read_reply(msg.data, reply_model, max_bytes=nc.max_payload)
+            if isinstance(reply, Malformed):
+                replies.add_malformed(reply, arrived)
+            else:
+                replies.answers.append(reply)
+            if one:
+                break
+    except NATS_UNAVAILABLE as e:
+        raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
+    finally:
+        await subscription.unsubscribe()
+    return replies
+
+
+async def ask_one(
+    nc: NatsClient, subject: str, request: BaseModel, reply_model: type[R], *, signer: AgentKey, timeout_s: float
+) -> R:
+    """The first node's answer to a signed request (see fan_out). Raises Forbidden (the node refused the signer),
+    Refused (it answered with another error), Unavailable (no node answered)."""
+    replies = await fan_out(nc, subject, request, reply_model, signer=signer, timeout_s=timeout_s, one=True)
+    if not replies.answers:
+        why = "; ".join(f"{n}: {e}" for n, e in replies.malformed.items()) or "no node answered"
+        raise Unavailable("epibus node", f"{subject}: {why}; is `epibus up` running?")
+    reply = replies.answers[0]
+    if isinstance(reply, ErrorReply):
+        raise refusal(reply, signer, subject)
+    return reply
+
+
+def refusal(reply: ErrorReply, signer: AgentKey, subject: str) -> Forbidden | Refused:
+    """A node's error answer as the error to raise: Forbidden when it refused the signer (its rule named once),
+    else Refused."""
+    prefix = str(Forbidden(signer.agent_id, "ask", subject, ""))
+    if reply.error.startswith(prefix):
+        rule = reply.error.removeprefix(prefix).strip()
+        return Forbidden(signer.agent_id, "ask", subject, f"{rule} (node {reply.node})")
+    return Refused(reply.node, reply.error)
+
+
+def refused_by_all(replies: Replies[R], signer: AgentKey, subject: str) -> Forbidden | None:
+    """The refusal to raise when every node that answered refused the signer, else None."""
+    errors = [refusal(a, signer, subject) if isinstance(a, ErrorReply) else None for a in replies.answers]
+    refusals = [e for e in errors if isinstance(e, Forbidden)]
+    return refusals[0] if refusals and len(refusals) == len(errors) else None
