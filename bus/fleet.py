@@ -5,14 +5,12 @@ stays about connecting and publishing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
 
-import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -22,10 +20,10 @@ from bus.ask import Replies, ask_one, fan_out, refused_by_all
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
-from bus.jetstream import NATS_OR_API_ERROR
 from bus.knowledge import ProjectView
 from bus.outbox import Outbox
 from bus.publish import Receipt
+from bus.reader import read_stream
 from bus.recall import (
     ForgetProof,
     ForgetReport,
@@ -49,7 +47,7 @@ from bus.requests import (
     describe_invalid,
 )
 from bus.signing import AgentKey
-from bus.subjects import FORGET_ERASE, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY
+from bus.subjects import FORGET_ERASE, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, artifact_filter
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +108,8 @@ class FleetRequests:
             if not messages:
                 raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
             embedded = []
-        texts = embedded + await _message_texts(self.js, [seq for seq, _ in messages], self.publish_timeout_s)
+        stored = await _artifact_messages(self.js, project, artifact_id)
+        texts = embedded + _message_texts([stored[seq] for seq, _ in messages if seq in stored])
         if embedded:
             # The artifact's states without its content: paths that read the stream after the erase below
             # decide what other events did with it (contradicted by it, superseding it) as the live nodes did.
@@ -201,13 +200,8 @@ async def ask_forget_proof(
     (outbox rows, cached vectors, SQLite WALs, the mirror's WAL and pages; idempotent); then every node scans
     every file it owns for the report's fingerprints and names the files that hold one. Raises Forbidden when
     every node that answered refused the signer."""
-    js = nc.jetstream()
-    erased = []
-    for seq, _ in report.messages:
-        try:
-            await js.get_msg(STREAM, seq)
-        except nats.js.errors.NotFoundError:
-            erased.append(seq)
+    stored = await _artifact_messages(nc.jetstream(), report.project, report.artifact_id)
+    erased = [seq for seq, _ in report.messages if seq not in stored]
     request = build_request(
         ForgetProofRequest,
         project=report.project,
@@ -284,18 +278,20 @@ def _answers_of(
     return answers + [{"node": origin, "error": why} for origin, why in replies.malformed.items()]
 
 
-async def _message_texts(js: JetStreamContext, seqs: list[int], timeout_s: float) -> list[str]:
-    """The free texts of the events stored at these sequences (what a file holding a copy would hold). A
-    message that is not a valid event gives none; one already erased is skipped. Raises Unavailable."""
+async def _artifact_messages(js: JetStreamContext, project: str, artifact_id: str) -> dict[int, Msg]:
+    """The messages on one artifact's subjects now in the stream, by sequence: a read filtered to the artifact
+    (the broker lets an agent read its own projects only, never a message by sequence). Raises Unavailable."""
+    found: dict[int, Msg] = {}
+    async for batch in read_stream(js, STREAM, filter_subject=artifact_filter(project, artifact_id)):
+        found |= {msg.metadata.sequence.stream: msg for msg in batch}
+    return found
+
+
+def _message_texts(messages: list[Msg]) -> list[str]:
+    """The free texts of these events (what a file holding a copy would hold). A message that is not a valid
+    event gives none."""
     texts: list[str] = []
-    for seq in seqs:
-        try:
-            async with asyncio.timeout(timeout_s):
-                msg = await js.get_msg(STREAM, seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"reading stream seq {seq}: {type(e).__name__} {e}") from e
+    for msg in messages:
         try:
             event = validate_event(json.loads(msg.data or b""))
         except (InvalidEvent, ValueError):  # not an event: the stream erase covers it, no text to look for

@@ -26,6 +26,7 @@ from bus.signing import NODE_IDENTITY
 from bus.subjects import AGENT_KEYS_BUCKET, node_key_record
 
 # Present once a node with authentication has run: agents must then be enrolled (no trust on first use).
+ENROL_ATTEMPTS = 3
 CLOSED_KEY = "policy.enrolment-required"
 
 
@@ -149,7 +150,17 @@ class AgentRegistry:
 
     async def enrol(self, enrolment: Enrolment, *, replace_key: bool = False) -> Enrolment:
         """Write an enrolment (node services only). Enrolling an agent again with its key updates its owner,
-        roles and projects; another key needs `replace_key` (an admin rotating it). Raises Conflict."""
+        roles and projects; another key needs `replace_key` (an admin rotating it). A record another node wrote
+        meanwhile is read again and the rules applied to it (a few times). Raises Conflict."""
+        for attempt in range(ENROL_ATTEMPTS):
+            try:
+                return await self._enrol_once(enrolment, replace_key=replace_key)
+            except Conflict as e:
+                if not e.lost_race or attempt == ENROL_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def _enrol_once(self, enrolment: Enrolment, *, replace_key: bool) -> Enrolment:
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
                 kv = await self._bucket()
@@ -170,10 +181,22 @@ class AgentRegistry:
         except MalformedRecord:
             await self._overwrite(enrolment)
         except nats.js.errors.KeyWrongLastSequenceError as e:
-            raise Conflict(f"agent {enrolment.agent_id}", "enrolled by someone else meanwhile") from e
+            raise Conflict(f"agent {enrolment.agent_id}", "enrolled by someone else meanwhile", lost_race=True) from e
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         self._known.pop(enrolment.agent_id, None)
+        return enrolment
+
+    async def enrol_if_absent(self, enrolment: Enrolment) -> Enrolment | None:
+        """Create the agent's record only if it has none (never changes, re-keys or un-revokes one): the
+        enrolment written, or None when the agent already had a record. Raises Unavailable."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                await (await self._bucket()).create(enrolment.agent_id, enrolment.model_dump_json().encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         return enrolment
 
     async def _overwrite(self, enrolment: Enrolment) -> None:

@@ -74,10 +74,6 @@ class Enrolments:
         }
 
     async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
-        if request.if_absent:
-            current = await self.registry.get(request.agent_id)
-            if current is not None:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
-                return {"enrolment": current.model_dump(mode="json")}
         enrolment = Enrolment(
             agent_id=request.agent_id,
             public_key=request.public_key,
@@ -87,7 +83,11 @@ class Enrolments:
             enrolled_by=self.node_name,
             enrolled_at=datetime.now(UTC),
         )
-        await self.registry.enrol(enrolment, replace_key=request.replace_key)
+        if request.if_absent:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
+            if await self.registry.enrol_if_absent(enrolment) is None:
+                return {"enrolment": (await self.registry.require(request.agent_id)).model_dump(mode="json")}
+        else:
+            await self.registry.enrol(enrolment, replace_key=request.replace_key)
         self.guard.drop(enrolment.agent_id)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
@@ -134,8 +134,9 @@ class Enrolments:
             except (OSError, ValueError, nkeys.ErrInvalidSeed) as e:
                 log.warning("cannot read the key %s (%s); it is not enrolled", path, e)
                 continue
-            await self.registry.enrol(first_use_enrolment(agent_id, key.public_key, enrolled_at=datetime.now(UTC)))
-            log.info("enrolled local agent %s", agent_id)
+            first_use = first_use_enrolment(agent_id, key.public_key, enrolled_at=datetime.now(UTC))
+            if await self.registry.enrol_if_absent(first_use) is not None:  # else enrolled meanwhile: that stands
+                log.info("enrolled local agent %s", agent_id)
 
     async def _durables(self) -> list[str]:
         """The node services' durable consumers on the event stream: no agent may pull from them."""
