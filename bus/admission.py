@@ -1,6 +1,8 @@
 """The one admission rule. Every path that takes events from the stream (the live runner, replay, verify's
 repair, reindex, a second node catching up, the client's fold) admits a message with `Admission.admit`, so a
 message is admitted by all of them or by none: bytes, subject, time, signature and the agent's registered key.
+Each path then attaches to a batch what deciding it needs from the rest of the stream (`BatchContext`): what
+forgets recorded of erased artifacts, and the enrolment records in force.
 
 What fails is `Rejected` with a reason from `DeadLetterReason`; the live runner dead-letters it, the other
 paths report it. A registry that does not answer is `Unavailable`: retry later, never guess."""
@@ -18,6 +20,8 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.auth import Enrolment
+from bus.authority import NO_RECORDS, Authority, enrolment_record
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope, decode_event, event_digest
@@ -25,7 +29,7 @@ from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.state import IdUse, id_use
-from bus.subjects import STREAM, event_subject, events_filter
+from bus.subjects import ENROLMENTS_FILTER, STREAM, event_subject, events_filter
 from bus.vocab import DeadLetterReason
 
 # How far ahead of the stream's clock a publisher's clock may run.
@@ -47,10 +51,17 @@ class Delivery:
     stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
     # What later `forgotten` events recorded of the erased artifacts this batch refers to (ForgottenArtifacts).
     erased: ErasedMap = field(default_factory=dict, compare=False)
+    # The stream's enrolment records when the batch was read: every record before this event is among them.
+    authority: Authority = field(default=NO_RECORDS, compare=False)
 
     @cached_property
     def digest(self) -> str:
         return event_digest(self.event)
+
+
+def batch_authority(deliveries: Sequence[Delivery]) -> Authority:
+    """The enrolment records the deliveries of one batch carry (the most recently read, if they differ)."""
+    return max((d.authority for d in deliveries), key=lambda a: a.last_seq, default=NO_RECORDS)
 
 
 def batch_erased(deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
@@ -221,11 +232,6 @@ class ForgottenArtifacts:
         # (project, artifact_id) -> (messages on its `forgotten` subject when read, the forgets they hold)
         self._records: dict[tuple[str, str], tuple[int, tuple[ErasedRecord, ...]]] = {}
 
-    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        """The deliveries, each carrying the batch's records of erased artifacts. Raises Unavailable."""
-        records = await self.for_batch(deliveries)
-        return [replace(d, erased=records) for d in deliveries] if records else list(deliveries)
-
     async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
         """Raises Unavailable if the stream did not answer."""
         found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
@@ -275,3 +281,55 @@ class ForgottenArtifacts:
                 records.append(record)
         self._records[key] = (count, tuple(records))
         return tuple(records)
+
+
+class EnrolmentLog:
+    """The stream's enrolment records (`epi.epibus.enrolment.*`), each admitted like any message and kept only
+    if it is a valid record (`bus.authority.enrolment_record`). Read on from where the last read stopped: a
+    record is never erased, and one stored before an event is in the stream whenever that event is read."""
+
+    def __init__(self, js: JetStreamContext, admission: Admission) -> None:
+        self._js = js
+        self._admission = admission
+        self._records: list[tuple[int, Enrolment]] = []
+        self._next_seq = 1
+        self._authority = NO_RECORDS
+
+    async def read(self) -> Authority:
+        """Every record up to now. Raises Unavailable."""
+        read = False
+        while True:
+            try:
+                async with asyncio.timeout(JS_TIMEOUT_S):
+                    msg = await self._js.get_msg(STREAM, seq=self._next_seq, subject=ENROLMENTS_FILTER, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"enrolment records: {type(e).__name__} {e}") from e
+            if msg.seq is None or msg.data is None or msg.time is None or msg.subject is None:
+                break
+            try:
+                record = enrolment_record(await self._admission.admit(msg.subject, msg.data, msg.time))
+            except Rejected:
+                record = None  # dead-lettered wherever it was read: it enrols nobody
+            if record is not None:
+                self._records.append((msg.seq, record))
+            self._next_seq, read = msg.seq + 1, True
+        if read:
+            self._authority = Authority.of(self._records)
+        return self._authority
+
+
+class BatchContext:
+    """What deciding a batch needs from the rest of the stream, attached to each delivery the same way on
+    every path: the records of erased artifacts and the enrolment records in force."""
+
+    def __init__(self, js: JetStreamContext, admission: Admission) -> None:
+        self.forgotten = ForgottenArtifacts(js, admission)
+        self.enrolments = EnrolmentLog(js, admission)
+
+    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Raises Unavailable. The enrolment records are read after the batch, so none before it is missed."""
+        records = await self.forgotten.for_batch(deliveries)
+        authority = await self.enrolments.read()
+        return [replace(d, erased=records, authority=authority) for d in deliveries]

@@ -348,7 +348,8 @@ class EpibusClient(StateChanges, FleetRequests):
         for event in events:
             view = views.get(event.project)
             if view is not None:
-                view.fold.absorb(decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, lambda _h: False))
+                fold = view.fold
+                fold.absorb(decide(event, view.next_seq, fold.artifacts.get, lambda _h: False, view.authority))
         if not superseding:
             return None
         target = _link(superseding[0], "supersedes")

@@ -1,5 +1,11 @@
-"""A node's authority over who may connect: it answers admins' enrolment requests (an agent asks, the node
-writes the registry) and keeps its embedded nats-server's authorization in step with the registry."""
+"""A node's authority over who may connect and act: it answers admins' enrolment requests (an agent asks, the
+node records the change on the stream, then writes the registry) and keeps its embedded nats-server's
+authorization in step with the registry.
+
+Every enrolment change is first published as an `enrolment` record signed by the node's identity
+(`bus.authority`): the stream orders it with the events it governs, so every path decides an event with the
+enrolments as they stood at its place in the stream. Only then does the registry change, and with it what the
+broker lets the agent do."""
 
 from __future__ import annotations
 
@@ -13,15 +19,20 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.auth import Enrolment, render_authorization
-from bus.errors import Forbidden, Unavailable
+from bus.admission import Admission, EnrolmentLog
+from bus.auth import ANY_PROJECT, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
+from bus.authority import enrolment_event
+from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
+from bus.event import encode_event
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.outbox import OutboxRow
+from bus.publish import retrying_unavailable, send_one
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
 from bus.responder import Responder, serve
 from bus.server import NatsServer
-from bus.signing import AgentKey, verify_request
-from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
+from bus.signing import AgentKey, node_event_key, verify_request
+from bus.subjects import ADMIN_QUEUE, ENROL, ENROLMENT_KIND, LIST_AGENTS, POLICY_PROJECT, REVOKE, STREAM, event_subject
 from bus.vocab import Role
 
 log = logging.getLogger(__name__)
@@ -42,8 +53,64 @@ class Enrolments:
         self.server = server
         self.node_name = node_name
         self.registry = AgentRegistry(js)
+        self.signer = node_event_key(node)  # signs this node's enrolment records
         self._applied: str | None = None
         self._lock = asyncio.Lock()
+
+    async def start(self) -> int:
+        """Before serving: enrol this node's identity (so its records are admitted where the registry is closed)
+        and record on the stream every registry enrolment the stream's records do not show yet (made before
+        records existed, or a change whose registry write was interrupted). Returns how many were recorded.
+        Raises Unavailable."""
+        me = self.signer.agent_id
+        if await self.registry.get(me) is None:
+            await self.registry.enrol(
+                Enrolment(
+                    agent_id=me,
+                    public_key=self.signer.public_key,
+                    owner=me,
+                    roles=(Role.admin,),
+                    projects=(ANY_PROJECT,),
+                    enrolled_by=self.node_name,
+                    enrolled_at=datetime.now(UTC),
+                )
+            )
+        authority = await EnrolmentLog(self.js, Admission(self.registry)).read()
+        recorded = 0
+        for enrolment in await self.registry.enrolments():
+            if enrolment.agent_id.startswith(NODE_PREFIX):
+                continue
+            standing = authority.record(enrolment.agent_id, authority.last_seq + 1) or first_use_enrolment(
+                enrolment.agent_id, enrolment.public_key, enrolled_at=enrolment.enrolled_at
+            )
+            if not standing.same_standing(enrolment):
+                await self._record(enrolment)
+                recorded += 1
+        if recorded:
+            log.info("recorded %d registry enrolment(s) on the stream", recorded)
+        return recorded
+
+    async def _record(self, enrolment: Enrolment) -> None:
+        """Publish the enrolment record (retried while NATS does not answer). Raises Unavailable."""
+        event = enrolment_event(self.signer, enrolment, session_id=self.node_name)
+        subject = event_subject(POLICY_PROJECT, ENROLMENT_KIND, enrolment.agent_id)
+        row = OutboxRow(str(event.event_id), subject, encode_event(event))
+        async for attempt in retrying_unavailable():
+            with attempt:
+                await send_one(self.js, row, timeout_s=JS_TIMEOUT_S)
+
+    async def _change(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
+        """Record the change on the stream, then write the registry. If the write fails after the record was
+        published, the registry's record (or, for an agent it never held, a revocation) is recorded again so
+        the stream does not grant what the registry refused."""
+        await self.registry.check_enrol(enrolment, replace_key=replace_key)
+        await self._record(enrolment)
+        try:
+            await self.registry.enrol(enrolment, replace_key=replace_key)
+        except EpibusError:
+            current = await self.registry.get(enrolment.agent_id)
+            await self._record(current or enrolment.revoked(datetime.now(UTC)))
+            raise
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
         name, admin, queue = self.node_name, self._authorize_admin, ADMIN_QUEUE
@@ -70,6 +137,9 @@ class Enrolments:
             raise Forbidden(signer.agent_id, "ask", msg.subject, "only an admin enrols, revokes or lists agents")
 
     async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
+        if request.agent_id.startswith(NODE_PREFIX):
+            why = f"{request.agent_id!r}: ids starting {NODE_PREFIX!r} name nodes; choose another name"
+            raise ConfigError("agent_id", why)
         enrolment = Enrolment(
             agent_id=request.agent_id,
             public_key=request.public_key,
@@ -79,12 +149,15 @@ class Enrolments:
             enrolled_by=self.node_name,
             enrolled_at=datetime.now(UTC),
         )
-        await self.registry.enrol(enrolment, replace_key=request.replace_key)
+        await self._change(enrolment, replace_key=request.replace_key)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
 
     async def _revoke(self, request: RevokeRequest) -> dict[str, Any]:
-        enrolment = await self.registry.revoke(request.agent_id)
+        enrolment = await self.registry.require(request.agent_id)
+        if enrolment.active:
+            enrolment = enrolment.revoked(datetime.now(UTC))
+            await self._change(enrolment)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
 

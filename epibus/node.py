@@ -230,6 +230,7 @@ class Node:
         await self._ensure_streams(repair=self.config.repair_streams)
         enrolments = Enrolments(self.js, self.key, self.server if self.authenticated else None, node_name=self.name)
         self.enrolments = enrolments
+        await enrolments.start()
         self.services |= await enrolments.serve(self.nc)
         if self.authenticated:
             await enrolments.registry.close()
