@@ -229,19 +229,29 @@ class ForgottenArtifacts:
     def __init__(self, js: JetStreamContext, admission: Admission) -> None:
         self._js = js
         self._admission = admission
-        # (project, artifact_id) -> (messages on its `forgotten` subject when read, the forgets they hold)
-        self._records: dict[tuple[str, str], tuple[int, tuple[ErasedRecord, ...]]] = {}
+        # (project, artifact_id) -> (messages on its `forgotten` subject when read, the admitted forgets there)
+        self._forgets: dict[tuple[str, str], tuple[int, tuple[tuple[Envelope, int], ...]]] = {}
 
-    async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
-        """Raises Unavailable if the stream did not answer."""
-        found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
+    async def read(self, deliveries: Sequence[Delivery]) -> list[tuple[Envelope, int]]:
+        """Every admitted forget of the batch's projects, with its stream sequence. Raises Unavailable."""
+        found: list[tuple[Envelope, int]] = []
         for project in sorted({d.event.project for d in deliveries}):
             # Every forget of the project, not only those the batch links to: an erased event's id stays
             # taken whatever artifact a later message under it names.
             for subject, count in sorted((await self._forget_subjects(project)).items()):
-                records = await self._records_of(project, subject, count)
-                if records:
-                    found[(project, subject.rsplit(".", 1)[1])] = records
+                found += await self._forgets_on(project, subject, count)
+        return found
+
+    @staticmethod
+    def records(forgets: Sequence[tuple[Envelope, int]], authority: Authority) -> ErasedMap:
+        """What the forgets their actors were allowed to make recorded (`erasure.erased_record`): a forget every
+        path rejects erased nothing. `authority` must hold every enrolment record before the forgets."""
+        found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
+        for event, seq in sorted(forgets, key=lambda f: f[1]):
+            record = erased_record(event, seq, authority)
+            if record is not None:
+                key = (event.project, event.artifact_id)
+                found[key] = (*found.get(key, ()), record)
         return found
 
     async def _forget_subjects(self, project: str) -> dict[str, int]:
@@ -252,14 +262,14 @@ class ForgottenArtifacts:
             raise Unavailable("nats", f"forgotten artifacts of {project}: {type(e).__name__} {e}") from e
         return dict(info.state.subjects or {})
 
-    async def _records_of(self, project: str, subject: str, count: int) -> tuple[ErasedRecord, ...]:
+    async def _forgets_on(self, project: str, subject: str, count: int) -> tuple[tuple[Envelope, int], ...]:
         """Every admitted forget on one artifact's `forgotten` subject, in stream order (an artifact id can be
         claimed again after a forget, and forgotten again)."""
         key = (project, subject.rsplit(".", 1)[1])
-        cached = self._records.get(key)
+        cached = self._forgets.get(key)
         if cached is not None and cached[0] == count:
             return cached[1]
-        records: list[ErasedRecord] = []
+        forgets: list[tuple[Envelope, int]] = []
         seq = 1
         for _ in range(count):
             try:
@@ -276,11 +286,9 @@ class ForgottenArtifacts:
                 event = await self._admission.admit(subject, msg.data, msg.time)
             except Rejected:
                 continue  # dead-lettered wherever it was read: it forgot nothing
-            record = erased_record(event, msg.seq)
-            if record is not None:
-                records.append(record)
-        self._records[key] = (count, tuple(records))
-        return tuple(records)
+            forgets.append((event, msg.seq))
+        self._forgets[key] = (count, tuple(forgets))
+        return tuple(forgets)
 
 
 class EnrolmentLog:
@@ -328,8 +336,14 @@ class BatchContext:
         self.forgotten = ForgottenArtifacts(js, admission)
         self.enrolments = EnrolmentLog(js, admission)
 
-    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        """Raises Unavailable. The enrolment records are read after the batch, so none before it is missed."""
-        records = await self.forgotten.for_batch(deliveries)
+    async def read(self, deliveries: Sequence[Delivery]) -> tuple[ErasedMap, Authority]:
+        """Raises Unavailable. The enrolment records are read after the batch and its forgets, so none that
+        comes before them in the stream is missed."""
+        forgets = await self.forgotten.read(deliveries)
         authority = await self.enrolments.read()
-        return [replace(d, erased=records, authority=authority) for d in deliveries]
+        return ForgottenArtifacts.records(forgets, authority), authority
+
+    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Raises Unavailable."""
+        erased, authority = await self.read(deliveries)
+        return [replace(d, erased=erased, authority=authority) for d in deliveries]

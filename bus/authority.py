@@ -228,6 +228,6 @@ def _require_author_or_admin(
     if owner == standing.owner:
         return  # two identities of one owner are one author
     action = _action(event)
-    why = f"only its author's identities (owner {owner}) or an admin may {action} it"
+    why = f"only the author's identities (owner {owner}) or an admin may {action} another's claim"
     what = f"{target.author}'s claim {target.artifact_id} in project {event.project}"
     raise Forbidden(actor, action, what, _rule(RULE_AUTHOR_OR_ADMIN, why))

@@ -73,10 +73,8 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
             read.append((seq, parse_event_subject(msg.subject), delivery))
-    context = BatchContext(js, admission)
-    erased = await context.forgotten.for_batch([d for _, _, d in read if d is not None])
-    view.erased = erased
-    view.authority = view.fold.authority = await context.enrolments.read()
+    erased, authority = await BatchContext(js, admission).read([d for _, _, d in read if d is not None])
+    view.erased, view.authority, view.fold.authority = erased, authority, authority
     for seq, address, delivery in read:
         if address is not None:
             view.subject_seq[address.artifact_id] = seq

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.admission import Admission, EnrolmentLog
-from bus.auth import ANY_PROJECT, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
+from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
 from bus.authority import enrolment_event
 from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
 from bus.event import encode_event
@@ -42,6 +42,18 @@ KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node re
 def initial_authorization(node: AgentKey) -> str:
     """What a server starts with before the registry is read: the node alone (a restart keeps the last file)."""
     return render_authorization([node.public_key], [])
+
+
+async def record_enrolment(js: JetStreamContext, signer: AgentKey, enrolment: Enrolment, *, session_id: str) -> int:
+    """Publish an enrolment record signed by a node's identity (signing.node_event_key), retried while NATS does
+    not answer. Returns its stream sequence: the change applies to events after it. Raises Unavailable."""
+    event = enrolment_event(signer, enrolment, session_id=session_id)
+    subject = event_subject(POLICY_PROJECT, ENROLMENT_KIND, enrolment.agent_id)
+    row = OutboxRow(str(event.event_id), subject, encode_event(event))
+    async for attempt in retrying_unavailable():
+        with attempt:
+            ack = await send_one(js, row, timeout_s=JS_TIMEOUT_S)
+    return int(ack.seq)
 
 
 class Enrolments:
@@ -78,8 +90,8 @@ class Enrolments:
         authority = await EnrolmentLog(self.js, Admission(self.registry)).read()
         recorded = 0
         for enrolment in await self.registry.enrolments():
-            if enrolment.agent_id.startswith(NODE_PREFIX):
-                continue
+            if enrolment.agent_id.startswith(NODE_PREFIX) or enrolment.enrolled_by == FIRST_USE:
+                continue  # a first-use binding grants nothing the records' default does not
             standing = authority.record(enrolment.agent_id, authority.last_seq + 1) or first_use_enrolment(
                 enrolment.agent_id, enrolment.public_key, enrolled_at=enrolment.enrolled_at
             )
@@ -91,13 +103,7 @@ class Enrolments:
         return recorded
 
     async def _record(self, enrolment: Enrolment) -> None:
-        """Publish the enrolment record (retried while NATS does not answer). Raises Unavailable."""
-        event = enrolment_event(self.signer, enrolment, session_id=self.node_name)
-        subject = event_subject(POLICY_PROJECT, ENROLMENT_KIND, enrolment.agent_id)
-        row = OutboxRow(str(event.event_id), subject, encode_event(event))
-        async for attempt in retrying_unavailable():
-            with attempt:
-                await send_one(self.js, row, timeout_s=JS_TIMEOUT_S)
+        await record_enrolment(self.js, self.signer, enrolment, session_id=self.node_name)
 
     async def _change(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
         """Record the change on the stream, then write the registry. If the write fails after the record was

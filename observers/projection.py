@@ -287,9 +287,9 @@ def rebuild(conn: Connection) -> int:
     for table in (artifacts, verifications, tombstones, projection_cursor):
         conn.execute(delete(table))
     conn.execute(update(events).where(events.c.status != FORGOTTEN).values(status="applied", reason=None, flags=None))
-    erased = forgets_in_journal(conn)
     # A journal being migrated to the version that keeps them has no enrolment records yet.
     authority = enrolments_in_journal(conn) if inspect(conn).has_table(enrolment_log.name) else NO_RECORDS
+    erased = forgets_in_journal(conn, authority)
     applied, after = 0, 0
     while True:
         rows = conn.execute(
@@ -310,9 +310,10 @@ def rebuild(conn: Connection) -> int:
         after = rows[-1].stream_seq
 
 
-def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
-    """What the journal's own `forgotten` events recorded: a rebuild re-applies the links other events had to
-    artifacts whose rows are redacted, as they were applied the first time."""
+def forgets_in_journal(conn: Connection, authority: Authority) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
+    """What the journal's own `forgotten` events recorded (those their actors were allowed to make): a rebuild
+    re-applies the links other events had to artifacts whose rows are redacted, as they were applied the first
+    time."""
     found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
     rows = conn.execute(
         select(events.c.envelope, events.c.stream_seq)
@@ -321,7 +322,7 @@ def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], tuple[ErasedRe
     )
     for row in rows:
         event = validate_event(json.loads(row.envelope))
-        record = erased_record(event, row.stream_seq)
+        record = erased_record(event, row.stream_seq, authority)
         if record is not None:
             key = (event.project, event.artifact_id)
             found[key] = (*found.get(key, ()), record)

@@ -113,8 +113,8 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
             )
             .order_by(events.c.stream_seq)
         )
-        erased = forgets_in_journal(conn)
         authority = enrolments_in_journal(conn)
+        erased = forgets_in_journal(conn, authority)
         fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased, authority)
     return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
 

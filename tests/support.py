@@ -11,12 +11,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nats.js import JetStreamContext
 from sqlalchemy import text
 
-from bus.signing import node_key
+from bus.auth import Enrolment
+from bus.signing import AgentKey, node_event_key, node_key
+from bus.vocab import Role
+from epibus.enrolment import record_enrolment
 from observers.journal import make_engine
 
 T = TypeVar("T")
@@ -117,3 +122,28 @@ def operator_credentials(home: Path) -> dict[str, Any]:
     """nats-py connect options for the operator of the node under `home` (its node key): what a raw client
     needs to reach a node that authenticates, for tests that write what no agent may (forged dead letters)."""
     return node_key(home).nats_credentials
+
+
+async def enrol_on_stream(
+    js: JetStreamContext,
+    key: AgentKey,
+    *roles: Role,
+    owner: str | None = None,
+    projects: tuple[str, ...] = ("*",),
+    revoked: bool = False,
+) -> int:
+    """Record an enrolment on the stream as a node records `epibus agent add` (signed by a node identity of its
+    own): on a server without authentication, the agent holds these roles, owner and projects from the returned
+    stream sequence on. Roles default to agent."""
+    at = datetime.now(UTC)
+    enrolment = Enrolment(
+        agent_id=key.agent_id,
+        public_key=key.public_key,
+        owner=owner or key.agent_id,
+        roles=roles or (Role.agent,),
+        projects=projects,
+        enrolled_by="tests",
+        enrolled_at=at,
+        revoked_at=at if revoked else None,
+    )
+    return await record_enrolment(js, node_event_key(AgentKey.generate("node")), enrolment, session_id="tests")

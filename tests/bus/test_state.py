@@ -138,20 +138,24 @@ def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
             ev(agents["bob"], "contradicted", {"contradicted_by": "a1", "reason": "r"}, artifact_id="a1"),
             2,
             states.get,
-            lambda _h: False, STAFF,
+            lambda _h: False,
+            STAFF,
         )
     with pytest.raises(IllegalTransition, match="'ghost' does not exist"):
         decide(
             ev(agents["bob"], "contradicted", {"contradicted_by": "ghost", "reason": "r"}, artifact_id="a1"),
             2,
             states.get,
-            lambda _h: False, STAFF,
+            lambda _h: False,
+            STAFF,
         )
 
 
 def test_a_transition_on_a_missing_artifact_is_refused(agents):
     with pytest.raises(IllegalTransition, match="absent"):
-        decide(ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False, STAFF)
+        decide(
+            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False, STAFF
+        )
 
 
 def test_supersession_sets_both_sides_or_nothing(agents):
@@ -325,5 +329,9 @@ def test_an_error_on_a_resolved_artifact_lists_the_trust_moves_still_legal(agent
     states = {"a": state("a", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.stale)}
     with pytest.raises(IllegalTransition, match="legal: contradicted, rolled_back, verified"):
         decide(
-            ev(agents["bob"], "resolved", {"resolution": "retracted"}, artifact_id="a"), 2, states.get, lambda _h: False, STAFF
+            ev(agents["bob"], "resolved", {"resolution": "retracted"}, artifact_id="a"),
+            2,
+            states.get,
+            lambda _h: False,
+            STAFF,
         )
