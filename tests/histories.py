@@ -64,6 +64,7 @@ GRAMMAR: tuple[tuple[str, tuple[Sequence[Any], ...]], ...] = (
     ("resend", (TARGETS,)),
     # agent, its roles, its projects, one owner shared with the other agents drawn so (else its own), revoked
     ("enrol", (AGENT, range(len(ROLE_SETS)), range(len(SCOPES)), (False, True), (False, False, False, True))),
+    ("share_owner", (AGENT, AGENT)),  # two agents become identities of one owner: neither verifies the other
 )
 ops = st.one_of(
     *(st.tuples(st.just(name), *(st.sampled_from(list(values)) for values in args)) for name, args in GRAMMAR)
@@ -242,6 +243,10 @@ class _Builder:
         )
         event = enrolment_event(self.keys.node, enrolment, session_id="s")
         self.send(event, subject=event_subject(POLICY_PROJECT, ENROLMENT_KIND, key.agent_id))
+
+    def _share_owner(self, first_i: int, second_i: int) -> None:
+        for agent_i in (first_i, second_i):
+            self._enrol(agent_i, 0, 0, True, False)
 
     def _resend(self, earlier_i: int) -> None:
         sent = [m for m in self.messages if m.forget is None]
