@@ -300,6 +300,7 @@ class EnrolmentLog:
         self._js = js
         self._admission = admission
         self._records: list[tuple[int, Enrolment]] = []
+        self._seen: set[str] = set()  # event ids read: a record resent later is a repeat, never a new record
         self._next_seq = 1
         self._authority = NO_RECORDS
 
@@ -317,11 +318,14 @@ class EnrolmentLog:
             if msg.seq is None or msg.data is None or msg.time is None or msg.subject is None:
                 break
             try:
-                record = enrolment_record(await self._admission.admit(msg.subject, msg.data, msg.time))
+                event: Envelope | None = await self._admission.admit(msg.subject, msg.data, msg.time)
             except Rejected:
-                record = None  # dead-lettered wherever it was read: it enrols nobody
-            if record is not None:
-                self._records.append((msg.seq, record))
+                event = None  # dead-lettered wherever it was read: it enrols nobody
+            if event is not None and str(event.event_id) not in self._seen:
+                self._seen.add(str(event.event_id))
+                record = enrolment_record(event)
+                if record is not None:
+                    self._records.append((msg.seq, record))
             self._next_seq, read = msg.seq + 1, True
         if read:
             self._authority = Authority.of(self._records)

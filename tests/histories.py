@@ -220,9 +220,12 @@ class _Builder:
         self.send(self.event("alice", "finding", _claim_body("finding", f"dated {year}", "none", None), recorded_at=at))
 
     def _reuse_id(self, agent_i: int, earlier_i: int) -> None:
-        if not self.sent:
+        # An id of this project's: a reader of one project (the fold, a project's journal) never sees the
+        # enrolment records' ids, so which event an id holds across projects is not one truth these paths share.
+        sent = [e for e in self.sent if e.project == self.project]
+        if not sent:
             return
-        earlier = self.sent[earlier_i % len(self.sent)]
+        earlier = sent[earlier_i % len(sent)]
         body = _claim_body("finding", f"reusing {earlier.event_id}", "none", None)
         event = self.event(AGENTS[agent_i], "finding", body, event_id=earlier.event_id)
         self.send(event, deduplicate=False)  # a raw client: JetStream deduplicates only inside its window
