@@ -13,6 +13,7 @@ server without authentication gives every agent)."""
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -138,22 +139,27 @@ class Authority:
     def standing(self, actor: Actor, seq: int) -> Enrolment:
         """What the actor may do at `seq`: its record, else a node's standing (an admin) or a first-use agent's."""
         if is_node_identity(actor.agent_id, actor.public_key):
-            return Enrolment(
-                agent_id=actor.agent_id,
-                public_key=actor.public_key,
-                owner=actor.agent_id,
-                roles=(Role.admin,),
-                projects=(ANY_PROJECT,),
-                enrolled_by=actor.agent_id,
-                enrolled_at=EPOCH,
-            )
-        return self.record(actor.agent_id, seq) or first_use_enrolment(
-            actor.agent_id, actor.public_key, enrolled_at=EPOCH
-        )
+            return _unrecorded(actor.agent_id, actor.public_key, node=True)
+        return self.record(actor.agent_id, seq) or _unrecorded(actor.agent_id, actor.public_key, node=False)
 
     def owner(self, agent_id: str, seq: int) -> str:
         record = self.record(agent_id, seq)
         return record.owner if record is not None else agent_id
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every event by an agent without a record: build it once
+def _unrecorded(agent_id: str, public_key: str, *, node: bool) -> Enrolment:
+    if not node:
+        return first_use_enrolment(agent_id, public_key, enrolled_at=EPOCH)
+    return Enrolment(
+        agent_id=agent_id,
+        public_key=public_key,
+        owner=agent_id,
+        roles=(Role.admin,),
+        projects=(ANY_PROJECT,),
+        enrolled_by=agent_id,
+        enrolled_at=EPOCH,
+    )
 
 
 NO_RECORDS = Authority()

@@ -268,10 +268,12 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
     if not deliveries:
         return {}
     erased = batch_erased(deliveries)
-    record_enrolments(conn, batch_authority(deliveries))
-    behind = min(d.stream_seq for d in deliveries) < cursor(conn)
+    learned = record_enrolments(conn, batch_authority(deliveries))
+    # An enrolment record before events already decided (it was learned late: a journal upgraded from before
+    # records existed) changes what they may have done: decide them again, as a fresh journal would.
+    behind = min(min(d.stream_seq for d in deliveries), learned or cursor(conn)) < cursor(conn)
     if behind:
-        log.warning("an event arrived behind the projection cursor; rebuilding the projection in stream order")
+        log.warning("an event or enrolment record arrived behind the projection cursor; rebuilding in stream order")
         rebuild(conn)
         found = conn.execute(
             select(events.c.event_id, events.c.reason).where(
@@ -329,17 +331,16 @@ def forgets_in_journal(conn: Connection, authority: Authority) -> dict[tuple[str
     return found
 
 
-def record_enrolments(conn: Connection, authority: Authority) -> None:
-    """Keep the enrolment records a batch carries that the journal does not hold yet. A batch carries every
-    record the stream had when it was read, so those above the highest kept are the new ones."""
-    kept = conn.execute(select(func.max(enrolment_log.c.stream_seq))).scalar()
-    rows = [
-        {"stream_seq": seq, "agent_id": e.agent_id, "enrolment": e.model_dump_json()}
-        for seq, e in authority.in_order()
-        if seq > (kept or 0)
-    ]
-    if rows:
+def record_enrolments(conn: Connection, authority: Authority) -> int | None:
+    """Keep the enrolment records a batch carries that the journal does not hold yet; returns the stream
+    sequence of the first one kept now, if any. A batch carries every record the stream had when it was read,
+    so those above the highest kept are the new ones."""
+    kept = conn.execute(select(func.max(enrolment_log.c.stream_seq))).scalar() or 0
+    new = [(seq, e) for seq, e in authority.in_order() if seq > kept]
+    if new:
+        rows = [{"stream_seq": seq, "agent_id": e.agent_id, "enrolment": e.model_dump_json()} for seq, e in new]
         conn.execute(enrolment_log.insert(), rows)
+    return new[0][0] if new else None
 
 
 def enrolments_in_journal(conn: Connection) -> Authority:

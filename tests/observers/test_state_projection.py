@@ -389,3 +389,40 @@ async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, age
     old.migrate()
     assert [v.state.artifact_id for v in artifacts(old, project)] == [event.artifact_id]
     old.close()
+
+
+async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_them_again(
+    tmp_path: Path, agents, project
+):
+    """A journal upgraded from before enrolment records existed decided its events without them; the first batch
+    that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
+    from bus.admission import Delivery
+    from bus.auth import Enrolment
+    from bus.authority import NO_RECORDS, Authority
+    from bus.subjects import event_subject
+
+    alice, bob = agents["alice"], agents["bob"]
+    claim_ = alice.event("finding", finding(text="the cron job runs twice"), project=project)
+    rollback = bob.event("rolled_back", {"reason": "it runs once"}, project=project, artifact_id=claim_.artifact_id)
+    later = alice.event("finding", finding(text="the cron job runs at noon"), project=project)
+
+    def delivery(event, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
+        return Delivery(event, event_subject(project, event.kind, event.artifact_id), seq, 1, authority=authority)
+
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")
+    journal.migrate()
+    journal.write([delivery(claim_, 1), delivery(rollback, 3)])
+    assert journal.outcomes([str(rollback.event_id)])[str(rollback.event_id)]["status"] == "rejected"
+    bob_admin = Enrolment(
+        agent_id="bob",
+        public_key=bob.key.public_key,
+        owner="bob",
+        roles=(Role.agent, Role.admin),
+        projects=("*",),
+        enrolled_by="tests",
+        enrolled_at=datetime.now(UTC),
+    )
+    journal.write([delivery(later, 5, Authority.of([(2, bob_admin)]))])
+    assert journal.outcomes([str(rollback.event_id)])[str(rollback.event_id)]["status"] == "applied"
+    assert snapshot(journal, project).states[claim_.artifact_id].trust is Trust.rolled_back
+    journal.close()
