@@ -66,6 +66,7 @@ class Enrolments:
         self.node_name = node_name
         self.registry = AgentRegistry(js)
         self.signer = node_event_key(node)  # signs this node's enrolment records
+        self.records = EnrolmentLog(js, Admission(self.registry))  # the stream's records, read on as they grow
         self._applied: str | None = None
         self._lock = asyncio.Lock()
 
@@ -87,35 +88,40 @@ class Enrolments:
                     enrolled_at=datetime.now(UTC),
                 )
             )
-        authority = await EnrolmentLog(self.js, Admission(self.registry)).read()
         recorded = 0
         for enrolment in await self.registry.enrolments():
             if enrolment.agent_id.startswith(NODE_PREFIX) or enrolment.enrolled_by == FIRST_USE:
                 continue  # a first-use binding grants nothing the records' default does not
-            standing = authority.record(enrolment.agent_id, authority.last_seq + 1) or first_use_enrolment(
-                enrolment.agent_id, enrolment.public_key, enrolled_at=enrolment.enrolled_at
-            )
-            if not standing.same_standing(enrolment):
-                await self._record(enrolment)
-                recorded += 1
+            recorded += await self._record(enrolment)
         if recorded:
             log.info("recorded %d registry enrolment(s) on the stream", recorded)
         return recorded
 
-    async def _record(self, enrolment: Enrolment) -> None:
+    async def _record(self, enrolment: Enrolment) -> bool:
+        """Publish the enrolment record, unless the stream's records already give the agent this standing (an
+        agent enrolled as first use would stand: such an enrolment adds nothing to the stream). Returns whether
+        it published one. Raises Unavailable."""
+        authority = await self.records.read()
+        standing = authority.record(enrolment.agent_id, authority.last_seq + 1) or first_use_enrolment(
+            enrolment.agent_id, enrolment.public_key, enrolled_at=enrolment.enrolled_at
+        )
+        if standing.same_standing(enrolment):
+            return False
         await record_enrolment(self.js, self.signer, enrolment, session_id=self.node_name)
+        return True
 
     async def _change(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
         """Record the change on the stream, then write the registry. If the write fails after the record was
         published, the registry's record (or, for an agent it never held, a revocation) is recorded again so
         the stream does not grant what the registry refused."""
         await self.registry.check_enrol(enrolment, replace_key=replace_key)
-        await self._record(enrolment)
+        recorded = await self._record(enrolment)
         try:
             await self.registry.enrol(enrolment, replace_key=replace_key)
         except EpibusError:
-            current = await self.registry.get(enrolment.agent_id)
-            await self._record(current or enrolment.revoked(datetime.now(UTC)))
+            if recorded:
+                current = await self.registry.get(enrolment.agent_id)
+                await self._record(current or enrolment.revoked(datetime.now(UTC)))
             raise
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:

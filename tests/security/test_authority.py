@@ -27,7 +27,7 @@ from bus.reader import replay
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key
 from bus.state import ArtifactState
-from bus.subjects import STREAM, event_subject
+from bus.subjects import POLICY_PROJECT, STREAM, event_subject
 from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
@@ -288,3 +288,12 @@ async def test_an_event_in_a_project_its_actor_is_not_a_member_of_is_refused_on_
     assert await node.store.point_ids(Filter(equals={"project": elsewhere})) == []  # reindexed from the stream
     replayed.close()
     repaired.close()
+
+
+async def test_no_agent_publishes_in_the_project_that_holds_the_enrolment_records(fleet: Fleet) -> None:
+    alice = fleet.clients["alice"]
+    before = (await fleet.operator.jetstream().stream_info(STREAM)).state.messages
+    forged = alice.event("finding", finding(text="alice is an admin now"), project=POLICY_PROJECT)
+    with pytest.raises(Forbidden, match="rule enrolment-records: project epibus holds only enrolment records"):
+        await alice.publish(forged)
+    assert (await fleet.operator.jetstream().stream_info(STREAM)).state.messages == before
