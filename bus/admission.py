@@ -1,6 +1,8 @@
 """The one admission rule. Every path that takes events from the stream (the live runner, replay, verify's
 repair, reindex, a second node catching up, the client's fold) admits a message with `Admission.admit`, so a
 message is admitted by all of them or by none: bytes, subject, time, signature and the agent's registered key.
+Each path then attaches to a batch what deciding it needs from the rest of the stream (`BatchContext`): what
+forgets recorded of erased artifacts, and the enrolment records in force.
 
 What fails is `Rejected` with a reason from `DeadLetterReason`; the live runner dead-letters it, the other
 paths report it. A registry that does not answer is `Unavailable`: retry later, never guess."""
@@ -18,6 +20,8 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.auth import Enrolment
+from bus.authority import NO_RECORDS, Authority, enrolment_record
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import Envelope, decode_event, event_digest
@@ -25,7 +29,7 @@ from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.state import IdUse, id_use
-from bus.subjects import STREAM, event_subject, events_filter, parse_event_subject
+from bus.subjects import ENROLMENTS_FILTER, STREAM, event_subject, events_filter, parse_event_subject
 from bus.vocab import DeadLetterReason
 
 # How far ahead of the stream's clock a publisher's clock may run.
@@ -47,10 +51,17 @@ class Delivery:
     stream_time: datetime | None = None  # when JetStream stored it (server clock, ordered with stream_seq)
     # What later `forgotten` events recorded of the erased artifacts this batch refers to (ForgottenArtifacts).
     erased: ErasedMap = field(default_factory=dict, compare=False)
+    # The stream's enrolment records when the batch was read: every record before this event is among them.
+    authority: Authority = field(default=NO_RECORDS, compare=False)
 
     @cached_property
     def digest(self) -> str:
         return event_digest(self.event)
+
+
+def batch_authority(deliveries: Sequence[Delivery]) -> Authority:
+    """The enrolment records the deliveries of one batch carry (the most recently read, if they differ)."""
+    return max((d.authority for d in deliveries), key=lambda a: a.last_seq, default=NO_RECORDS)
 
 
 def batch_erased(deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
@@ -209,19 +220,15 @@ class Admission:
         return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
 
 
-def forgets_in(deliveries: Sequence[Delivery]) -> ErasedMap:
-    """What the `forgotten` events among `deliveries` recorded, per (project, artifact_id), in stream order: the
-    records ForgottenArtifacts finds by asking the stream, for a path that has read a whole project itself (an
+def forgets_in(deliveries: Sequence[Delivery]) -> list[tuple[Envelope, int]]:
+    """The admitted `forgotten` events among `deliveries`, with their stream sequences: what
+    ForgottenArtifacts.read finds by asking the stream, for a path that has read a whole project itself (an
     agent's fold, which the broker lets read only its own projects' subjects)."""
-    found: dict[tuple[str, str], list[ErasedRecord]] = {}
-    for delivery in sorted(deliveries, key=lambda d: d.stream_seq):
-        address = parse_event_subject(delivery.subject)
-        if address is None or address.kind != "forgotten":
-            continue
-        record = erased_record(delivery.event, delivery.stream_seq)
-        if record is not None:
-            found.setdefault((address.project, address.artifact_id), []).append(record)
-    return {key: tuple(records) for key, records in found.items()}
+    return [
+        (d.event, d.stream_seq)
+        for d in sorted(deliveries, key=lambda d: d.stream_seq)
+        if (address := parse_event_subject(d.subject)) is not None and address.kind == "forgotten"
+    ]
 
 
 class ForgottenArtifacts:
@@ -233,24 +240,29 @@ class ForgottenArtifacts:
     def __init__(self, js: JetStreamContext, admission: Admission) -> None:
         self._js = js
         self._admission = admission
-        # (project, artifact_id) -> (messages on its `forgotten` subject when read, the forgets they hold)
-        self._records: dict[tuple[str, str], tuple[int, tuple[ErasedRecord, ...]]] = {}
+        # (project, artifact_id) -> (messages on its `forgotten` subject when read, the admitted forgets there)
+        self._forgets: dict[tuple[str, str], tuple[int, tuple[tuple[Envelope, int], ...]]] = {}
 
-    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
-        """The deliveries, each carrying the batch's records of erased artifacts. Raises Unavailable."""
-        records = await self.for_batch(deliveries)
-        return [replace(d, erased=records) for d in deliveries] if records else list(deliveries)
-
-    async def for_batch(self, deliveries: Sequence[Delivery]) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
-        """Raises Unavailable if the stream did not answer."""
-        found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
+    async def read(self, deliveries: Sequence[Delivery]) -> list[tuple[Envelope, int]]:
+        """Every admitted forget of the batch's projects, with its stream sequence. Raises Unavailable."""
+        found: list[tuple[Envelope, int]] = []
         for project in sorted({d.event.project for d in deliveries}):
             # Every forget of the project, not only those the batch links to: an erased event's id stays
             # taken whatever artifact a later message under it names.
             for subject, count in sorted((await self._forget_subjects(project)).items()):
-                records = await self._records_of(project, subject, count)
-                if records:
-                    found[(project, subject.rsplit(".", 1)[1])] = records
+                found += await self._forgets_on(project, subject, count)
+        return found
+
+    @staticmethod
+    def records(forgets: Sequence[tuple[Envelope, int]], authority: Authority) -> ErasedMap:
+        """What the forgets their actors were allowed to make recorded (`erasure.erased_record`): a forget every
+        path rejects erased nothing. `authority` must hold every enrolment record before the forgets."""
+        found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
+        for event, seq in sorted(forgets, key=lambda f: f[1]):
+            record = erased_record(event, seq, authority)
+            if record is not None:
+                key = (event.project, event.artifact_id)
+                found[key] = (*found.get(key, ()), record)
         return found
 
     async def _forget_subjects(self, project: str) -> dict[str, int]:
@@ -261,14 +273,14 @@ class ForgottenArtifacts:
             raise Unavailable("nats", f"forgotten artifacts of {project}: {type(e).__name__} {e}") from e
         return dict(info.state.subjects or {})
 
-    async def _records_of(self, project: str, subject: str, count: int) -> tuple[ErasedRecord, ...]:
+    async def _forgets_on(self, project: str, subject: str, count: int) -> tuple[tuple[Envelope, int], ...]:
         """Every admitted forget on one artifact's `forgotten` subject, in stream order (an artifact id can be
         claimed again after a forget, and forgotten again)."""
         key = (project, subject.rsplit(".", 1)[1])
-        cached = self._records.get(key)
+        cached = self._forgets.get(key)
         if cached is not None and cached[0] == count:
             return cached[1]
-        records: list[ErasedRecord] = []
+        forgets: list[tuple[Envelope, int]] = []
         seq = 1
         for _ in range(count):
             try:
@@ -285,8 +297,86 @@ class ForgottenArtifacts:
                 event = await self._admission.admit(subject, msg.data, msg.time)
             except Rejected:
                 continue  # dead-lettered wherever it was read: it forgot nothing
-            record = erased_record(event, msg.seq)
+            forgets.append((event, msg.seq))
+        self._forgets[key] = (count, tuple(forgets))
+        return tuple(forgets)
+
+
+class EnrolmentLog:
+    """The stream's enrolment records (`epi.epibus.enrolment.*`), each admitted like any message and kept only
+    if it is a valid record (`bus.authority.enrolment_record`). Read on from where the last read stopped: a
+    record is never erased, and one stored before an event is in the stream whenever that event is read."""
+
+    def __init__(self, js: JetStreamContext, admission: Admission) -> None:
+        self._js = js
+        self._admission = admission
+        self._records: list[tuple[int, Enrolment]] = []
+        self._seen: set[str] = set()  # event ids read: a record resent later is a repeat, never a new record
+        self._next_seq = 1
+        self._authority = NO_RECORDS
+
+    async def read(self) -> Authority:
+        """Every record up to now. Raises Unavailable."""
+        read = False
+        while True:
+            try:
+                async with asyncio.timeout(JS_TIMEOUT_S):
+                    msg = await self._js.get_msg(STREAM, seq=self._next_seq, subject=ENROLMENTS_FILTER, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            except NATS_OR_API_ERROR as e:
+                raise Unavailable("nats", f"enrolment records: {type(e).__name__} {e}") from e
+            if msg.seq is None or msg.data is None or msg.time is None or msg.subject is None:
+                break
+            await self._take(msg.seq, msg.subject, msg.data, msg.time)
+            read = True
+        if read:
+            self._authority = Authority.of(self._records)
+        return self._authority
+
+    async def read_filtered(self) -> Authority:
+        """Every record up to now, read through a consumer filtered to the records: the read an agent may make
+        (the broker refuses it message gets by sequence). Raises Unavailable."""
+        from bus.reader import read_stream  # the reader admits through this module: imported when used
+
+        read = False
+        async for batch in read_stream(self._js, STREAM, filter_subject=ENROLMENTS_FILTER, start_seq=self._next_seq):
+            for msg in batch:
+                await self._take(msg.metadata.sequence.stream, msg.subject, msg.data, msg.metadata.timestamp)
+                read = True
+        if read:
+            self._authority = Authority.of(self._records)
+        return self._authority
+
+    async def _take(self, seq: int, subject: str, data: bytes, stream_time: datetime) -> None:
+        try:
+            event: Envelope | None = await self._admission.admit(subject, data, stream_time)
+        except Rejected:
+            event = None  # dead-lettered wherever it was read: it enrols nobody
+        if event is not None and str(event.event_id) not in self._seen:
+            self._seen.add(str(event.event_id))
+            record = enrolment_record(event)
             if record is not None:
-                records.append(record)
-        self._records[key] = (count, tuple(records))
-        return tuple(records)
+                self._records.append((seq, record))
+        self._next_seq = seq + 1
+
+
+class BatchContext:
+    """What deciding a batch needs from the rest of the stream, attached to each delivery the same way on
+    every path: the records of erased artifacts and the enrolment records in force."""
+
+    def __init__(self, js: JetStreamContext, admission: Admission) -> None:
+        self.forgotten = ForgottenArtifacts(js, admission)
+        self.enrolments = EnrolmentLog(js, admission)
+
+    async def read(self, deliveries: Sequence[Delivery]) -> tuple[ErasedMap, Authority]:
+        """Raises Unavailable. The enrolment records are read after the batch and its forgets, so none that
+        comes before them in the stream is missed."""
+        forgets = await self.forgotten.read(deliveries)
+        authority = await self.enrolments.read()
+        return ForgottenArtifacts.records(forgets, authority), authority
+
+    async def attach(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Raises Unavailable."""
+        erased, authority = await self.read(deliveries)
+        return [replace(d, erased=erased, authority=authority) for d in deliveries]

@@ -21,6 +21,7 @@ from bus.event import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     MESH_BUCKET,
+    POLICY_PROJECT,
     PROJECT_PATTERN,
     STREAM,
     TOMBSTONES_BUCKET,
@@ -35,6 +36,8 @@ PUBLIC_KEY_PATTERN = re.compile(r"^U[A-Z2-7]{55}$")
 def _project_scope(value: str) -> str:
     if value != ANY_PROJECT and not PROJECT_PATTERN.fullmatch(value):
         raise ValueError(f"{value!r} is neither a project slug ({PROJECT_PATTERN.pattern}) nor {ANY_PROJECT!r}")
+    if value == POLICY_PROJECT:
+        raise ValueError(f"{POLICY_PROJECT!r} holds the fleet's enrolment records; no agent is a member of it")
     return value
 
 
@@ -64,13 +67,39 @@ class Enrolment(BaseModel):
         return self.revoked_at is None
 
     def member_of(self, project: str) -> bool:
+        if project == POLICY_PROJECT:
+            return False  # only nodes write there, and not as members
         return ANY_PROJECT in self.projects or project in self.projects
 
     def has_role(self, role: Role) -> bool:
         return role in self.roles
 
+    def revoked(self, at: datetime) -> Enrolment:
+        return self.model_copy(update={"revoked_at": at})
+
+    def same_standing(self, other: Enrolment) -> bool:
+        """Whether two records give an identity the same key, owner, roles, projects and revocation."""
+        return (
+            self.public_key == other.public_key
+            and self.owner == other.owner
+            and set(self.roles) == set(other.roles)
+            and set(self.projects) == set(other.projects)
+            and self.active == other.active
+        )
+
 
 FIRST_USE = "first-use"
+NODE_PREFIX = "node-"
+
+
+def node_identity(public_key: str) -> str:
+    """The agent id a node signs its enrolment records with: its key, named. The id names the key, so no other
+    key can pass for that node, and an admin never enrols an agent under a `node-` id."""
+    return NODE_PREFIX + public_key.lower()
+
+
+def is_node_identity(agent_id: str, public_key: str) -> bool:
+    return agent_id == node_identity(public_key)
 
 
 def first_use_enrolment(agent_id: str, public_key: str, *, enrolled_at: datetime) -> Enrolment:
@@ -118,6 +147,9 @@ def _agent_api(projects: Sequence[str]) -> list[str]:
         "$JS.API.INFO",
         *(f"$JS.API.CONSUMER.CREATE.{STREAM}.*.{scope}" for scope in scopes),
         *(f"$JS.API.DIRECT.GET.{STREAM}.{scope}" for scope in scopes),
+        # The enrolment records a fold decides with (published by nodes only; agents may read them).
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.*.epi.{POLICY_PROJECT}.>",
+        f"$JS.API.DIRECT.GET.{STREAM}.epi.{POLICY_PROJECT}.>",
         f"$JS.API.CONSUMER.INFO.{STREAM}.*",
         f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
         # Tombstone keys (content hashes) of any project, read before publishing a claim.
@@ -151,6 +183,7 @@ _AGENT_DENY = [
     f"$KV.{AGENT_KEYS_BUCKET}.>",
     f"$KV.{TOMBSTONES_BUCKET}.>",
     f"$KV.{MESH_BUCKET}.>",  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
+    f"epi.{POLICY_PROJECT}.>",  # enrolment records: published by nodes only
     "epidlq.>",
     "$SYS.>",
 ]
@@ -183,6 +216,8 @@ def render_authorization(
     for enrolment in sorted(enrolments, key=lambda e: e.agent_id):
         if not enrolment.active or enrolment.public_key in listed:
             continue
+        if is_node_identity(enrolment.agent_id, enrolment.public_key):
+            continue  # its record lets it sign enrolment records; the node connects with its own key
         listed.add(enrolment.public_key)
         permissions = agent_permissions(enrolment, node_consumers=consumers)
         users.append({"nkey": enrolment.public_key, "permissions": permissions})

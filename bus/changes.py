@@ -63,12 +63,14 @@ class StateChanges:
         view: ProjectView | None = None,
         timeout_s: float | None = None,
     ) -> Receipt:
-        """Validate a state change against the artifact's current state, then publish it so that JetStream
-        refuses it if any other event landed on the artifact since (Conflict). Raises IllegalTransition
-        (nothing written), Conflict (re-read and retry deliberately) or Unavailable."""
+        """Validate a state change against the artifact's current state and the enrolments in force, then publish
+        it so that JetStream refuses it if any other event landed on the artifact since (Conflict). Raises
+        Forbidden naming the rule the agent breaks or IllegalTransition (nothing written), Conflict (re-read and
+        retry deliberately) or Unavailable."""
         view = view or await self.project_view(project)
         event = self.event(kind, body, project=project, artifact_id=artifact_id)
-        change = decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, view.fold.tombstones.__contains__)
+        fold = view.fold
+        change = decide(event, view.next_seq, fold.artifacts.get, fold.tombstones.__contains__, view.authority)
         expected = view.subject_seq.get(artifact_id, 0)
         receipt = await self.publish_expecting(
             event, expected_headers=cas_headers(project, artifact_id, expected), timeout_s=timeout_s
@@ -88,10 +90,15 @@ class StateChanges:
     async def rollback(
         self: ChangesCore, project: str, artifact_id: str, *, reason: str, cascade: bool = False
     ) -> tuple[RollbackPlan, list[Receipt]]:
-        """Plan, then roll back every artifact in the plan, each with its own compare-and-set. A Conflict
-        stops the run; the receipts say what was rolled back before it."""
+        """Plan, then roll back every artifact in the plan, each with its own compare-and-set. Every one is
+        checked first, so one this agent may not roll back (Forbidden) stops the run before anything is
+        published. A Conflict stops the run; the receipts say what was rolled back before it."""
         view = await self.project_view(project)
         plan = plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
+        fold = view.fold
+        for target in plan.to_roll_back:
+            event = self.event("rolled_back", {"reason": reason}, project=project, artifact_id=target)
+            decide(event, view.next_seq, fold.artifacts.get, fold.tombstones.__contains__, view.authority)
         receipts = []
         for target in plan.to_roll_back:
             receipts.append(

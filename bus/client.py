@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from bus.auth import Enrolment
+from bus.authority import NO_RECORDS, authorize
 from bus.changes import StateChanges
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
@@ -47,7 +48,7 @@ from bus.receipts import await_acks, journaled_receipt, wait_journaled
 from bus.registry import AgentRegistry
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import event_subject
+from bus.subjects import POLICY_PROJECT, event_subject
 from bus.tasks import cancel_and_wait
 from bus.vocab import EpistemicSource, ReceiptLevel
 
@@ -317,9 +318,13 @@ class EpibusClient(StateChanges, FleetRequests):
     ) -> list[Receipt]:
         """Publish events in bulk with bounded in-flight async publishes; receipts in the input order.
         Every event is validated before anything is written: one bad event writes none. A claim whose
-        content was retracted or rolled back before is flagged `previously_retracted` (refused if strict)."""
+        content was retracted or rolled back before is flagged `previously_retracted` (refused if strict).
+        Raises Forbidden for an event in project `epibus`, which holds the nodes' enrolment records."""
         level = self._wait_level(wait_for)
         rows = [self._row(event) for event in events]
+        for event in events:
+            if event.project == POLICY_PROJECT:  # every store would reject it: only nodes write there
+                authorize(event, 0, lambda _artifact_id: None, NO_RECORDS)
         if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
             raise InvalidEvent("event_id", "appears twice in one publish_many call")
         guard = await self._check_links(events)
@@ -360,7 +365,8 @@ class EpibusClient(StateChanges, FleetRequests):
         for event in events:
             view = views.get(event.project)
             if view is not None:
-                view.fold.absorb(decide(event, view.fold.last_seq + 1, view.fold.artifacts.get, lambda _h: False))
+                fold = view.fold
+                fold.absorb(decide(event, view.next_seq, fold.artifacts.get, lambda _h: False, view.authority))
         if not superseding:
             return None
         target = _link(superseding[0], "supersedes")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from bus.authority import Authority, authorize
+from bus.errors import Forbidden
 from bus.event import Envelope, ErasedEvent, ErasedState, ForgottenBody
 from bus.state import ArtifactState, Lookup
 
@@ -29,12 +31,20 @@ class ErasedRecord:
 ErasedMap = Mapping[tuple[str, str], tuple[ErasedRecord, ...]]
 
 
-def erased_record(event: Envelope, stream_seq: int) -> ErasedRecord | None:
-    """The record a `forgotten` event keeps of its artifact (None for any other event)."""
+def erased_record(event: Envelope, stream_seq: int, authority: Authority) -> ErasedRecord | None:
+    """The record a `forgotten` event keeps of its artifact. None for any other event, and for a forget its actor
+    may not make on the artifact its history describes (`bus.authority`): every path rejects it, so it erased
+    nothing and takes no event id."""
     if not isinstance(event.body, ForgottenBody):
         return None
     digests = {str(e.event_id): e.digest for e in event.body.events}
-    return ErasedRecord(stream_seq, event.body.history, digests)
+    record = ErasedRecord(stream_seq, event.body.history, digests)
+    before = erased_state_at(replace(record, forget_seq=stream_seq + 1), event.project, event.artifact_id, stream_seq)
+    try:
+        authorize(event, stream_seq, lambda aid: before if aid == event.artifact_id else None, authority)
+    except Forbidden:
+        return None
+    return record
 
 
 def erased_digests(erased: ErasedMap) -> dict[str, str]:

@@ -1,23 +1,25 @@
 """Project knowledge folded in memory from events in stream order: the client's view before it changes state,
-and as-of reads. The same rules as the journal's projection and the mirror: `decide`, one event per id, and
-what forgets recorded of erased artifacts."""
+and as-of reads. The same rules as the journal's projection and the mirror: `decide` with the stream's
+enrolment records, one event per id, and what forgets recorded of erased artifacts."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap, erased_digests, with_erased
-from bus.errors import IllegalTransition
 from bus.event import Envelope, event_digest
-from bus.state import ArtifactState, Change, IdUse, Tombstone, Verification, decide, id_use
+from bus.state import REFUSED, ArtifactState, Change, IdUse, Tombstone, Verification, decide, id_use
 
 
 @dataclass
 class Fold:
     """Project knowledge folded in memory from events in stream order (as-of reads, client validation).
-    Illegal events are recorded in `rejected` with their reason and change nothing."""
+    Illegal and forbidden events are recorded in `rejected` with their reason and change nothing. `authority`
+    holds the enrolment records of the stream the events come from."""
 
+    authority: Authority = NO_RECORDS
     artifacts: dict[str, ArtifactState] = field(default_factory=dict)
     verifications: list[Verification] = field(default_factory=list)
     tombstones: dict[str, Tombstone] = field(default_factory=dict)
@@ -39,8 +41,8 @@ class Fold:
         self.digests[event_id] = digest
         lookup = with_erased(self.artifacts.get, erased or {}, event.project, stream_seq)
         try:
-            change = decide(event, stream_seq, lookup, self.tombstones.__contains__)
-        except IllegalTransition as e:
+            change = decide(event, stream_seq, lookup, self.tombstones.__contains__, self.authority)
+        except REFUSED as e:
             self.rejected[event_id] = str(e)
             return None
         self.absorb(change)
@@ -64,8 +66,10 @@ class Fold:
             self.flags[change.event_id] = change.flags
 
     @classmethod
-    def of(cls, events: Iterable[tuple[Envelope, int]], erased: ErasedMap | None = None) -> Fold:
-        fold = cls()
+    def of(
+        cls, events: Iterable[tuple[Envelope, int]], erased: ErasedMap | None = None, authority: Authority = NO_RECORDS
+    ) -> Fold:
+        fold = cls(authority=authority)
         for event, seq in events:
             fold.apply(event, seq, erased)
         return fold

@@ -1,5 +1,5 @@
-"""What a client knows before it changes state: a project's events folded from the stream, the last stream
-sequence on each artifact's subjects (for compare-and-set), and tombstones."""
+"""What a client knows before it changes state: a project's events folded from the stream with the stream's
+enrolment records, the last stream sequence on each artifact's subjects (for compare-and-set), and tombstones."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.admission import Admission, Delivery, Rejected, forgets_in
+from bus.admission import Admission, Delivery, EnrolmentLog, ForgottenArtifacts, Rejected, forgets_in
+from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.event import Envelope
@@ -49,6 +50,12 @@ class ProjectView:
     messages: dict[str, list[tuple[int, str | None]]] = field(default_factory=dict)
     invalid: int = 0
     erased: ErasedMap = field(default_factory=dict)  # what the project's forgets recorded (ForgottenArtifacts)
+    authority: Authority = NO_RECORDS  # the stream's enrolment records, read after the project's events
+
+    @property
+    def next_seq(self) -> int:
+        """Past everything this view read: where an event published now lands, as far as the rules can tell."""
+        return max(self.fold.last_seq, self.authority.last_seq, *self.subject_seq.values(), 0) + 1
 
 
 async def load_project(js: JetStreamContext, project: str, registry: AgentRegistry | None = None) -> ProjectView:
@@ -66,8 +73,11 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
             read.append((seq, parse_event_subject(msg.subject), delivery))
-    erased = forgets_in([d for _, _, d in read if d is not None])
-    view.erased = erased
+    # Forgets and enrolment records from reads the broker lets an agent make: its project, and the records.
+    forgets = forgets_in([d for _, _, d in read if d is not None])
+    authority = await EnrolmentLog(js, admission).read_filtered()
+    erased = ForgottenArtifacts.records(forgets, authority)
+    view.erased, view.authority, view.fold.authority = erased, authority, authority
     for seq, address, delivery in read:
         if address is not None:
             view.subject_seq[address.artifact_id] = seq

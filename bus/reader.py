@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected
+from bus.admission import Admission, BatchContext, Delivery, Rejected
 from bus.errors import Unavailable
 from bus.jetstream import NATS_OR_API_ERROR, broker_refusal
 from bus.registry import AgentRegistry
@@ -248,7 +248,7 @@ async def replay(
     Messages the live runner would dead-letter are reported, not written: the same admission decides."""
     report = ReplayReport()
     admission = admission or Admission(AgentRegistry(js))
-    forgotten = ForgottenArtifacts(js, admission)
+    context = BatchContext(js, admission)
     end = await last_sequence(js, STREAM)
     async for messages in read_stream(js, STREAM, start_seq=start_seq, batch_size=batch_size):
         deliveries: list[Delivery] = []
@@ -258,7 +258,7 @@ async def replay(
             except Rejected as rejection:
                 report.rejected.append((msg.metadata.sequence.stream, rejection.reason.value, rejection.error))
         if deliveries:
-            deliveries = await forgotten.attach(deliveries)
+            deliveries = await context.attach(deliveries)
             for refusal in await observer.handle(deliveries) or ():
                 report.rejected.append((refusal.stream_seq, refusal.reason.value, refusal.error))
         report.read += len(messages)

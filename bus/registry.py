@@ -165,14 +165,7 @@ class AgentRegistry:
             async with asyncio.timeout(JS_TIMEOUT_S):
                 kv = await self._bucket()
                 entry = await self._entry(kv, enrolment.agent_id)
-                if entry is not None and not replace_key:
-                    current = decode_enrolment(entry.value or b"", key=enrolment.agent_id, revision=entry.revision)
-                    if current.public_key != enrolment.public_key and current.active:
-                        raise Conflict(
-                            f"agent {enrolment.agent_id}",
-                            f"it is enrolled with key {current.public_key[:12]}…",
-                            fix="revoke it first, or enrol with --replace-key to rotate its key",
-                        )
+                self._check_key(entry, enrolment, replace_key=replace_key)
                 data = enrolment.model_dump_json().encode()
                 if entry is None:
                     await kv.create(enrolment.agent_id, data)
@@ -199,6 +192,29 @@ class AgentRegistry:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         return enrolment
 
+    async def check_enrol(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
+        """Raise Conflict if `enrol` would refuse this enrolment (another key, without replace_key). Raises
+        Unavailable."""
+        try:
+            async with asyncio.timeout(JS_TIMEOUT_S):
+                entry = await self._entry(await self._bucket(), enrolment.agent_id)
+                self._check_key(entry, enrolment, replace_key=replace_key)
+        except MalformedRecord:
+            return  # enrol overwrites an unreadable record
+        except NATS_OR_API_ERROR as e:
+            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+
+    def _check_key(self, entry: KeyValue.Entry | None, enrolment: Enrolment, *, replace_key: bool) -> None:
+        if entry is None or replace_key:
+            return
+        current = decode_enrolment(entry.value or b"", key=enrolment.agent_id, revision=entry.revision)
+        if current.public_key != enrolment.public_key and current.active:
+            raise Conflict(
+                f"agent {enrolment.agent_id}",
+                f"it is enrolled with key {current.public_key[:12]}…",
+                fix="revoke it first, or enrol with --replace-key to rotate its key",
+            )
+
     async def _overwrite(self, enrolment: Enrolment) -> None:
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
@@ -211,7 +227,7 @@ class AgentRegistry:
         current = await self.require(agent_id)
         if not current.active:
             return current
-        return await self.enrol(current.model_copy(update={"revoked_at": datetime.now(UTC)}))
+        return await self.enrol(current.revoked(datetime.now(UTC)))
 
     async def is_node_key(self, public_key: str) -> bool:
         """Whether `public_key` is a node's own key (recorded by `register_node`). Raises Unavailable."""

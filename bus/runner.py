@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Refusal, Rejected, seconds_from_env
+from bus.admission import Admission, BatchContext, Delivery, Refusal, Rejected, seconds_from_env
 from bus.errors import Unavailable, error_summary
 from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
 from bus.registry import AgentRegistry
@@ -131,7 +131,7 @@ class ConsumerRunner:
         self.ack_wait_s = ack_wait_s
         self.redelivery_delays_s = tuple(redelivery_delays_s)
         self.admission = Admission(registry or AgentRegistry(self.js))
-        self.forgotten = ForgottenArtifacts(self.js, self.admission)
+        self.context = BatchContext(self.js, self.admission)
         self.start_seq = start_seq  # a new durable starts here (a rebuilt mirror already holds what is before)
         self.stats = RunnerStats()
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
@@ -261,8 +261,8 @@ class ConsumerRunner:
         if not admitted:
             return
         try:
-            deliveries = await self.forgotten.attach([delivery for _, delivery in admitted])
-        except Unavailable as e:  # the stream did not say what was forgotten: the batch waits
+            deliveries = await self.context.attach([delivery for _, delivery in admitted])
+        except Unavailable as e:  # the stream did not say what was forgotten or who was enrolled: the batch waits
             self.stats.last_error = str(e)
             await self._hold([msg for msg, _ in admitted])
             return

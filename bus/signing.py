@@ -19,7 +19,7 @@ import nacl.exceptions
 import nacl.signing
 import nkeys
 
-from bus.auth import inbox_prefix
+from bus.auth import inbox_prefix, node_identity
 from bus.errors import ConfigError, Forbidden, InvalidEvent
 from bus.event import AGENT_PATTERN, Actor, Envelope, signing_payload
 from bus.home import private_dir
@@ -114,6 +114,11 @@ def node_key(home: Path) -> AgentKey:
     """The node's own service identity (`<home>/node.nk`, 0600): every broker permission, and an admin of the
     fleet for requests it signs. Whoever can read the home is the node's operator."""
     return AgentKey.load_or_create_at(home / NODE_KEY_FILE, NODE_IDENTITY)
+
+
+def node_event_key(node: AgentKey) -> AgentKey:
+    """The identity a node signs events with (its enrolment records): `node-<its public key>`, the same key."""
+    return AgentKey(node_identity(node.public_key), node._pair.seed)
 
 
 @dataclass(frozen=True)

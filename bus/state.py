@@ -1,7 +1,8 @@
 """The epistemic state of artifacts and the one function that decides what an event does to it.
 
-`decide` is pure: given an event and a way to look up current artifact states, it returns the Change the event
-makes or raises IllegalTransition. The client runs it before publishing (validation), the journal's projection
+`decide` is pure: given an event, a way to look up current artifact states and the enrolments in force
+(`bus.authority`), it returns the Change the event makes, or raises Forbidden (the actor may not) or
+IllegalTransition (nobody may). The client runs it before publishing (validation), the journal's projection
 runs it at apply time in stream order, the mirror on its payloads, and `bus.fold.Fold` in memory: one set of rules."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from bus.errors import IllegalTransition
+from bus.authority import Authority, EnrolmentBody, authorize, human_review
+from bus.errors import EpibusError, Forbidden, IllegalTransition
 from bus.event import (
     ContradictedBody,
     Envelope,
@@ -42,6 +44,9 @@ TRANSITION_TRUST: dict[str, Trust] = {
 UNSAFE_TRUST = frozenset({Trust.contradicted, Trust.rolled_back})
 UNSAFE_RESOLUTIONS = frozenset({ResolutionKind.retracted, ResolutionKind.mistyped})
 UNEARNED_CONFIDENCE = 0.8
+
+# What `decide` raises for an event that changes nothing: every path records it as rejected with its reason.
+REFUSED: tuple[type[EpibusError], ...] = (IllegalTransition, Forbidden)
 
 FLAG_UNEARNED = "unearned_confidence"
 FLAG_PREVIOUSLY_RETRACTED = "previously_retracted"
@@ -76,6 +81,7 @@ class Verification:
     recorded_at: datetime
     stream_seq: int
     note: str | None
+    human_review: bool = False  # the verifier held the reviewer role
 
 
 @dataclass(frozen=True)
@@ -192,11 +198,17 @@ def claim_flags(event: Envelope, is_tombstoned: Callable[[str], bool]) -> frozen
     return frozenset(flags)
 
 
-def decide(event: Envelope, stream_seq: int, lookup: Lookup, is_tombstoned: Callable[[str], bool]) -> Change:
-    """The change `event` makes given current states. Raises IllegalTransition naming the artifact, its
-    current state and what would be legal. Pure: reads through `lookup`, writes nothing."""
+def decide(
+    event: Envelope, stream_seq: int, lookup: Lookup, is_tombstoned: Callable[[str], bool], authority: Authority
+) -> Change:
+    """The change `event` makes at `stream_seq` given current states and the enrolments in force. Raises
+    Forbidden naming the rule the actor breaks (`bus.authority.authorize`, asked first), or IllegalTransition
+    naming the artifact, its current state and what would be legal. Pure: reads through `lookup`, writes nothing."""
+    authorize(event, stream_seq, lookup, authority)
+    if isinstance(event.body, EnrolmentBody):
+        return Change(str(event.event_id))  # changes who may do what from here on, no artifact
     if event.body.transition:
-        return _decide_transition(event, stream_seq, lookup)
+        return _decide_transition(event, stream_seq, lookup, authority)
     return _decide_new_artifact(event, stream_seq, lookup, is_tombstoned)
 
 
@@ -293,7 +305,7 @@ def _require_usable_successor(successor: ArtifactState, superseded: str) -> None
         )
 
 
-def _decide_transition(event: Envelope, seq: int, lookup: Lookup) -> Change:
+def _decide_transition(event: Envelope, seq: int, lookup: Lookup, authority: Authority) -> Change:
     aid = event.artifact_id
     if isinstance(event.body, ForgottenBody) and lookup(aid) is None:
         # Its content may have been erased before this reader saw it: forgetting nothing changes nothing.
@@ -317,7 +329,8 @@ def _decide_transition(event: Envelope, seq: int, lookup: Lookup) -> Change:
             raise IllegalTransition(
                 aid, current.state_label, "verified", f"{current.author} is the author; another agent must verify"
             )
-        record = Verification(str(event.event_id), aid, event.actor.agent_id, at, seq, body.note)
+        reviewed = human_review(event, seq, authority)
+        record = Verification(str(event.event_id), aid, event.actor.agent_id, at, seq, body.note, reviewed)
         updated = replace(current, trust=Trust.verified, last_seq=seq, updated_at=at)
         return Change(str(event.event_id), (updated,), verification=record)
     if isinstance(body, ContradictedBody):

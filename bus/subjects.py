@@ -50,6 +50,11 @@ MESH_BUCKET = "epibus_mesh"
 MESH_STREAM = f"KV_{MESH_BUCKET}"
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# The fleet's own records: nodes publish every enrolment change on `epi.epibus.enrolment.<agent>`, ordered with
+# the events it governs. No agent is a member of this project and the broker refuses agents' publishes to it.
+POLICY_PROJECT = "epibus"
+ENROLMENT_KIND = "enrolment"
+ENROLMENTS_FILTER = f"epi.{POLICY_PROJECT}.{ENROLMENT_KIND}.*"
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 ARTIFACT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 CONSUMER_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

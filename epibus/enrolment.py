@@ -1,5 +1,11 @@
-"""A node's authority over who may connect: it answers admins' enrolment requests (an agent asks, the node
-writes the registry) and keeps its embedded nats-server's authorization in step with the registry."""
+"""A node's authority over who may connect and act: it answers admins' enrolment requests (an agent asks, the
+node records the change on the stream, then writes the registry) and keeps its embedded nats-server's
+authorization in step with the registry.
+
+Every enrolment change is first published as an `enrolment` record signed by the node's identity
+(`bus.authority`): the stream orders it with the events it governs, so every path decides an event with the
+enrolments as they stood at its place in the stream. Only then does the registry change, and with it what the
+broker lets the agent do."""
 
 from __future__ import annotations
 
@@ -14,17 +20,22 @@ import nkeys
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from bus.auth import Enrolment, first_use_enrolment, render_authorization
-from bus.errors import Unavailable
-from bus.event import AGENT_PATTERN
+from bus.admission import Admission, EnrolmentLog
+from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
+from bus.authority import enrolment_event
+from bus.errors import ConfigError, EpibusError, Unavailable
+from bus.event import AGENT_PATTERN, encode_event
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.outbox import OutboxRow
+from bus.publish import retrying_unavailable, send_one
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
 from bus.responder import Responder, serve
 from bus.server import NatsServer
 from bus.service_rules import Authorizer, ServiceGuard, admin_rule
-from bus.signing import AgentKey
-from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
+from bus.signing import AgentKey, node_event_key
+from bus.subjects import ADMIN_QUEUE, ENROL, ENROLMENT_KIND, LIST_AGENTS, POLICY_PROJECT, REVOKE, STREAM, event_subject
+from bus.vocab import Role
 
 log = logging.getLogger(__name__)
 KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node reaches this node's server
@@ -33,6 +44,18 @@ KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node re
 def initial_authorization(node: AgentKey) -> str:
     """What a server starts with before the registry is read: the node alone (a restart keeps the last file)."""
     return render_authorization([node.public_key], [])
+
+
+async def record_enrolment(js: JetStreamContext, signer: AgentKey, enrolment: Enrolment, *, session_id: str) -> int:
+    """Publish an enrolment record signed by a node's identity (signing.node_event_key), retried while NATS does
+    not answer. Returns its stream sequence: the change applies to events after it. Raises Unavailable."""
+    event = enrolment_event(signer, enrolment, session_id=session_id)
+    subject = event_subject(POLICY_PROJECT, ENROLMENT_KIND, enrolment.agent_id)
+    row = OutboxRow(str(event.event_id), subject, encode_event(event))
+    async for attempt in retrying_unavailable():
+        with attempt:
+            ack = await send_one(js, row, timeout_s=JS_TIMEOUT_S)
+    return int(ack.seq)
 
 
 class Enrolments:
@@ -55,8 +78,64 @@ class Enrolments:
         self.registry = AgentRegistry(js)
         # Who signed each request to this node's services; a server to keep in step means the node authenticates.
         self.guard = ServiceGuard(self.registry, node.public_key, enforce=server is not None)
+        self.signer = node_event_key(node)  # signs this node's enrolment records
+        self.records = EnrolmentLog(js, Admission(self.registry))  # the stream's records, read on as they grow
         self._applied: str | None = None
         self._lock = asyncio.Lock()
+
+    async def start(self) -> int:
+        """Before serving: enrol this node's identity (so its records are admitted where the registry is closed)
+        and record on the stream every registry enrolment the stream's records do not show yet (made before
+        records existed, or a change whose registry write was interrupted). Returns how many were recorded.
+        Raises Unavailable."""
+        me = self.signer.agent_id
+        if await self.registry.get(me) is None:
+            await self.registry.enrol(
+                Enrolment(
+                    agent_id=me,
+                    public_key=self.signer.public_key,
+                    owner=me,
+                    roles=(Role.admin,),
+                    projects=(ANY_PROJECT,),
+                    enrolled_by=self.node_name,
+                    enrolled_at=datetime.now(UTC),
+                )
+            )
+        recorded = 0
+        for enrolment in await self.registry.enrolments():
+            if enrolment.agent_id.startswith(NODE_PREFIX) or enrolment.enrolled_by == FIRST_USE:
+                continue  # a first-use binding grants nothing the records' default does not
+            recorded += await self._record(enrolment)
+        if recorded:
+            log.info("recorded %d registry enrolment(s) on the stream", recorded)
+        return recorded
+
+    async def _record(self, enrolment: Enrolment) -> bool:
+        """Publish the enrolment record, unless the stream's records already give the agent this standing (an
+        agent enrolled as first use would stand: such an enrolment adds nothing to the stream). Returns whether
+        it published one. Raises Unavailable."""
+        authority = await self.records.read()
+        standing = authority.record(enrolment.agent_id, authority.last_seq + 1) or first_use_enrolment(
+            enrolment.agent_id, enrolment.public_key, enrolled_at=enrolment.enrolled_at
+        )
+        if standing.same_standing(enrolment):
+            return False
+        await record_enrolment(self.js, self.signer, enrolment, session_id=self.node_name)
+        return True
+
+    async def _change(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
+        """Record the change on the stream, then write the registry. If the write fails after the record was
+        published, the registry's record (or, for an agent it never held, a revocation) is recorded again so
+        the stream does not grant what the registry refused."""
+        await self.registry.check_enrol(enrolment, replace_key=replace_key)
+        recorded = await self._record(enrolment)
+        try:
+            await self.registry.enrol(enrolment, replace_key=replace_key)
+        except EpibusError:
+            if recorded:
+                current = await self.registry.get(enrolment.agent_id)
+                await self._record(current or enrolment.revoked(datetime.now(UTC)))
+            raise
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
         name, queue = self.node_name, ADMIN_QUEUE
@@ -74,6 +153,9 @@ class Enrolments:
         }
 
     async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
+        if request.agent_id.startswith(NODE_PREFIX):
+            why = f"{request.agent_id!r}: ids starting {NODE_PREFIX!r} name nodes; choose another name"
+            raise ConfigError("agent_id", why)
         enrolment = Enrolment(
             agent_id=request.agent_id,
             public_key=request.public_key,
@@ -84,16 +166,20 @@ class Enrolments:
             enrolled_at=datetime.now(UTC),
         )
         if request.if_absent:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
+            # Its standing is a first use's (every project, its own owner): nothing to record on the stream.
             if await self.registry.enrol_if_absent(enrolment) is None:
                 return {"enrolment": (await self.registry.require(request.agent_id)).model_dump(mode="json")}
         else:
-            await self.registry.enrol(enrolment, replace_key=request.replace_key)
+            await self._change(enrolment, replace_key=request.replace_key)
         self.guard.drop(enrolment.agent_id)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}
 
     async def _revoke(self, request: RevokeRequest) -> dict[str, Any]:
-        enrolment = await self.registry.revoke(request.agent_id)
+        enrolment = await self.registry.require(request.agent_id)
+        if enrolment.active:
+            enrolment = enrolment.revoked(datetime.now(UTC))
+            await self._change(enrolment)
         self.guard.drop(enrolment.agent_id)
         await self.apply()
         return {"enrolment": enrolment.model_dump(mode="json")}

@@ -10,7 +10,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from bus.admission import Admission, Rejected
+from bus.admission import Admission, EnrolmentLog, Rejected
 from bus.erasure import erased_record
 from bus.errors import NotFound, Unavailable
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
@@ -27,6 +27,9 @@ async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request
     artifact (publish it first: the journals redact on it), Unavailable."""
     admission = Admission(registry)
     found: list[tuple[int, str | None]] = []
+    # Read after the artifact's messages below would miss nothing earlier; read first, every record before the
+    # forget is in it too (records are never erased). A forget its actor may not make erases nothing.
+    authority = await EnrolmentLog(js, admission).read()
     forget_seq = 0
     async for batch in read_stream(js, STREAM, filter_subject=artifact_filter(request.project, request.artifact_id)):
         for msg in batch:
@@ -36,7 +39,7 @@ async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request
             except Rejected:  # not an event any store holds: erased with the rest, nothing to name
                 found.append((seq, None))
                 continue
-            if erased_record(delivery.event, seq) is not None:
+            if erased_record(delivery.event, seq, authority) is not None:
                 forget_seq = seq
             found.append((seq, str(delivery.event.event_id)))
     if not forget_seq:

@@ -255,6 +255,7 @@ class Node:
         server = self.server if self.authenticated else None
         enrolments = Enrolments(self.js, self.key, server, node_name=self.name, local_keys=local_keys)
         self.enrolments = enrolments
+        await enrolments.start()
         self.services |= await enrolments.serve(self.nc)
         if self.authenticated:
             await enrolments.registry.close()

@@ -2,7 +2,8 @@
 tombstones, derived from journaled events in stream order by `bus.state.decide`.
 
 It runs inside the journal's write transaction, so an event and what it did commit together. An event that
-is illegal at apply time is marked `rejected` with its reason and changes nothing."""
+is illegal or forbidden at apply time is marked `rejected` with its reason and changes nothing. The stream's
+enrolment records that batches carry are kept in `enrolment_log`, so a rebuild decides with them again."""
 
 from __future__ import annotations
 
@@ -11,17 +12,26 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, select, tuple_, update
+from sqlalchemy import and_, bindparam, delete, func, inspect, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from bus.admission import Delivery, batch_erased
+from bus.admission import Delivery, batch_authority, batch_erased
+from bus.auth import Enrolment
+from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
-from bus.errors import IllegalTransition
 from bus.event import Envelope, validate_event
-from bus.state import ArtifactState, Change, decide, event_references
+from bus.state import REFUSED, ArtifactState, Change, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from observers.schema import artifacts, as_utc, events, projection_cursor, tombstones, verifications
+from observers.schema import (
+    artifacts,
+    as_utc,
+    enrolment_log,
+    events,
+    projection_cursor,
+    tombstones,
+    verifications,
+)
 
 log = logging.getLogger(__name__)
 CURSOR = "state"
@@ -140,6 +150,7 @@ class BatchState:
                     recorded_at=v.recorded_at,
                     stream_seq=v.stream_seq,
                     note=v.note,
+                    human_review=v.human_review,
                 )
             )
         if change.tombstone is not None and change.tombstone.content_hash not in self.tombstoned[project]:
@@ -213,9 +224,11 @@ def _set_cursor(conn: Connection, seq: int) -> None:
     conn.execute(projection_cursor.insert().values(name=CURSOR, last_seq=seq))
 
 
-def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]], erased: ErasedMap) -> dict[str, str]:
+def apply_events(
+    conn: Connection, batch: Iterable[tuple[Envelope, int]], erased: ErasedMap, authority: Authority
+) -> dict[str, str]:
     """Apply events in stream order; returns {event_id: reason} for those rejected. `erased` holds what later
-    forgets recorded of artifacts whose messages the stream no longer has."""
+    forgets recorded of artifacts whose messages the stream no longer has; `authority` the enrolment records."""
     ordered = sorted(batch, key=lambda pair: pair[1])
     if not ordered:
         return {}
@@ -225,8 +238,8 @@ def apply_events(conn: Connection, batch: Iterable[tuple[Envelope, int]], erased
     for event, seq in ordered:
         lookup = with_erased(state.lookup(event.project), erased, event.project, seq)
         try:
-            change = decide(event, seq, lookup, state.tombstoned[event.project].__contains__)
-        except IllegalTransition as e:
+            change = decide(event, seq, lookup, state.tombstoned[event.project].__contains__, authority)
+        except REFUSED as e:
             rejected[str(event.event_id)] = str(e)
             outcomes.append({"b_id": str(event.event_id), "b_status": "rejected", "b_reason": str(e), "b_flags": None})
             continue
@@ -255,9 +268,12 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
     if not deliveries:
         return {}
     erased = batch_erased(deliveries)
-    behind = min(d.stream_seq for d in deliveries) < cursor(conn)
+    learned = record_enrolments(conn, batch_authority(deliveries))
+    # An enrolment record before events already decided (it was learned late: a journal upgraded from before
+    # records existed) changes what they may have done: decide them again, as a fresh journal would.
+    behind = min(min(d.stream_seq for d in deliveries), learned or cursor(conn)) < cursor(conn)
     if behind:
-        log.warning("an event arrived behind the projection cursor; rebuilding the projection in stream order")
+        log.warning("an event or enrolment record arrived behind the projection cursor; rebuilding in stream order")
         rebuild(conn)
         found = conn.execute(
             select(events.c.event_id, events.c.reason).where(
@@ -265,7 +281,7 @@ def project_deliveries(conn: Connection, deliveries: Sequence[Delivery]) -> dict
             )
         )
         return {row.event_id: row.reason for row in found}
-    return apply_events(conn, [(d.event, d.stream_seq) for d in deliveries], erased)
+    return apply_events(conn, [(d.event, d.stream_seq) for d in deliveries], erased, enrolments_in_journal(conn))
 
 
 def rebuild(conn: Connection) -> int:
@@ -273,7 +289,9 @@ def rebuild(conn: Connection) -> int:
     for table in (artifacts, verifications, tombstones, projection_cursor):
         conn.execute(delete(table))
     conn.execute(update(events).where(events.c.status != FORGOTTEN).values(status="applied", reason=None, flags=None))
-    erased = forgets_in_journal(conn)
+    # A journal being migrated to the version that keeps them has no enrolment records yet.
+    authority = enrolments_in_journal(conn) if inspect(conn).has_table(enrolment_log.name) else NO_RECORDS
+    erased = forgets_in_journal(conn, authority)
     applied, after = 0, 0
     while True:
         rows = conn.execute(
@@ -288,14 +306,16 @@ def rebuild(conn: Connection) -> int:
             conn,
             [(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows if r.status != FORGOTTEN],
             erased,
+            authority,
         )
         applied += len(rows)
         after = rows[-1].stream_seq
 
 
-def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
-    """What the journal's own `forgotten` events recorded: a rebuild re-applies the links other events had to
-    artifacts whose rows are redacted, as they were applied the first time."""
+def forgets_in_journal(conn: Connection, authority: Authority) -> dict[tuple[str, str], tuple[ErasedRecord, ...]]:
+    """What the journal's own `forgotten` events recorded (those their actors were allowed to make): a rebuild
+    re-applies the links other events had to artifacts whose rows are redacted, as they were applied the first
+    time."""
     found: dict[tuple[str, str], tuple[ErasedRecord, ...]] = {}
     rows = conn.execute(
         select(events.c.envelope, events.c.stream_seq)
@@ -304,8 +324,26 @@ def forgets_in_journal(conn: Connection) -> dict[tuple[str, str], tuple[ErasedRe
     )
     for row in rows:
         event = validate_event(json.loads(row.envelope))
-        record = erased_record(event, row.stream_seq)
+        record = erased_record(event, row.stream_seq, authority)
         if record is not None:
             key = (event.project, event.artifact_id)
             found[key] = (*found.get(key, ()), record)
     return found
+
+
+def record_enrolments(conn: Connection, authority: Authority) -> int | None:
+    """Keep the enrolment records a batch carries that the journal does not hold yet; returns the stream
+    sequence of the first one kept now, if any. A batch carries every record the stream had when it was read,
+    so those above the highest kept are the new ones."""
+    kept = conn.execute(select(func.max(enrolment_log.c.stream_seq))).scalar() or 0
+    new = [(seq, e) for seq, e in authority.in_order() if seq > kept]
+    if new:
+        rows = [{"stream_seq": seq, "agent_id": e.agent_id, "enrolment": e.model_dump_json()} for seq, e in new]
+        conn.execute(enrolment_log.insert(), rows)
+    return new[0][0] if new else None
+
+
+def enrolments_in_journal(conn: Connection) -> Authority:
+    """The enrolment records this journal has decided with: a rebuild and an as-of read decide with them again."""
+    rows = conn.execute(select(enrolment_log.c.stream_seq, enrolment_log.c.enrolment))
+    return Authority.of((row.stream_seq, Enrolment.model_validate_json(row.enrolment)) for row in rows)

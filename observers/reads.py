@@ -24,7 +24,7 @@ from bus.state import (
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
-from observers.projection import FORGOTTEN, forgets_in_journal, row_to_state
+from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import as_utc, events, verifications
 
@@ -61,7 +61,13 @@ class ArtifactView:
             "created_event_id": s.created_event_id,
             "relevance": round(self.relevance, 6),
             "verifications": [
-                {"verifier": v.verifier, "event_id": v.event_id, "at": v.recorded_at.isoformat(), "note": v.note}
+                {
+                    "verifier": v.verifier,
+                    "event_id": v.event_id,
+                    "at": v.recorded_at.isoformat(),
+                    "note": v.note,
+                    "human_review": v.human_review,
+                }
                 for v in self.verifications
             ],
         }
@@ -90,7 +96,9 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
                 select(verifications).where(verifications.c.project == project).order_by(verifications.c.stream_seq)
             )
             log = tuple(
-                Verification(r.event_id, r.artifact_id, r.verifier, as_utc(r.recorded_at), r.stream_seq, r.note)
+                Verification(
+                    r.event_id, r.artifact_id, r.verifier, as_utc(r.recorded_at), r.stream_seq, r.note, r.human_review
+                )
                 for r in found
             )
             return Snapshot(project, datetime.now(UTC), states, log)
@@ -105,8 +113,9 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
             )
             .order_by(events.c.stream_seq)
         )
-        erased = forgets_in_journal(conn)
-        fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased)
+        authority = enrolments_in_journal(conn)
+        erased = forgets_in_journal(conn, authority)
+        fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased, authority)
     return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
 
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
     inspect,
     select,
     text,
@@ -123,7 +124,17 @@ verifications = Table(
     Column("recorded_at", DateTime(timezone=True), nullable=False),
     Column("stream_seq", BigInteger, nullable=False),
     Column("note", Text, nullable=True),
+    # v4: the verifier held the reviewer role (a person's review)
+    Column("human_review", Boolean, nullable=False, server_default=false()),
     Index("ix_verifications_artifact", "project", "artifact_id"),
+)
+
+enrolment_log = Table(
+    "enrolment_log",  # v4: the stream's enrolment records the projection decided with (an input, never rebuilt)
+    metadata,
+    Column("stream_seq", BigInteger, primary_key=True),
+    Column("agent_id", String(64), nullable=False),
+    Column("enrolment", Text, nullable=False),
 )
 
 tombstones = Table(
@@ -182,11 +193,23 @@ def _v3_event_digests(conn: Connection) -> None:
         conn.execute(events.update().where(events.c.event_id == row.event_id).values(digest=digest))
 
 
+def _v4_authority(conn: Connection) -> None:
+    if "human_review" not in {c["name"] for c in inspect(conn).get_columns("verifications")}:
+        default = "FALSE" if conn.dialect.name == "postgresql" else "0"
+        conn.execute(text(f"ALTER TABLE verifications ADD COLUMN human_review BOOLEAN NOT NULL DEFAULT {default}"))
+    metadata.create_all(conn, tables=[enrolment_log])
+    # Events are now decided with the authority policy too: decide them again, as a new journal would.
+    from observers.projection import rebuild  # the projection needs these tables; imported late on purpose
+
+    rebuild(conn)
+
+
 # (version, description, step). Append only: a shipped step is never edited.
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "events table with its query indexes", _v1_events),
     (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection),
     (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests),
+    (4, "authority: enrolment_log, verifications.human_review; projection decided again", _v4_authority),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 

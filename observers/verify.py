@@ -12,7 +12,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.admission import Admission, Delivery, ForgottenArtifacts, Rejected, batch_erased, first_of_each_id
+from bus.admission import Admission, BatchContext, Delivery, Rejected, batch_erased, first_of_each_id
 from bus.erasure import erased_digests
 from bus.ids import point_id
 from bus.reader import read_stream
@@ -84,7 +84,7 @@ async def _stream_deliveries(js: JetStreamContext, project: str | None) -> list[
                 found.append(await admission.admit_msg(msg))
             except Rejected:
                 continue  # dead-lettered by the live consumers, never journaled
-    found = await ForgottenArtifacts(js, admission).attach(found)
+    found = await BatchContext(js, admission).attach(found)
     # Ids a forget erased stay taken: a later message under one is refused by every store.
     taken: dict[str, str | None] = dict(erased_digests(batch_erased(found)))
     kept, _conflicts = first_of_each_id(found, taken)

@@ -1,7 +1,8 @@
 """Random histories of a project, for the differential tests: claims of every kind by several agents, the
-changes made to them, and hostile messages mixed in (forged keys, broken signatures, wrong subjects, impossible
-times, reused event ids, exact resends). A history is drawn as plain operations and built into signed messages
-by `build`, so hypothesis can shrink it."""
+changes made to them, enrolment changes between them (roles, projects, a shared owner, revocation, recorded on
+the stream as a node records them), and hostile messages mixed in (forged keys, broken signatures, wrong
+subjects, impossible times, reused event ids, exact resends). A history is drawn as plain operations and built
+into signed messages by `build`, so hypothesis can shrink it."""
 
 from __future__ import annotations
 
@@ -22,20 +23,24 @@ import nkeys
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
+from bus.auth import Enrolment
+from bus.authority import enrolment_event
 from bus.erasure import erased_events, erased_history
 from bus.event import Envelope, draft_event, encode_event
 from bus.jetstream import ensure_streams
 from bus.knowledge import load_project
 from bus.registry import AgentRegistry
-from bus.signing import AgentKey
-from bus.state import ArtifactState
-from bus.subjects import STREAM, event_subject
-from bus.vocab import ResolutionKind
+from bus.signing import AgentKey, node_event_key
+from bus.state import REFUSED, ArtifactState, decide
+from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
+from bus.vocab import ResolutionKind, Role
 
 AGENTS = ("alice", "bob", "carol")
 CLAIM_KINDS = ("finding", "unknown", "assumption", "decision", "mistake", "dead_end")
 TEXTS = ("the cache is cold", "p99 doubled", "the index is stale", "retries hide the bug", "disk fills at night")
 RESOLUTIONS = tuple(ResolutionKind)
+ROLE_SETS = ((Role.agent,), (Role.agent, Role.admin), (Role.reviewer,), (Role.admin,), (Role.coordinator,))
+SCOPES = ("every project", "this project", "another project")
 
 # (operation, *small integers); targets index the artifacts made so far, modulo their number.
 Op = tuple[Any, ...]
@@ -57,6 +62,9 @@ GRAMMAR: tuple[tuple[str, tuple[Sequence[Any], ...]], ...] = (
     ("bad_time", ((1900, 2999, 1, 9999),)),
     ("reuse_id", (AGENT, TARGETS)),
     ("resend", (TARGETS,)),
+    # agent, its roles, its projects, one owner shared with the other agents drawn so (else its own), revoked
+    ("enrol", (AGENT, range(len(ROLE_SETS)), range(len(SCOPES)), (False, True), (False, False, False, True))),
+    ("share_owner", (AGENT, AGENT)),  # two agents become identities of one owner: neither verifies the other
 )
 ops = st.one_of(
     *(st.tuples(st.just(name), *(st.sampled_from(list(values)) for values in args)) for name, args in GRAMMAR)
@@ -84,8 +92,13 @@ class Message:
 
 @dataclass
 class Keys:
-    agents: dict[str, AgentKey]
+    agents: dict[str, AgentKey]  # by role in the history (alice, bob, carol); their agent ids are unique per Keys
     mallory_seed: bytes  # signs as other agents: admission must refuse it (their keys are registered)
+    node: AgentKey  # a node's identity: signs the history's enrolment records
+
+    @property
+    def suffix(self) -> str:
+        return self.agents[AGENTS[0]].agent_id.rsplit("-", 1)[1]
 
 
 async def register_keys(url: str, keys: Keys) -> None:
@@ -95,14 +108,21 @@ async def register_keys(url: str, keys: Keys) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         registry = AgentRegistry(js)
-        for key in keys.agents.values():
+        for key in [*keys.agents.values(), keys.node]:
             await registry.bind(key.actor)
     finally:
         await nc.close()
 
 
 def make_keys() -> Keys:
-    return Keys({a: AgentKey.generate(a) for a in AGENTS}, nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    """Agents of their own (`alice-<hex>`…): enrolment records are fleet-wide, so a history's grants and
+    revocations must not reach the agents of another history on the same server."""
+    suffix = uuid.uuid4().hex[:8]
+    return Keys(
+        {a: AgentKey.generate(f"{a}-{suffix}") for a in AGENTS},
+        nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER),
+        node_event_key(AgentKey.generate("node")),
+    )
 
 
 def _claim_body(kind: str, text: str, link: str, target: str | None) -> dict[str, Any]:
@@ -180,7 +200,7 @@ class _Builder:
         self.send(self.event(AGENTS[agent_i], "finding", body, artifact_id=self.target(target_i)))
 
     def _forged(self, agent_i: int) -> None:
-        impostor = AgentKey(AGENTS[agent_i], self.keys.mallory_seed)
+        impostor = AgentKey(self.keys.agents[AGENTS[agent_i]].agent_id, self.keys.mallory_seed)
         body = _claim_body("finding", "forged", "none", None)
         self.send(
             impostor.sign(draft_event("finding", body, project=self.project, actor=impostor.actor, session_id="s"))
@@ -200,12 +220,36 @@ class _Builder:
         self.send(self.event("alice", "finding", _claim_body("finding", f"dated {year}", "none", None), recorded_at=at))
 
     def _reuse_id(self, agent_i: int, earlier_i: int) -> None:
-        if not self.sent:
+        # An id of this project's: a reader of one project (the fold, a project's journal) never sees the
+        # enrolment records' ids, so which event an id holds across projects is not one truth these paths share.
+        sent = [e for e in self.sent if e.project == self.project]
+        if not sent:
             return
-        earlier = self.sent[earlier_i % len(self.sent)]
+        earlier = sent[earlier_i % len(sent)]
         body = _claim_body("finding", f"reusing {earlier.event_id}", "none", None)
         event = self.event(AGENTS[agent_i], "finding", body, event_id=earlier.event_id)
         self.send(event, deduplicate=False)  # a raw client: JetStream deduplicates only inside its window
+
+    def _enrol(self, agent_i: int, roles_i: int, scope_i: int, shared: bool, revoked: bool) -> None:
+        key = self.keys.agents[AGENTS[agent_i]]
+        projects = (("*",), (self.project,), (f"elsewhere-{self.keys.suffix}",))[scope_i]
+        at = datetime.now(UTC)
+        enrolment = Enrolment(
+            agent_id=key.agent_id,
+            public_key=key.public_key,
+            owner=f"team-{self.keys.suffix}" if shared else key.agent_id,
+            roles=ROLE_SETS[roles_i],
+            projects=projects,
+            enrolled_by="histories",
+            enrolled_at=at,
+            revoked_at=at if revoked else None,
+        )
+        event = enrolment_event(self.keys.node, enrolment, session_id="s")
+        self.send(event, subject=event_subject(POLICY_PROJECT, ENROLMENT_KIND, key.agent_id))
+
+    def _share_owner(self, first_i: int, second_i: int) -> None:
+        for agent_i in (first_i, second_i):
+            self._enrol(agent_i, 0, 0, True, False)
 
     def _resend(self, earlier_i: int) -> None:
         sent = [m for m in self.messages if m.forget is None]
@@ -245,6 +289,8 @@ async def publish(
 
 
 async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, project: str) -> int:
+    """The `forgotten` event, then, if the client would have sent it (the rules allow it), the erase. A forget
+    the client refuses is published anyway, as a raw agent could: every path rejects it, nothing is erased."""
     view = await load_project(js, project)
     earlier = view.erased.get((project, artifact_id), ())
     history = [h.model_dump(mode="json") for h in erased_history(view.fold.history.get(artifact_id, []), earlier)]
@@ -255,6 +301,10 @@ async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, proje
         draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)
     )
     ack = await js.publish(event_subject(project, "forgotten", artifact_id), encode_event(event))
+    try:
+        decide(event, view.next_seq, view.fold.artifacts.get, view.fold.tombstones.__contains__, view.authority)
+    except REFUSED:
+        return int(ack.seq)  # what the client refuses, it never erases
     if artifact_id in view.fold.artifacts:  # the client forgets only what exists, and erases all of it
         for seq, _ in view.messages.get(artifact_id, []):
             try:

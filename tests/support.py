@@ -11,17 +11,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
 import nats.errors
+from nats.js import JetStreamContext
 from sqlalchemy import text
 
 from bus import enrol
+from bus.auth import Enrolment
 from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey, node_key
+from bus.signing import AgentKey, node_event_key, node_key
 from bus.vocab import Role
+from epibus.enrolment import record_enrolment
 from observers.journal import make_engine
 
 T = TypeVar("T")
@@ -147,3 +151,28 @@ async def enrol_agent(url: str, home: Path, agent: AgentKey, *, roles: list[Role
         return True
 
     await eventually(connects)
+
+
+async def enrol_on_stream(
+    js: JetStreamContext,
+    key: AgentKey,
+    *roles: Role,
+    owner: str | None = None,
+    projects: tuple[str, ...] = ("*",),
+    revoked: bool = False,
+) -> int:
+    """Record an enrolment on the stream as a node records `epibus agent add` (signed by a node identity of its
+    own): on a server without authentication, the agent holds these roles, owner and projects from the returned
+    stream sequence on. Roles default to agent."""
+    at = datetime.now(UTC)
+    enrolment = Enrolment(
+        agent_id=key.agent_id,
+        public_key=key.public_key,
+        owner=owner or key.agent_id,
+        roles=roles or (Role.agent,),
+        projects=projects,
+        enrolled_by="tests",
+        enrolled_at=at,
+        revoked_at=at if revoked else None,
+    )
+    return await record_enrolment(js, node_event_key(AgentKey.generate("node")), enrolment, session_id="tests")

@@ -96,7 +96,7 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Vouch for another agent's artifact (trust → verified; a verified one gains another record).
-    The verifier is the signing agent (--agent) and may not be the author."""
+    The verifier is the signing agent (--agent), an agent or reviewer of another owner than the author's."""
     pointers = [_evidence(v) for v in evidence or []]
     body = {"note": note, "evidence": [p.model_dump(mode="json") for p in pointers]}
     receipt = run(_transition("verified", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))

@@ -30,7 +30,7 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """With ARTIFACT: vouch for another agent's artifact (trust -> verified; a verified one gains another
-    record; the verifier is the signing --agent and may not be the author). Without: reconcile the stream,
+    record; the verifier is the signing --agent, of another owner than the author's). Without: reconcile the stream,
     every node's journal and every node's mirror by event id (missing, extra, stale payload; --repair fixes
     them; exit code 1 unless every store is clean)."""
     if artifact_id is None:

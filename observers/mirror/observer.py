@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.admission import Delivery, Refusal, batch_erased, conflict_refusal
 from bus.erasure import erased_digests, with_erased
-from bus.errors import IllegalTransition, NotFound
+from bus.errors import NotFound
 from bus.ids import point_id
-from bus.state import ArtifactState, IdUse, decide, event_references, id_use
+from bus.state import REFUSED, ArtifactState, IdUse, decide, event_references, id_use
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
@@ -147,9 +147,9 @@ class MirrorObserver:
                 partial(_state_of, states, event.project), delivery.erased, event.project, delivery.stream_seq
             )
             try:
-                change = decide(event, delivery.stream_seq, lookup, _no_tombstones)
-            except IllegalTransition:
-                self.illegal += 1  # the journal records why; the mirror mirrors only what the state allows
+                change = decide(event, delivery.stream_seq, lookup, _no_tombstones, delivery.authority)
+            except REFUSED:
+                self.illegal += 1  # the journal records why; the mirror mirrors only what the rules allow
                 continue
             for state in change.artifacts:
                 key = (state.project, state.artifact_id)

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import replace
 from datetime import UTC, datetime
 
+from bus.authority import NO_RECORDS, Authority
 from bus.erasure import (
     ErasedRecord,
     erased_digests,
@@ -19,7 +20,8 @@ from bus.erasure import (
 from bus.event import ErasedState, draft_event
 from bus.signing import AgentKey
 from bus.state import ArtifactState
-from bus.vocab import Lifecycle, ResolutionKind, Trust
+from bus.vocab import Lifecycle, ResolutionKind, Role, Trust
+from tests.bus.test_state import standing
 
 AT = datetime(2026, 12, 1, tzinfo=UTC)
 CREATED = uuid.UUID("01a23a00-0000-7000-8000-000000000001")
@@ -164,11 +166,27 @@ def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is():
         "events": [{"event_id": str(e1), "digest": d1}],
     }
     forget = key.sign(draft_event("forgotten", body, project="p", actor=key.actor, session_id="s", artifact_id="a"))
-    assert erased_record(forget, 42) == ErasedRecord(42, history, {str(e1): d1})
+    assert erased_record(forget, 42, NO_RECORDS) == ErasedRecord(42, history, {str(e1): d1})
     claim = key.sign(
         draft_event("unknown", {"question": "q?", "impact": 0.1}, project="p", actor=key.actor, session_id="s")
     )
-    assert erased_record(claim, 43) is None
+    assert erased_record(claim, 43, NO_RECORDS) is None
+
+
+def test_a_forget_its_actor_may_not_make_records_nothing_and_takes_no_event_id():
+    """Every path rejects bob's forget of alice's claim (bus/authority.py), so no path may treat what it lists as
+    erased: a reader of the stream would skip events the live nodes kept."""
+    bob = AgentKey.generate("bob")
+    history = erased_history([full_state(7)])  # alice's claim
+    body = {
+        "reason": "privacy",
+        "history": [h.model_dump(mode="json") for h in history],
+        "events": [{"event_id": str(CREATED), "digest": "1" * 64}],
+    }
+    forget = bob.sign(draft_event("forgotten", body, project="p", actor=bob.actor, session_id="s", artifact_id="a"))
+    assert erased_record(forget, 42, NO_RECORDS) is None
+    as_admin = Authority.of([(41, standing("bob", Role.admin))])
+    assert erased_record(forget, 42, as_admin) == ErasedRecord(42, history, {str(CREATED): "1" * 64})
 
 
 def test_the_marker_of_an_earlier_forget_copies_its_last_state_and_later_states_start_after_it():

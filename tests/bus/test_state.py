@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bus.auth import Enrolment
+from bus.authority import Authority
 from bus.errors import IllegalTransition
 from bus.event import Envelope, draft_event
 from bus.fold import Fold
@@ -24,9 +26,28 @@ from bus.state import (
     relevance,
     time_weight,
 )
-from bus.vocab import Lifecycle, ResolutionKind, Trust
+from bus.vocab import Lifecycle, ResolutionKind, Role, Trust
 
 P = "proj"
+RECORD_KEY = AgentKey.generate("record").public_key  # records apply by agent id; the key is not consulted
+
+
+def standing(agent: str, *roles: Role, owner: str | None = None, projects: tuple[str, ...] = ("*",)) -> Enrolment:
+    """An enrolment record for the rules (`bus.authority`): roles default to agent, owner to the agent itself."""
+    return Enrolment(
+        agent_id=agent,
+        public_key=RECORD_KEY,
+        owner=owner or agent,
+        roles=roles or (Role.agent,),
+        projects=projects,
+        enrolled_by="tests",
+        enrolled_at=datetime(2024, 1, 1, tzinfo=UTC),
+    )
+
+
+# These tests are about what each change does, not who may make it (tests/bus/test_authority_rules.py): bob and
+# carol are admins from the start, so they may resolve, roll back and forget alice's claims.
+STAFF = Authority.of([(0, standing("bob", Role.agent, Role.admin)), (0, standing("carol", Role.agent, Role.admin))])
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +107,22 @@ def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled
     )
     event = ev(agents["bob"], "resolved", body, artifact_id="a1")
     if lifecycle is Lifecycle.active and trust is not Trust.rolled_back:
-        change = decide(event, 10, states.get, lambda _h: False)
+        change = decide(event, 10, states.get, lambda _h: False, STAFF)
         assert change.artifacts[0].resolution is resolution
         assert change.artifacts[0].trust is trust  # the two axes never share a field
     else:
         with pytest.raises(IllegalTransition, match="a1"):
-            decide(event, 10, states.get, lambda _h: False)
+            decide(event, 10, states.get, lambda _h: False, STAFF)
 
 
 def test_the_author_cannot_verify_their_own_claim(agents):
     states = {"a1": state("a1")}
     with pytest.raises(IllegalTransition, match="alice is the author"):
-        decide(ev(agents["alice"], "verified", {}, artifact_id="a1"), 2, states.get, lambda _h: False)
+        decide(ev(agents["alice"], "verified", {}, artifact_id="a1"), 2, states.get, lambda _h: False, STAFF)
 
 
 def test_verifying_a_verified_claim_appends_a_second_record(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     fold.apply(ev(agents["bob"], "verified", {"note": "ran it"}, artifact_id="a1"), 2)
     fold.apply(ev(agents["carol"], "verified", {"note": "ran it too"}, artifact_id="a1"), 3)
@@ -118,6 +139,7 @@ def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
             2,
             states.get,
             lambda _h: False,
+            STAFF,
         )
     with pytest.raises(IllegalTransition, match="'ghost' does not exist"):
         decide(
@@ -125,16 +147,19 @@ def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
             2,
             states.get,
             lambda _h: False,
+            STAFF,
         )
 
 
 def test_a_transition_on_a_missing_artifact_is_refused(agents):
     with pytest.raises(IllegalTransition, match="absent"):
-        decide(ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False)
+        decide(
+            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False, STAFF
+        )
 
 
 def test_supersession_sets_both_sides_or_nothing(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "old"), 1)
     fold.apply(claim(agents["alice"], "new", text="the cache is warm"), 2)
     fold.apply(
@@ -152,7 +177,7 @@ def test_supersession_sets_both_sides_or_nothing(agents):
 
 
 def test_a_finding_that_supersedes_resolves_its_predecessor(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "v1"), 1)
     fold.apply(claim(agents["bob"], "v2", text="revised claim", supersedes="v1"), 2)
     assert fold.artifacts["v1"].lifecycle is Lifecycle.resolved
@@ -164,16 +189,16 @@ def test_superseded_by_a_missing_artifact_is_refused(agents):
     states = {"a1": state("a1")}
     body = {"resolution": "superseded", "superseded_by": "ghost"}
     with pytest.raises(IllegalTransition, match="successor 'ghost' does not exist"):
-        decide(ev(agents["bob"], "resolved", body, artifact_id="a1"), 2, states.get, lambda _h: False)
+        decide(ev(agents["bob"], "resolved", body, artifact_id="a1"), 2, states.get, lambda _h: False, STAFF)
 
 
 def test_revising_a_missing_artifact_is_refused(agents):
     with pytest.raises(IllegalTransition, match="revised artifact 'ghost'"):
-        decide(claim(agents["alice"], "a1", revises="ghost"), 1, {}.get, lambda _h: False)
+        decide(claim(agents["alice"], "a1", revises="ghost"), 1, {}.get, lambda _h: False, STAFF)
 
 
 def test_an_artifact_id_cannot_be_created_twice(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     again = claim(agents["bob"], "a1", text="different")
     assert fold.apply(again, 2) is None
@@ -181,7 +206,7 @@ def test_an_artifact_id_cannot_be_created_twice(agents):
 
 
 def test_retraction_leaves_a_tombstone_and_the_same_claim_is_flagged_later(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1", text="The cache is COLD!"), 1)
     fold.apply(ev(agents["alice"], "resolved", {"resolution": "retracted"}, artifact_id="a1"), 2)
     assert content_hash("the cache is cold") in fold.tombstones
@@ -190,14 +215,14 @@ def test_retraction_leaves_a_tombstone_and_the_same_claim_is_flagged_later(agent
 
 
 def test_rollback_leaves_a_tombstone(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     fold.apply(ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="a1"), 2)
     assert fold.tombstones[content_hash("the cache is cold")].reason == "rolled_back"
 
 
 def test_unearned_confidence_is_flagged_only_for_confident_intuition(agents):
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     body = {"text": "x", "impact": 0.5, "subject": "s"}
     fold.apply(ev(agents["alice"], "finding", body | {"confidence": 0.8}, artifact_id="a", source="intuition"), 1)
     fold.apply(ev(agents["alice"], "finding", body | {"confidence": 0.79}, artifact_id="b", source="intuition"), 2)
@@ -289,7 +314,7 @@ def test_a_successor_that_could_not_be_shown_is_refused(agents, successor):
     states = {"a": state("a"), "b": successor}
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
     with pytest.raises(IllegalTransition, match="a successor must be active"):
-        decide(event, 5, states.get, lambda _h: False)
+        decide(event, 5, states.get, lambda _h: False, STAFF)
 
 
 def test_a_rollback_stopped_halfway_is_resumed_by_planning_again():
@@ -304,5 +329,9 @@ def test_an_error_on_a_resolved_artifact_lists_the_trust_moves_still_legal(agent
     states = {"a": state("a", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.stale)}
     with pytest.raises(IllegalTransition, match="legal: contradicted, rolled_back, verified"):
         decide(
-            ev(agents["bob"], "resolved", {"resolution": "retracted"}, artifact_id="a"), 2, states.get, lambda _h: False
+            ev(agents["bob"], "resolved", {"resolution": "retracted"}, artifact_id="a"),
+            2,
+            states.get,
+            lambda _h: False,
+            STAFF,
         )

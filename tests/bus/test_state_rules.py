@@ -29,7 +29,7 @@ from bus.state import (
     relevance,
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from tests.bus.test_state import agents, claim, ev, state
+from tests.bus.test_state import STAFF, agents, claim, ev, state
 
 __all__ = ["agents"]  # the module-scoped key fixture, shared with test_state
 
@@ -68,19 +68,19 @@ def test_each_trust_move_gives_the_hand_written_outcome(agents: dict[str, AgentK
     lookup = {"a1": before, "other": state("other")}.get
     if not isinstance(expected, Trust):  # Trust is a StrEnum: test for it, not for str
         with pytest.raises(IllegalTransition) as raised:
-            decide(event, 10, lookup, never)
+            decide(event, 10, lookup, never, STAFF)
         assert str(raised.value) == f"artifact a1: {current.value}/active -> {kind} is illegal: {expected}"
         return
     eid, at = str(event.event_id), event.recorded_at
     after = replace(before, trust=expected, last_seq=10, updated_at=at)
     if kind == "verified":
         record = Verification(eid, "a1", "bob", at, 10, "checked")
-        assert decide(event, 10, lookup, never) == Change(eid, (after,), verification=record)
+        assert decide(event, 10, lookup, never, STAFF) == Change(eid, (after,), verification=record)
     elif kind == "contradicted":
-        assert decide(event, 10, lookup, never) == Change(eid, (replace(after, contradicted_by="other"),))
+        assert decide(event, 10, lookup, never, STAFF) == Change(eid, (replace(after, contradicted_by="other"),))
     else:
         tomb = Tombstone(before.content_hash, "a1", eid, "rolled_back")
-        assert decide(event, 10, lookup, never) == Change(eid, (after,), tombstone=tomb)
+        assert decide(event, 10, lookup, never, STAFF) == Change(eid, (after,), tombstone=tomb)
 
 
 # (trust, lifecycle) -> may it be resolved? Only an active artifact that is not rolled back.
@@ -113,7 +113,7 @@ def test_each_resolution_gives_the_hand_written_outcome(
     event = ev(agents["bob"], "resolved", {"resolution": resolution.value}, artifact_id="a1")
     if not RESOLVABLE[(trust, lifecycle)]:
         with pytest.raises(IllegalTransition) as raised:
-            decide(event, 10, {"a1": before}.get, never)
+            decide(event, 10, {"a1": before}.get, never, STAFF)
         label = f"{trust.value}/{'resolved(stale)' if old_resolution else 'active'}"
         reason = REFUSALS[(trust, lifecycle)]
         assert str(raised.value) == f"artifact a1: {label} -> resolved({resolution.value}) is illegal: {reason}"
@@ -123,7 +123,7 @@ def test_each_resolution_gives_the_hand_written_outcome(
         before, lifecycle=Lifecycle.resolved, resolution=resolution, last_seq=10, updated_at=event.recorded_at
     )
     tomb = Tombstone(before.content_hash, "a1", eid, "retracted") if resolution is ResolutionKind.retracted else None
-    assert decide(event, 10, {"a1": before}.get, never) == Change(eid, (after,), tombstone=tomb)
+    assert decide(event, 10, {"a1": before}.get, never, STAFF) == Change(eid, (after,), tombstone=tomb)
 
 
 def test_a_supersession_resolves_the_old_artifact_and_links_the_successor(agents: dict[str, AgentKey]) -> None:
@@ -144,13 +144,13 @@ def test_a_supersession_resolves_the_old_artifact_and_links_the_successor(agents
             replace(new, supersedes="old", last_seq=9, updated_at=at),
         ),
     )
-    assert decide(event, 9, {"old": old, "new": new}.get, never) == expected
+    assert decide(event, 9, {"old": old, "new": new}.get, never, STAFF) == expected
 
 
 def test_an_artifact_cannot_be_superseded_by_itself(agents: dict[str, AgentKey]) -> None:
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "a1"}, artifact_id="a1")
     with pytest.raises(IllegalTransition) as raised:
-        decide(event, 9, {"a1": state("a1")}.get, never)
+        decide(event, 9, {"a1": state("a1")}.get, never, STAFF)
     assert str(raised.value) == (
         "artifact a1: unverified/active -> resolved(superseded) is illegal: an artifact cannot supersede itself"
     )
@@ -159,7 +159,7 @@ def test_an_artifact_cannot_be_superseded_by_itself(agents: dict[str, AgentKey])
 def test_a_rolled_back_artifact_cannot_be_superseded_by_a_new_finding(agents: dict[str, AgentKey]) -> None:
     lookup = {"old": state("old", R)}.get
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["bob"], "new", supersedes="old"), 9, lookup, never)
+        decide(claim(agents["bob"], "new", supersedes="old"), 9, lookup, never, STAFF)
     assert str(raised.value) == (
         "artifact old: rolled_back/active -> resolved(superseded) is illegal: it is rolled back (terminal)"
     )
@@ -168,7 +168,7 @@ def test_a_rolled_back_artifact_cannot_be_superseded_by_a_new_finding(agents: di
 def test_a_resolved_artifact_cannot_be_superseded_by_a_new_finding(agents: dict[str, AgentKey]) -> None:
     lookup = {"old": state("old", C, Lifecycle.resolved, resolution=ResolutionKind.stale)}.get
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["bob"], "new", supersedes="old"), 9, lookup, never)
+        decide(claim(agents["bob"], "new", supersedes="old"), 9, lookup, never, STAFF)
     assert str(raised.value) == (
         "artifact old: contradicted/resolved(stale) -> resolved(superseded) is illegal: "
         "it is already resolved; legal: rolled_back"
@@ -177,7 +177,7 @@ def test_a_resolved_artifact_cannot_be_superseded_by_a_new_finding(agents: dict[
 
 def test_a_finding_that_supersedes_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["bob"], "new", supersedes="ghost"), 9, {}.get, never)
+        decide(claim(agents["bob"], "new", supersedes="ghost"), 9, {}.get, never, STAFF)
     assert str(raised.value) == (
         "artifact ghost: absent -> finding is illegal: superseded artifact 'ghost' does not exist"
     )
@@ -187,7 +187,7 @@ def test_a_successor_that_already_supersedes_another_is_refused(agents: dict[str
     lookup = {"a": state("a"), "b": state("b", supersedes="z")}.get
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
     with pytest.raises(IllegalTransition) as raised:
-        decide(event, 9, lookup, never)
+        decide(event, 9, lookup, never, STAFF)
     assert str(raised.value) == "artifact b: unverified/active -> supersedes a is illegal: it already supersedes z"
 
 
@@ -211,25 +211,25 @@ def test_a_new_finding_is_recorded_with_every_field_of_its_event(agents: dict[st
         last_seq=4,
         updated_at=at,
     )
-    assert decide(event, 4, {"base": state("base")}.get, never) == Change(str(event.event_id), (expected,))
+    assert decide(event, 4, {"base": state("base")}.get, never, STAFF) == Change(str(event.event_id), (expected,))
 
 
 def test_an_artifact_cannot_revise_itself(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["alice"], "a1", revises="a1"), 4, {}.get, never)
+        decide(claim(agents["alice"], "a1", revises="a1"), 4, {}.get, never, STAFF)
     assert str(raised.value) == "artifact a1: absent -> finding is illegal: an artifact cannot revise itself"
 
 
 def test_a_transition_from_another_project_is_refused(agents: dict[str, AgentKey]) -> None:
     lookup = {"a1": state("a1", project="elsewhere")}.get
     with pytest.raises(IllegalTransition) as raised:
-        decide(ev(agents["bob"], "verified", {}, artifact_id="a1"), 4, lookup, never)
+        decide(ev(agents["bob"], "verified", {}, artifact_id="a1"), 4, lookup, never, STAFF)
     assert str(raised.value) == "artifact a1: unverified/active -> verified is illegal: it belongs to project elsewhere"
 
 
 def test_a_transition_on_a_missing_artifact_names_it(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(ev(agents["bob"], "verified", {}, artifact_id="ghost"), 4, {}.get, never)
+        decide(ev(agents["bob"], "verified", {}, artifact_id="ghost"), 4, {}.get, never, STAFF)
     assert str(raised.value) == "artifact ghost: absent -> verified is illegal: artifact 'ghost' does not exist"
 
 
@@ -241,17 +241,18 @@ def test_forgetting_marks_any_artifact_forgotten_and_changes_nothing_else(
     before = state("a1", trust, lifecycle, resolution=ResolutionKind.stale if lifecycle is Lifecycle.resolved else None)
     event = ev(agents["carol"], "forgotten", {"reason": "personal data"}, artifact_id="a1")
     after = replace(before, forgotten=True, last_seq=7, updated_at=event.recorded_at)
-    assert decide(event, 7, {"a1": before}.get, never) == Change(str(event.event_id), (after,))
+    assert decide(event, 7, {"a1": before}.get, never, STAFF) == Change(str(event.event_id), (after,))
 
 
 def test_forgetting_an_artifact_this_reader_never_saw_changes_nothing(agents: dict[str, AgentKey]) -> None:
     event = ev(agents["carol"], "forgotten", {"reason": "personal data"}, artifact_id="gone")
-    assert decide(event, 7, {}.get, never) == Change(str(event.event_id))
+    assert decide(event, 7, {}.get, never, STAFF) == Change(str(event.event_id))
 
 
 def test_a_forgotten_artifact_is_never_safe_in_a_fold(agents: dict[str, AgentKey]) -> None:
     fold = Fold.of(
-        [(claim(agents["alice"], "a1"), 1), (ev(agents["bob"], "forgotten", {"reason": "r"}, artifact_id="a1"), 2)]
+        [(claim(agents["alice"], "a1"), 1), (ev(agents["bob"], "forgotten", {"reason": "r"}, artifact_id="a1"), 2)],
+        authority=STAFF,
     )
     assert fold.rejected == {}
     assert fold.last_seq == 2
@@ -352,7 +353,7 @@ def test_an_open_question_is_recorded_with_its_goal_and_source_and_no_links(agen
         goal_id="g1",
         source="search",
     )
-    change = decide(event, 4, {}.get, never)
+    change = decide(event, 4, {}.get, never, STAFF)
     (created,) = change.artifacts
     assert (created.kind, created.impact, created.confidence) == ("unknown", 0.3, None)
     assert (created.goal_id, created.source, created.revises, created.supersedes) == (
@@ -366,11 +367,11 @@ def test_an_open_question_is_recorded_with_its_goal_and_source_and_no_links(agen
 def test_a_new_claim_carries_its_flags_in_the_change(agents: dict[str, AgentKey]) -> None:
     body = {"text": "sure of it", "impact": 0.5, "confidence": 0.9, "subject": "s"}
     event = ev(agents["alice"], "finding", body, artifact_id="a", source="intuition")
-    assert decide(event, 1, {}.get, never).flags == frozenset({FLAG_UNEARNED})
+    assert decide(event, 1, {}.get, never, STAFF).flags == frozenset({FLAG_UNEARNED})
 
 
 def test_a_finding_that_supersedes_stamps_its_predecessor_with_the_sequence(agents: dict[str, AgentKey]) -> None:
-    change = decide(claim(agents["bob"], "new", supersedes="old"), 8, {"old": state("old")}.get, never)
+    change = decide(claim(agents["bob"], "new", supersedes="old"), 8, {"old": state("old")}.get, never, STAFF)
     assert [(s.artifact_id, s.last_seq) for s in change.artifacts] == [("new", 8), ("old", 8)]
 
 
@@ -402,7 +403,7 @@ def test_a_refused_trust_change_says_exactly_why(
     agents: dict[str, AgentKey], kind: str, body: dict[str, str], author: str, message: str
 ) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(ev(agents[author], kind, body, artifact_id="a1"), 2, {"a1": state("a1")}.get, never)
+        decide(ev(agents[author], kind, body, artifact_id="a1"), 2, {"a1": state("a1")}.get, never, STAFF)
     subject = "ghost" if "ghost" in message else "a1"
     assert str(raised.value) == f"artifact {subject}: {message}"
 
@@ -411,11 +412,11 @@ def test_an_id_already_taken_and_an_unusable_successor_are_refused_with_their_re
     agents: dict[str, AgentKey],
 ) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["alice"], "a1"), 2, {"a1": state("a1")}.get, never)
+        decide(claim(agents["alice"], "a1"), 2, {"a1": state("a1")}.get, never, STAFF)
     assert str(raised.value) == "artifact a1: exists -> finding is illegal: an artifact with this id already exists"
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
     with pytest.raises(IllegalTransition) as raised:
-        decide(event, 5, {"a": state("a"), "b": state("b", R)}.get, never)
+        decide(event, 5, {"a": state("a"), "b": state("b", R)}.get, never, STAFF)
     assert str(raised.value) == (
         "artifact b: rolled_back/active -> supersedes a is illegal: "
         "a successor must be active and neither contradicted, rolled back nor forgotten"
@@ -441,7 +442,7 @@ def test_a_fold_applies_an_event_once_and_refuses_its_id_reused_with_other_conte
         artifact_id="a2",
         event_id=first.event_id,
     )
-    fold = Fold()
+    fold = Fold(authority=STAFF)
     assert fold.apply(first, 3) is not None
     assert fold.apply(first, 4) is None
     assert fold.apply(reused, 5) is None

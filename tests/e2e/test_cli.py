@@ -306,7 +306,10 @@ def test_state_commands_from_publish_to_rollback(running_node):
     plan = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--json"))
     assert plan["applied"] is False and plan["plan"]["intermediates"] == [child]
     assert plan["plan"]["tainted"] == [grandchild] and plan["receipts"] == []
-    applied = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json"))
+    # Only the author (or an admin) rolls a claim back: bob is refused before anything is published, alice may.
+    refused = epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json", check=False)
+    assert refused.returncode == 1 and "rule author-or-admin" in as_json(refused)["error"]
+    applied = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "alice", "--cascade", "--apply", "--json"))
     assert len(applied["receipts"]) == 2
 
     retract = publish("carol", "the scheduler is fair")

@@ -2,7 +2,10 @@
 end with the same artifacts in the same state and the same admitted events.
 
 Forgets are done as the client does them: the `forgotten` event, then every message of the artifact erased
-from the stream; the live runners are caught up before some forgets and overtaken by others.
+from the stream; the live runners are caught up before some forgets and overtaken by others. Enrolment changes
+(roles, projects, a shared owner, revocation) are recorded on the stream between the events, as a node records
+them, so every path must also decide who may do what alike: the journal runners read only the project's
+subjects and learn the records from the stream, a rebuilt projection from what its journal kept.
 
 The paths: the client's fold (`load_project`); the live runner into a SQLite journal and into an edge mirror,
 each with random batch sizes, the mirror restarted part-way; `replay` into a PostgreSQL journal and into a fresh
@@ -46,7 +49,6 @@ from observers.verify import verify
 from tests.conftest import postgres_database
 from tests.histories import (
     HashEmbedder,
-    Keys,
     Op,
     build,
     differences,
@@ -65,7 +67,6 @@ QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.
 @dataclass
 class Bus:
     server: NatsServer
-    keys: Keys
     root: Path
     postgres_url: str
 
@@ -80,11 +81,8 @@ def _bus(tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterato
     root = tmp_path_factory.mktemp("differential")
     server = NatsServer(root / "nats")
     server.start()
-    keys = make_keys()
-
-    asyncio.run(register_keys(server.url, keys))
     try:
-        yield Bus(server, keys, root, postgres_url)
+        yield Bus(server, root, postgres_url)
     finally:
         server.stop()
 
@@ -133,6 +131,8 @@ def open_journal(url: str) -> Journal:
 async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> None:
     rng = random.Random(seed)
     project = fresh_project()
+    keys = make_keys()  # agents of this example's own: its enrolment records reach no other example
+    await register_keys(bus.server.url, keys)
     nc = await nats.connect(bus.server.url)
     js: JetStreamContext = nc.jetstream()
     journals: list[Journal] = []
@@ -165,7 +165,7 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
                 await drain(journal_runner)
                 await drain(live_mirror)
 
-        first_seq, _ = await publish(js, build(history, bus.keys, project), before_forget=live_nodes_catch_up)
+        first_seq, _ = await publish(js, build(history, keys, project), before_forget=live_nodes_catch_up)
         start = max(first_seq, 1)
         fold = (await load_project(js, project)).fold
 

@@ -22,20 +22,17 @@ from observers.journal import Journal
 from observers.verify import verify
 from tests.e2e.test_differential import journal_events, journal_states, mirror_states
 from tests.e2e.test_one_truth import caught_up
-from tests.histories import Keys, Op, build, differences, fresh_project, histories, make_keys, publish, register_keys
+from tests.histories import Op, build, differences, fresh_project, histories, make_keys, publish, register_keys
 
 EXAMPLES = int(os.environ.get("EPIBUS_NODE_EXAMPLES", "6"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, Keys]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("nodes") / "nats")
     server.start()
-    keys = make_keys()
-
-    asyncio.run(register_keys(server.url, keys))
     try:
-        yield server, keys
+        yield server
     finally:
         server.stop()
 
@@ -61,8 +58,10 @@ async def assert_clean(node: Node, project: str) -> None:
     assert report.clean, report.as_dict()
 
 
-async def run_nodes(server: NatsServer, keys: Keys, history: list[Op], workdir: Path) -> None:
+async def run_nodes(server: NatsServer, history: list[Op], workdir: Path) -> None:
     project = fresh_project()
+    keys = make_keys()  # agents of this example's own: its enrolment records reach no other example
+    await register_keys(server.url, keys)
     paths: dict[str, dict[str, ArtifactState]] = {}
     nc = await nats.connect(server.url)
     try:
@@ -99,7 +98,6 @@ async def run_nodes(server: NatsServer, keys: Keys, history: list[Op], workdir: 
 )
 @given(history=histories)
 def test_nodes_agree_after_live_catch_up_and_reindex(
-    cluster: tuple[NatsServer, Keys], tmp_path_factory: pytest.TempPathFactory, history: list[Op]
+    cluster: NatsServer, tmp_path_factory: pytest.TempPathFactory, history: list[Op]
 ) -> None:
-    server, keys = cluster
-    asyncio.run(run_nodes(server, keys, history, tmp_path_factory.mktemp("nodes-example")))
+    asyncio.run(run_nodes(cluster, history, tmp_path_factory.mktemp("nodes-example")))

@@ -86,7 +86,8 @@ async def dlq_reasons(js: JetStreamContext) -> list[tuple[str, str]]:
 
 
 async def claims_and_changes(alice: EpibusClient, bob: EpibusClient, project: str) -> dict[str, str]:
-    """Four claims by alice and, right behind them, a contradiction, a rollback and a retraction by bob."""
+    """Four claims by alice and, right behind them, a contradiction by bob, and a rollback and a retraction by
+    alice (only the author or an admin rolls a claim back)."""
     texts = {
         "kept": "the deploy script warms the cache",
         "contradicted": "the cache is cold after every deploy",
@@ -105,7 +106,7 @@ async def claims_and_changes(alice: EpibusClient, bob: EpibusClient, project: st
             project=project,
             artifact_id=ids["contradicted"],
         ),
-        bob.event("rolled_back", {"reason": "wrong benchmark"}, project=project, artifact_id=ids["rolled_back"]),
+        alice.event("rolled_back", {"reason": "wrong benchmark"}, project=project, artifact_id=ids["rolled_back"]),
         alice.event("resolved", {"resolution": "retracted"}, project=project, artifact_id=ids["retracted"]),
     ]
     for change in changes:

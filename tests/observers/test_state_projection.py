@@ -13,14 +13,14 @@ import pytest
 from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
-from bus.errors import Conflict, IllegalTransition, InvalidEvent
+from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
 from bus.state import FLAG_PREVIOUSLY_RETRACTED
-from bus.vocab import ReceiptLevel, Trust
+from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal
 from observers.reads import artifacts, audit_artifacts, briefing, snapshot, vocab_report
 from tests.conftest import finding
-from tests.support import eventually
+from tests.support import enrol_on_stream, eventually
 
 
 @pytest.fixture
@@ -77,7 +77,8 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node
         project=project,
         artifact_id=ids["contradicted"],
     )
-    await bob.transition("rolled_back", {"reason": "bad premise"}, project=project, artifact_id=ids["rolled_back"])
+    # Only the author or an admin rolls a claim back (bus/authority.py): alice does.
+    await alice.transition("rolled_back", {"reason": "bad premise"}, project=project, artifact_id=ids["rolled_back"])
     await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=ids["retracted"])
     await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=ids["stale"])
     await alice.transition(
@@ -108,15 +109,17 @@ async def test_illegal_transitions_are_refused_before_anything_is_written(node: 
         await alice.transition("verified", {}, project=project, artifact_id=aid)
     with pytest.raises(IllegalTransition, match="cannot contradict itself"):
         await bob.transition("contradicted", {"contradicted_by": aid, "reason": "r"}, project=project, artifact_id=aid)
-    with pytest.raises(IllegalTransition, match="'ghost' does not exist"):
-        await bob.transition(
+    with pytest.raises(IllegalTransition, match="'ghost' does not exist"):  # resolved by its author
+        await alice.transition(
             "resolved", {"resolution": "superseded", "superseded_by": "ghost"}, project=project, artifact_id=aid
         )
     with pytest.raises(InvalidEvent, match="superseded_by"):
         await bob.transition("resolved", {"resolution": "superseded"}, project=project, artifact_id=aid)
     with pytest.raises(InvalidEvent, match="resolution"):
         await bob.transition("resolved", {"resolution": "obsolete"}, project=project, artifact_id=aid)
-    await bob.transition("rolled_back", {"reason": "r"}, project=project, artifact_id=aid)
+    with pytest.raises(Forbidden, match="rule author-or-admin"):
+        await bob.transition("rolled_back", {"reason": "r"}, project=project, artifact_id=aid)
+    await alice.transition("rolled_back", {"reason": "r"}, project=project, artifact_id=aid)
     with pytest.raises(IllegalTransition, match=r"rolled_back/active -> verified is illegal: from rolled_back only"):
         await bob.transition("verified", {}, project=project, artifact_id=aid)
     with pytest.raises(IllegalTransition, match="no verified ancestor"):
@@ -142,12 +145,12 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
             NodeConfig(home=tmp_path / "n2", nats_url=nats_server.url, journal_url=second_journal, mirror="off")
         ) as n2,
     ):
-        alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
+        alice, bob = agents["alice"], agents["bob"]
         aid = await claim(alice, project, "the index is stale after compaction")
-        bob_view, carol_view = await bob.project_view(project), await carol.project_view(project)  # same state read
-        results = await asyncio.gather(
+        bob_view, alice_view = await bob.project_view(project), await alice.project_view(project)  # same state read
+        results = await asyncio.gather(  # the rollback by the author: only she (or an admin) may
             bob.transition("verified", {"note": "checked"}, project=project, artifact_id=aid, view=bob_view),
-            carol.transition("rolled_back", {"reason": "wrong"}, project=project, artifact_id=aid, view=carol_view),
+            alice.transition("rolled_back", {"reason": "wrong"}, project=project, artifact_id=aid, view=alice_view),
             return_exceptions=True,
         )
         winners = [r for r in results if not isinstance(r, BaseException)]
@@ -169,7 +172,7 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: 
     child = await claim(alice, project, "latency is 6 ms after the patch", revises=root)
     grandchild = await claim(carol, project, "latency regression is in the allocator", revises=child)
     await claim(alice, project, "nobody knows why p99 moves")
-    await bob.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=grandchild)
+    await carol.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=grandchild)
     await claim(carol, project, "latency regression is in the allocator")  # repeats a retracted claim
     bad = alice.event("verified", {}, project=project, artifact_id=root)  # the author verifying: illegal
     await alice.publish(bad)  # published raw, past client validation: the projection must reject it
@@ -241,6 +244,7 @@ async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(nod
     for i in range(1, 6):
         chain.append(await claim(alice, project, f"v{i}", revises=chain[-1]))
     branch = await claim(alice, project, "branch", revises=chain[2])
+    await enrol_on_stream(bob.js, bob.key, Role.agent, Role.admin)  # rolling back alice's claims takes an admin
     plan = await bob.plan_rollback(project, chain[3])
     assert plan.intermediates == (chain[3], chain[2], chain[1])
     assert set(plan.tainted) == {chain[4], chain[5], branch}
@@ -311,6 +315,8 @@ async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is
 async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node: Node, agents, project):
     alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
     old = await claim(alice, project, "the limit is 100 requests per second")
+    for other in (bob, carol):  # superseding alice's claim takes one of her identities or an admin: admins here
+        await enrol_on_stream(other.js, other.key, Role.agent, Role.admin)
     first = bob.event("finding", finding(text="the limit is 120 rps") | {"supersedes": old}, project=project)
     second = carol.event("finding", finding(text="the limit is 150 rps") | {"supersedes": old}, project=project)
     receipts = await asyncio.gather(
@@ -383,3 +389,40 @@ async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, age
     old.migrate()
     assert [v.state.artifact_id for v in artifacts(old, project)] == [event.artifact_id]
     old.close()
+
+
+async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_them_again(
+    tmp_path: Path, agents, project
+):
+    """A journal upgraded from before enrolment records existed decided its events without them; the first batch
+    that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
+    from bus.admission import Delivery
+    from bus.auth import Enrolment
+    from bus.authority import NO_RECORDS, Authority
+    from bus.subjects import event_subject
+
+    alice, bob = agents["alice"], agents["bob"]
+    claim_ = alice.event("finding", finding(text="the cron job runs twice"), project=project)
+    rollback = bob.event("rolled_back", {"reason": "it runs once"}, project=project, artifact_id=claim_.artifact_id)
+    later = alice.event("finding", finding(text="the cron job runs at noon"), project=project)
+
+    def delivery(event, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
+        return Delivery(event, event_subject(project, event.kind, event.artifact_id), seq, 1, authority=authority)
+
+    journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")
+    journal.migrate()
+    journal.write([delivery(claim_, 1), delivery(rollback, 3)])
+    assert journal.outcomes([str(rollback.event_id)])[str(rollback.event_id)]["status"] == "rejected"
+    bob_admin = Enrolment(
+        agent_id="bob",
+        public_key=bob.key.public_key,
+        owner="bob",
+        roles=(Role.agent, Role.admin),
+        projects=("*",),
+        enrolled_by="tests",
+        enrolled_at=datetime.now(UTC),
+    )
+    journal.write([delivery(later, 5, Authority.of([(2, bob_admin)]))])
+    assert journal.outcomes([str(rollback.event_id)])[str(rollback.event_id)]["status"] == "applied"
+    assert snapshot(journal, project).states[claim_.artifact_id].trust is Trust.rolled_back
+    journal.close()
