@@ -282,7 +282,8 @@ class EpibusClient(StateChanges, FleetRequests):
             event = self.key.sign(event)
         elif event.actor != self.key.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
-        if self.enrolment is not None and not self.enrolment.member_of(event.project):
+        outside = self.enrolment is not None and not self.enrolment.member_of(event.project)
+        if outside and event.project != POLICY_PROJECT:  # the reserved project: refused by the authority rule
             # The broker would refuse it (a timeout to nats-py); an outbox would retry it for ever.
             raise Forbidden(
                 self.key.agent_id,
