@@ -282,14 +282,15 @@ class EpibusClient(StateChanges, FleetRequests):
             event = self.key.sign(event)
         elif event.actor != self.key.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
-        outside = self.enrolment is not None and not self.enrolment.member_of(event.project)
-        if outside and event.project != POLICY_PROJECT:  # the reserved project: refused by the authority rule
+        enrolment = self.enrolment
+        # The reserved project is refused by the authority rule that names it, not here.
+        if enrolment is not None and not enrolment.member_of(event.project) and event.project != POLICY_PROJECT:
             # The broker would refuse it (a timeout to nats-py); an outbox would retry it for ever.
             raise Forbidden(
                 self.key.agent_id,
                 "publish in",
                 f"project {event.project}",
-                f"it is enrolled in {', '.join(self.enrolment.projects)}; an admin adds the project with "
+                f"it is enrolled in {', '.join(enrolment.projects)}; an admin adds the project with "
                 f"`epibus agent add {self.key.agent_id} --key {self.key.public_key} --project {event.project}`",
             )
         subject = event_subject(event.project, event.kind, event.artifact_id)
