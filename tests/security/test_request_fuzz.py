@@ -34,6 +34,9 @@ from bus.subjects import (
     FORGET_ERASE,
     JOURNAL_LOOKUP,
     LIST_AGENTS,
+    MESH_ADVERTISE,
+    MESH_ROSTER,
+    MESH_STEP,
     PROVE_FORGOTTEN,
     RECALL,
     REINDEX,
@@ -49,7 +52,10 @@ from tests.support import enrol_agent, eventually, eventually_sync
 
 T = TypeVar("T")
 EXAMPLES = 220  # batches of 10 to 60 requests: a few thousand in all
-SERVICES = [RECALL, VERIFY, REINDEX, PROVE_FORGOTTEN, FORGET_ERASE, JOURNAL_LOOKUP, ENROL, REVOKE, LIST_AGENTS]
+MESH_SERVICES = [MESH_STEP, MESH_ROSTER, MESH_ADVERTISE]  # no valid body is generated for these: always refused
+SERVICES = [
+    RECALL, VERIFY, REINDEX, PROVE_FORGOTTEN, FORGET_ERASE, JOURNAL_LOOKUP, ENROL, REVOKE, LIST_AGENTS, *MESH_SERVICES
+]  # fmt: skip
 HOSTILE_BODIES = {  # the shared hostile bodies, without the near-max_payload ones (slow, and covered elsewhere)
     s: [h.body for h in hostile_requests(s) if len(h.body) < 65536]
     for s in (RECALL, VERIFY, REINDEX, PROVE_FORGOTTEN, JOURNAL_LOOKUP)
@@ -148,7 +154,7 @@ def valid_body(subject: str, project: str) -> bytes:
         REVOKE: {"agent_id": "keeper"},
         LIST_AGENTS: {},
     }
-    return json.dumps(bodies[subject]).encode()
+    return json.dumps(bodies.get(subject, {})).encode()
 
 
 json_values = st.recursive(
@@ -330,5 +336,21 @@ async def valid_requests_are_answered(bed: Bed) -> None:
         assert client.nc is not None
         listed = await enrol.list_agents(client.nc, keeper)
     assert {"fuzzer", "keeper"} <= {a["agent_id"] for a in listed}
-    answered = {s: bed.node.services[s].counts.answered for s in SERVICES if s not in (ENROL, REVOKE)}
+    answered = {
+        s: bed.node.services[s].counts.answered for s in SERVICES if s not in (ENROL, REVOKE, *MESH_SERVICES)
+    }
     assert all(answered.values()), answered
+    # The mesh services refused every generated request, and each still answers one (refusing an empty step).
+    for subject in MESH_SERVICES:
+        counts = bed.node.services[subject].counts
+        assert counts.refused + counts.forbidden > 0, (subject, counts)
+        nc = await nats.connect(bed.node.nats_url, **keeper.nats_credentials)
+        try:
+            inbox = f"{inbox_prefix(keeper.public_key)}.{uuid.uuid4().hex}"
+            sub = await nc.subscribe(inbox)
+            body = b"{}"
+            headers = keeper.sign_request(subject, inbox, body, signed_at=datetime.now(UTC))
+            await nc.publish(subject, body, reply=inbox, headers=headers)
+            assert "error" in json.loads((await sub.next_msg(timeout=10)).data)
+        finally:
+            await nc.close()
