@@ -193,10 +193,10 @@ class Enrolments:
         if self.server is None:
             return False
         async with self._lock:
-            await self._enrol_local_agents()
-            text = render_authorization(
-                [self.node.public_key], await self.registry.enrolments(), node_consumers=await self._durables()
-            )
+            enrolments = await self.registry.enrolments()
+            if await self._enrol_local_agents({e.agent_id for e in enrolments}):
+                enrolments = await self.registry.enrolments()  # read again only when a local agent was added
+            text = render_authorization([self.node.public_key], enrolments, node_consumers=await self._durables())
             if text == self._applied:
                 return False
             await asyncio.to_thread(self.server.authorize, text)
@@ -204,13 +204,14 @@ class Enrolments:
             log.info("server authorization updated from the agent registry")
             return True
 
-    async def _enrol_local_agents(self) -> None:
+    async def _enrol_local_agents(self, known: set[str]) -> bool:
         """Agents created under the node's home (their keys in `<home>/keys`) are enrolled as the local user's,
         like a client enrolling itself with the node's key: an agent of every project, its own owner. This covers
-        events they signed while no node ran, which the node forwards from the home's outbox."""
+        events they signed while no node ran, which the node forwards from the home's outbox. `known`: the agents
+        the registry holds. Returns whether it enrolled any."""
         if self.local_keys is None or not self.local_keys.is_dir():
-            return
-        known = {e.agent_id: e for e in await self.registry.enrolments()}
+            return False
+        enrolled = False
         for path in sorted(self.local_keys.glob("*.nk")):
             agent_id = path.stem
             if agent_id in known or not AGENT_PATTERN.fullmatch(agent_id):
@@ -223,6 +224,8 @@ class Enrolments:
             first_use = first_use_enrolment(agent_id, key.public_key, enrolled_at=datetime.now(UTC))
             if await self.registry.enrol_if_absent(first_use) is not None:  # else enrolled meanwhile: that stands
                 log.info("enrolled local agent %s", agent_id)
+                enrolled = True
+        return enrolled
 
     async def _durables(self) -> list[str]:
         """The node services' durable consumers on the event stream: no agent may pull from them."""
