@@ -24,10 +24,10 @@ from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
-from bus.event import Envelope, decode_event, event_digest
+from bus.event import LEGACY_SCHEMA_VERSION, Envelope, decode_event, event_digest
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
-from bus.signing import verify_signature
+from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, message_format, verify_message, verify_signature
 from bus.state import IdUse, id_use
 from bus.subjects import ENROLMENTS_FILTER, STREAM, event_subject, events_filter, parse_event_subject
 from bus.vocab import DeadLetterReason
@@ -168,22 +168,29 @@ class TimeBounds:
         return None
 
 
-def check_message(subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds) -> Envelope:
-    """Everything admission checks that needs no server: decoding, subject, time and signature. Whatever the
-    bytes are, the answer is the event or Rejected: nothing a publisher sends escapes as another exception."""
+def check_message(
+    subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds, headers: Mapping[str, str] | None = None
+) -> Envelope:
+    """Everything admission checks that needs no server: format, decoding, subject, time and signature.
+    Whatever the bytes are, the answer is the event or Rejected: nothing a publisher sends escapes as another
+    exception."""
     try:
-        return _check_message(subject, data, stream_time, bounds)
+        return _check_message(subject, data, stream_time, bounds, headers or {})
     except Rejected:
         raise
     except Exception as e:  # hostile bytes found a failure no check names: refuse it, with its type
         raise Rejected(DeadLetterReason.invalid_event, f"undecodable: {type(e).__name__}: {e}"[:1024]) from e
 
 
-def _check_message(subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds) -> Envelope:
+def _check_message(
+    subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds, headers: Mapping[str, str]
+) -> Envelope:
+    legacy = message_format(headers) == LEGACY_SCHEMA_VERSION
     try:
-        event = decode_event(data)
+        event = decode_event(data, legacy=legacy)
     except InvalidEvent as e:
         raise Rejected(DeadLetterReason.invalid_event, str(e)) from e
+    _check_format(event, legacy)
     expected = event_subject(event.project, event.kind, event.artifact_id)
     if subject != expected:
         raise Rejected(DeadLetterReason.subject_mismatch, f"subject {subject} != {expected}", event)
@@ -191,10 +198,36 @@ def _check_message(subject: str, data: bytes, stream_time: datetime, bounds: Tim
     if problem is not None:
         raise Rejected(DeadLetterReason.implausible_time, problem, event)
     try:
-        verify_signature(event)
+        if legacy:
+            verify_signature(event)
+            return event
+        return verify_message(subject, data, headers, event)
     except InvalidEvent as e:
         raise Rejected(DeadLetterReason.bad_signature, str(e), event) from e
-    return event
+
+
+def _check_format(event: Envelope, legacy: bool) -> None:
+    """The body's schema_version agrees with the format its headers put it in (`signing.message_format`)."""
+    if legacy and event.schema_version != LEGACY_SCHEMA_VERSION:
+        raise Rejected(
+            DeadLetterReason.bad_signature,
+            f"schema_version {event.schema_version} is signed in the {EVENT_SIGNATURE_HEADER} and "
+            f"{EVENT_KEY_HEADER} headers, and this message has neither",
+            event,
+        )
+    if not legacy and event.schema_version == LEGACY_SCHEMA_VERSION:
+        raise Rejected(
+            DeadLetterReason.invalid_event,
+            f"schema_version 1 carries its signature in the body; send it without {EVENT_SIGNATURE_HEADER} headers",
+            event,
+        )
+    if not legacy and event.signature is not None:
+        raise Rejected(
+            DeadLetterReason.invalid_event,
+            f"signature: schema_version {event.schema_version} carries it in the {EVENT_SIGNATURE_HEADER} header, "
+            "never in the body",
+            event,
+        )
 
 
 class Admission:
@@ -204,9 +237,12 @@ class Admission:
         self.registry = registry
         self.bounds = bounds or TimeBounds.from_env()
 
-    async def admit(self, subject: str, data: bytes, stream_time: datetime) -> Envelope:
-        """The event, or Rejected (never admit it) or Unavailable (the registry did not answer: retry)."""
-        event = check_message(subject, data, stream_time, self.bounds)
+    async def admit(
+        self, subject: str, data: bytes, stream_time: datetime, headers: Mapping[str, str] | None = None
+    ) -> Envelope:
+        """The event, or Rejected (never admit it) or Unavailable (the registry did not answer: retry).
+        `headers`: the message's, which carry a schema_version 2 event's signature."""
+        event = check_message(subject, data, stream_time, self.bounds, headers)
         try:
             await self.registry.bind(event.actor)
         except Conflict as e:
@@ -216,7 +252,7 @@ class Admission:
     async def admit_msg(self, msg: Msg) -> Delivery:
         """Admit a message read from a JetStream consumer (its metadata carries the stream's sequence and time)."""
         metadata = msg.metadata
-        event = await self.admit(msg.subject, msg.data, metadata.timestamp)
+        event = await self.admit(msg.subject, msg.data, metadata.timestamp, msg.headers)
         return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
 
 
@@ -294,7 +330,7 @@ class ForgottenArtifacts:
                 break
             seq = msg.seq + 1
             try:
-                event = await self._admission.admit(subject, msg.data, msg.time)
+                event = await self._admission.admit(subject, msg.data, msg.time, msg.headers)
             except Rejected:
                 continue  # dead-lettered wherever it was read: it forgot nothing
             forgets.append((event, msg.seq))
@@ -328,7 +364,7 @@ class EnrolmentLog:
                 raise Unavailable("nats", f"enrolment records: {type(e).__name__} {e}") from e
             if msg.seq is None or msg.data is None or msg.time is None or msg.subject is None:
                 break
-            await self._take(msg.seq, msg.subject, msg.data, msg.time)
+            await self._take(msg.seq, msg.subject, msg.data, msg.time, msg.headers)
             read = True
         if read:
             self._authority = Authority.of(self._records)
@@ -342,15 +378,19 @@ class EnrolmentLog:
         read = False
         async for batch in read_stream(self._js, STREAM, filter_subject=ENROLMENTS_FILTER, start_seq=self._next_seq):
             for msg in batch:
-                await self._take(msg.metadata.sequence.stream, msg.subject, msg.data, msg.metadata.timestamp)
+                await self._take(
+                    msg.metadata.sequence.stream, msg.subject, msg.data, msg.metadata.timestamp, msg.headers
+                )
                 read = True
         if read:
             self._authority = Authority.of(self._records)
         return self._authority
 
-    async def _take(self, seq: int, subject: str, data: bytes, stream_time: datetime) -> None:
+    async def _take(
+        self, seq: int, subject: str, data: bytes, stream_time: datetime, headers: Mapping[str, str] | None
+    ) -> None:
         try:
-            event: Envelope | None = await self._admission.admit(subject, data, stream_time)
+            event: Envelope | None = await self._admission.admit(subject, data, stream_time, headers)
         except Rejected:
             event = None  # dead-lettered wherever it was read: it enrols nobody
         if event is not None and str(event.event_id) not in self._seen:

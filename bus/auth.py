@@ -31,6 +31,8 @@ from bus.vocab import Role
 ANY_PROJECT = "*"
 OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,127}$")
 PUBLIC_KEY_PATTERN = re.compile(r"^U[A-Z2-7]{55}$")
+# Who may read through the audit doors (every state, retracted and rolled-back claims included).
+AUDIT_ROLES = (Role.reviewer, Role.admin)
 
 
 def _project_scope(value: str) -> str:

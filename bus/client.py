@@ -20,13 +20,14 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, authorize
 from bus.changes import StateChanges
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
-from bus.event import Body, Envelope, draft_event, encode_event
+from bus.event import Body, Envelope, draft_event
 from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
 from bus.home import (
@@ -44,16 +45,17 @@ from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats, requires_
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
-from bus.receipts import await_acks, journaled_receipt, wait_journaled
+from bus.receipts import await_acks, journaled_receipt, wait_indexed, wait_journaled
 from bus.registry import AgentRegistry
 from bus.signing import AgentKey
 from bus.state import decide
-from bus.subjects import POLICY_PROJECT, event_subject
+from bus.subjects import POLICY_PROJECT
 from bus.tasks import cancel_and_wait
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
 TOMBSTONE_CHECK_TIMEOUT_S = 2.0
+ENROLLED_CONNECT_S = 10.0  # how long a just-enrolled agent is refused by a cluster node that has not applied it yet
 
 
 class EpibusClient(StateChanges, FleetRequests):
@@ -175,9 +177,20 @@ class EpibusClient(StateChanges, FleetRequests):
         except Forbidden:
             if self.enrol is None:
                 raise
-            await self.enrol()
+            enrolment = await self.enrol()
             self.enrol = None
-        return await self._open_nats()
+        revoked = isinstance(enrolment, dict) and enrolment.get("revoked_at") is not None
+        # Another node of a cluster may have answered the enrolment: this server lets the agent in once its own
+        # keeper has applied the replicated registry (every few seconds). A revoked agent is refused at once.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(Forbidden),
+            stop=stop_after_delay(0 if revoked else ENROLLED_CONNECT_S),
+            wait=wait_fixed(0.25),
+            reraise=True,
+        ):
+            with attempt:
+                return await self._open_nats()
+        raise AssertionError("unreachable: tenacity re-raises the last Forbidden")
 
     async def _open_nats(self) -> NatsClient:
         return await open_nats(
@@ -282,19 +295,25 @@ class EpibusClient(StateChanges, FleetRequests):
             event = self.key.sign(event)
         elif event.actor != self.key.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
-        enrolment = self.enrolment
         # The reserved project is refused by the authority rule that names it, not here.
-        if enrolment is not None and not enrolment.member_of(event.project) and event.project != POLICY_PROJECT:
+        if event.project != POLICY_PROJECT:
             # The broker would refuse it (a timeout to nats-py); an outbox would retry it for ever.
+            self.require_member(event.project, "publish in")
+        return OutboxRow.of(event)
+
+    def require_member(self, project: str, action: str) -> None:
+        """Raise Forbidden unless this agent's enrolment (known once connected) covers `project`: the broker
+        confines an agent to its projects, and reads that do not pass the broker (a local journal) apply the same
+        rule here. Before the first connect nothing is known, and nothing is refused."""
+        enrolment = self.enrolment
+        if enrolment is not None and not enrolment.member_of(project):
             raise Forbidden(
                 self.key.agent_id,
-                "publish in",
-                f"project {event.project}",
+                action,
+                f"project {project}",
                 f"it is enrolled in {', '.join(enrolment.projects)}; an admin adds the project with "
-                f"`epibus agent add {self.key.agent_id} --key {self.key.public_key} --project {event.project}`",
+                f"`epibus agent add {self.key.agent_id} --key {self.key.public_key} --project {project}`",
             )
-        subject = event_subject(event.project, event.kind, event.artifact_id)
-        return OutboxRow(str(event.event_id), subject, encode_event(event))
 
     async def publish(
         self,
@@ -339,9 +358,14 @@ class EpibusClient(StateChanges, FleetRequests):
         else:
             receipts = await self._publish_direct(rows)
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
-        if level is ReceiptLevel.journaled:
+        if level in (ReceiptLevel.journaled, ReceiptLevel.indexed):
+            started = asyncio.get_running_loop().time()
             outcomes = await self.wait_journaled([r.event_id for r in receipts], timeout_s=deadline_s)
             receipts = [journaled_receipt(r, outcomes.get(str(r.event_id), {})) for r in receipts]
+            if level is ReceiptLevel.indexed:  # the rest of the same deadline
+                left_s = max(0.1, deadline_s - (asyncio.get_running_loop().time() - started))
+                await self.wait_indexed([r.event_id for r in receipts], timeout_s=left_s)
+                receipts = [replace(r, level=ReceiptLevel.indexed) for r in receipts]
         return receipts
 
     async def _check_links(self, events: Sequence[Envelope]) -> dict[str, str] | None:
@@ -377,19 +401,17 @@ class EpibusClient(StateChanges, FleetRequests):
         return cas_headers(superseding[0].project, target, view.subject_seq.get(target, 0))
 
     def _wait_level(self, wait_for: ReceiptLevel | str) -> ReceiptLevel:
-        allowed = ["outboxed", "published", "journaled"]
+        allowed = [level.value for level in ReceiptLevel]
         try:
             level = ReceiptLevel(wait_for)
         except ValueError:
             raise ConfigError("wait_for", f"{wait_for!r} is not a receipt level", allowed=allowed) from None
-        if level is ReceiptLevel.indexed:
-            raise ConfigError("wait_for", "'indexed' needs the vector mirror, which is not built yet", allowed=allowed)
         if level is ReceiptLevel.outboxed and self.outbox is None:
             raise ConfigError("wait_for", "'outboxed' needs the outbox; connect with outbox=True", allowed=allowed)
-        if level is ReceiptLevel.journaled and self.offline:
+        if level in (ReceiptLevel.journaled, ReceiptLevel.indexed) and self.offline:
             raise ConfigError(
                 "wait_for",
-                "'journaled' needs a running node and none runs (this client only outboxes); "
+                f"'{level.value}' needs a running node and none runs (this client only outboxes); "
                 "start one with `epibus up`, or wait for 'published' and get an `outboxed` receipt",
             )
         return level
@@ -493,6 +515,11 @@ class EpibusClient(StateChanges, FleetRequests):
         return await wait_journaled(
             lambda: self.nc if self.connected else None, event_ids, signer=self.key, timeout_s=timeout_s
         )
+
+    async def wait_indexed(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> None:
+        """Return once a node's mirror has indexed every event id. Raises ConfigError when the nodes run no
+        mirror, Unavailable naming what is missing."""
+        await wait_indexed(lambda: self.nc if self.connected else None, event_ids, signer=self.key, timeout_s=timeout_s)
 
     def _require_nc(self) -> NatsClient:
         if self.nc is None or not self.connected:

@@ -93,6 +93,20 @@ class NotFound(EpibusError, LookupError):
         super().__init__(f"{what} {key!r} not found" + (f"; {hint}" if hint else ""))
 
 
+class AmbiguousId(EpibusError, LookupError):
+    """An id prefix that more than one id starts with: the matches are listed, a longer prefix picks one."""
+
+    def __init__(self, field: str, prefix: str, what: str, where: str, matches: Sequence[str], more: bool) -> None:
+        self.field = field
+        self.prefix = prefix
+        self.matches = tuple(matches)
+        listed = ", ".join(self.matches) + (", …" if more else "")
+        super().__init__(
+            f"{field}={prefix!r} is ambiguous: {'more than ' if more else ''}{len(self.matches)} {what}s {where} "
+            f"start with it ({listed}); give more characters"
+        )
+
+
 class Unavailable(EpibusError):
     """A component did not answer in time or refused the connection; retrying later may succeed."""
 

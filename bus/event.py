@@ -35,7 +35,10 @@ from bus.vocab import EpistemicSource, EvidenceKind, Lifecycle, ResolutionKind, 
 # An encoded, signed event may not exceed 64 KiB: large enough for a long post-mortem, small enough that a
 # flood of them cannot exhaust a node (nats-server's own max_payload is 1 MiB).
 MAX_EVENT_BYTES = 64 * 1024
-SCHEMA_VERSION: Literal[1] = 1
+# 2: the body is the event as sent and its signature travels in headers (bus.signing.seal). 1 (legacy): the
+# signature is a member of the body and covers the canonical JSON of the rest; still admitted, never made.
+SCHEMA_VERSION: Literal[2] = 2
+LEGACY_SCHEMA_VERSION: Literal[1] = 1
 
 Text = Annotated[str, StringConstraints(min_length=1, max_length=16_000)]
 ShortText = Annotated[str, StringConstraints(min_length=1, max_length=200)]
@@ -94,60 +97,76 @@ class Body(Model):
         return " ".join(str(v) for v in self.model_dump(mode="json").values() if isinstance(v, str))
 
 
+IMPACT = "How much it matters, from 0 (not at all) to 1 (decisive)."
+CONFIDENCE = "How sure, from 0 to 1; 0.8 or more on intuition alone is flagged as unearned."
+
+
 class FindingBody(Body):
+    """What was found to be true, how much it matters (impact) and how sure (confidence), with its evidence."""
+
     kind: ClassVar[str] = "finding"
-    text: Text
-    impact: Unit
-    confidence: Unit
-    subject: ShortText
-    evidence: tuple[Evidence, ...] = ()
-    revises: ArtifactId | None = None
-    supersedes: ArtifactId | None = None
+    text: Text = Field(description="What was found, in a few sentences.")
+    impact: Unit = Field(description=IMPACT)
+    confidence: Unit = Field(description=CONFIDENCE)
+    subject: ShortText = Field(description="What it is about, in a few words (a component, a topic).")
+    evidence: tuple[Evidence, ...] = Field(default=(), description="Pointers to what shows it.")
+    revises: ArtifactId | None = Field(default=None, description="The finding this one corrects or refines.")
+    supersedes: ArtifactId | None = Field(default=None, description="The claim this one replaces (it is resolved).")
 
     def content_text(self) -> str:
         return self.text
 
 
 class UnknownBody(Body):
+    """An open question worth handing over: what is not known yet, and how much it matters."""
+
     kind: ClassVar[str] = "unknown"
-    question: Text
-    impact: Unit
+    question: Text = Field(description="The open question.")
+    impact: Unit = Field(description=IMPACT)
 
     def content_text(self) -> str:
         return self.question
 
 
 class MistakeBody(Body):
+    """A mistake made: what it was, why it was wrong, its cost, its root cause and how to prevent it."""
+
     kind: ClassVar[str] = "mistake"
-    mistake: Text
-    why_wrong: Text
-    cost_estimate: ShortText
-    root_cause: Text
-    prevention: Text
+    mistake: Text = Field(description="What was done wrong.")
+    why_wrong: Text = Field(description="Why it was wrong.")
+    cost_estimate: ShortText = Field(description="What it cost, in a few words (time, data, money).")
+    root_cause: Text = Field(description="Why it happened.")
+    prevention: Text = Field(description="What stops it from happening again.")
 
 
 class DecisionBody(Body):
+    """A choice made, the alternatives weighed and the rationale, and how hard it is to undo."""
+
     kind: ClassVar[str] = "decision"
-    choice: Text
-    alternatives: tuple[ShortText, ...] = ()
-    rationale: Text
-    confidence: Unit
+    choice: Text = Field(description="What was decided.")
+    alternatives: tuple[ShortText, ...] = Field(default=(), description="The options not taken.")
+    rationale: Text = Field(description="Why this choice (required).")
+    confidence: Unit = Field(description=CONFIDENCE)
     reversibility: Reversibility
 
 
 class AssumptionBody(Body):
+    """Something taken as true without checking it, and how confident that is."""
+
     kind: ClassVar[str] = "assumption"
-    text: Text
-    confidence: Unit
+    text: Text = Field(description="What is taken as true.")
+    confidence: Unit = Field(description=CONFIDENCE)
 
     def content_text(self) -> str:
         return self.text
 
 
 class DeadEndBody(Body):
+    """An approach that was tried and failed, and why: so nobody tries it again blindly."""
+
     kind: ClassVar[str] = "dead_end"
-    approach: Text
-    why_failed: Text
+    approach: Text = Field(description="What was tried.")
+    why_failed: Text = Field(description="Why it did not work.")
 
 
 class ResolvedBody(Body):
@@ -286,7 +305,7 @@ class Actor(Model):
 
 class Envelope(Model):
     event_id: uuid.UUID
-    schema_version: Annotated[Literal[1], BeforeValidator(_not_a_flag)] = SCHEMA_VERSION
+    schema_version: Annotated[Literal[1, 2], BeforeValidator(_not_a_flag)] = SCHEMA_VERSION
     project: ProjectSlug
     kind: str
     artifact_id: ArtifactId
@@ -372,12 +391,17 @@ def event_digest(event: Envelope) -> str:
 
 
 def signing_payload(event: Envelope) -> bytes:
-    """What the signature covers: the canonical JSON of everything but the signature."""
+    """What a legacy (schema_version 1) signature covers: the canonical JSON of everything but the signature."""
     return canonical_json(event.model_dump(mode="json", exclude={"signature"}))
 
 
 def encode_event(event: Envelope) -> bytes:
-    data = canonical_json(event.model_dump(mode="json"))
+    """The message body: for schema_version 2 the event without its signature (which travels in headers), for
+    a legacy event the event with it. Canonical JSON either way."""
+    if event.schema_version == LEGACY_SCHEMA_VERSION:
+        data = canonical_json(event.model_dump(mode="json"))
+    else:
+        data = canonical_json(event.model_dump(mode="json", exclude={"signature"}))
     if len(data) > MAX_EVENT_BYTES:
         raise InvalidEvent("event", f"is {len(data)} bytes encoded; the limit is {MAX_EVENT_BYTES}")
     return data
@@ -395,12 +419,25 @@ def raise_for_validation(error: ValidationError) -> InvalidEvent:
     return InvalidEvent(f"{field}{shown}", str(first["msg"]).removeprefix("Value error, "))
 
 
-def decode_event(data: bytes) -> Envelope:
-    """Parse and validate an encoded event. Raises InvalidEvent; never returns a partial event."""
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Parsers disagree on which of two equal keys wins: signed bytes must mean one event in every language.
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise InvalidEvent(f"event.{twice}", "appears twice in one object; send each key once")
+    return found
+
+
+def decode_event(data: bytes, *, legacy: bool = False) -> Envelope:
+    """Parse and validate an encoded event. Raises InvalidEvent; never returns a partial event. `legacy`: the
+    message is in the legacy format, where a missing schema_version means 1; otherwise it must be present."""
     if len(data) > MAX_EVENT_BYTES:
         raise InvalidEvent("event", f"is {len(data)} bytes; the limit is {MAX_EVENT_BYTES}")
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, object_pairs_hook=_no_duplicate_keys)
+    except InvalidEvent:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidEvent("event", f"is not JSON ({e})") from e
     except RecursionError as e:
@@ -409,6 +446,10 @@ def decode_event(data: bytes) -> Envelope:
         raise InvalidEvent("event", f"holds a value JSON cannot decode here ({e})") from e
     if not isinstance(raw, dict):
         raise InvalidEvent("event", f"is a JSON {type(raw).__name__}, expected an object")
+    if legacy:
+        raw.setdefault("schema_version", LEGACY_SCHEMA_VERSION)
+    elif "schema_version" not in raw:
+        raise InvalidEvent("schema_version", f"is missing; every event states its schema version ({SCHEMA_VERSION})")
     return validate_event(raw)
 
 

@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import re
-import secrets
-import socket
 import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -69,6 +67,9 @@ def node_name(home: Path, explicit: str | None = None) -> str:
 
 
 def _new_node_name() -> str:
+    import secrets  # here, not at the top: `epibus statusline` imports this module on every prompt
+    import socket
+
     host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().split(".")[0].lower()).strip("-")[:40] or "node"
     return f"{host}-{secrets.token_hex(2)}"
 
@@ -94,6 +95,8 @@ class NodeInfo:
     # The node's server authenticates agents; local clients enrol their agents with the node's key (auto_enrol).
     authenticated: bool = False
     auto_enrol: bool = False
+    ui_url: str | None = None  # the node's dashboard, without its token (in <home>/ui.token); None: not served
+    metrics_url: str | None = None  # the node's Prometheus endpoint (bearer token in <home>/metrics.token)
 
     def alive(self) -> bool:
         try:
@@ -118,6 +121,39 @@ def write_private(path: Path, text: str, *, durable: bool = False) -> None:
             f.flush()
             os.fsync(fd)
     tmp.replace(path)
+
+
+MIN_TOKEN_CHARS = 32
+
+
+def secret_token(path: Path) -> str:
+    """A secret kept in `path`: made once (random, 43 URL-safe characters), 0600 in an owner-only directory,
+    so what was given out stays valid across restarts. Delete the file to rotate it. Raises ConfigError when
+    the file holds too short a secret."""
+    import secrets  # here, not at the top: `epibus statusline` imports this module on every prompt
+
+    private_dir(path.parent)
+    if not path.exists():
+        # Written whole to a private temporary file, then linked into place: no reader ever sees it half-made,
+        # and of two processes starting at once the first link wins and both use its secret.
+        made = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32))
+        try:
+            os.link(made, path)
+        except FileExistsError:
+            pass  # another process made it first: use that one
+        finally:
+            made.unlink()
+    owner_only(path)
+    token = path.read_text().strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            "token",
+            f"{path} holds {len(token)} characters, fewer than {MIN_TOKEN_CHARS}; delete it and a new one is made",
+        )
+    return token
 
 
 def private_dir(path: Path, *, tighten: bool = True) -> int | None:

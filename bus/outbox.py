@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bus.errors import Unavailable
+from bus.event import Envelope
 from bus.home import private_sqlite
+from bus.outbox_schema import PARKED, PARKED_SQL, TABLE, WAITING_SQL
+from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, event_headers, wire_message
 from bus.subjects import parse_event_subject
 
 T = TypeVar("T")
-PARKED = 1e18  # a lease that never expires: refused rows wait here for a person
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS outbox (
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     event_id TEXT NOT NULL UNIQUE,
     subject TEXT NOT NULL,
@@ -38,18 +40,48 @@ CREATE TABLE IF NOT EXISTS outbox (
     sent_at REAL,
     stream_seq INTEGER,
     duplicate INTEGER,
-    origin TEXT
+    origin TEXT,
+    signature TEXT,
+    signer_key TEXT
 )
 """
+# Columns later versions added, with their types: an outbox file from before them gains them on open. A row
+# without a signature holds a legacy event (signature inside its payload) and is sent without the headers.
+_ADDED_COLUMNS = (("origin", "TEXT"), ("signature", "TEXT"), ("signer_key", "TEXT"))
+MSG_ID_HEADER = "Nats-Msg-Id"
 ORPHAN_AFTER_S = 30.0  # a row its adder has not sent by then may be sent by any forwarder
 KEEP_SENT_S = 600.0  # sent rows stay this long so any process sharing the outbox can read their receipt
 
 
 @dataclass(frozen=True)
 class OutboxRow:
+    """An event to send: its body bytes and, for schema_version 2, the signature and key for its headers."""
+
     event_id: str
     subject: str
     payload: bytes
+    signature: str | None = None
+    signer_key: str | None = None
+
+    @classmethod
+    def of(cls, event: Envelope) -> OutboxRow:
+        """The row of a signed event: the bytes it was signed over, the signature headers' values."""
+        message = wire_message(event)
+        return cls(
+            str(event.event_id),
+            message.subject,
+            message.data,
+            message.headers.get(EVENT_SIGNATURE_HEADER),
+            message.headers.get(EVENT_KEY_HEADER),
+        )
+
+    def headers(self) -> dict[str, str]:
+        """A fresh dict per publish (nats-py writes into it): the event id for JetStream's deduplication, and
+        the signature headers when the event has them."""
+        headers = {MSG_ID_HEADER: self.event_id}
+        if self.signature is not None and self.signer_key is not None:
+            headers |= event_headers(self.signature, self.signer_key)
+        return headers
 
 
 class Outbox:
@@ -85,8 +117,10 @@ class Outbox:
         conn.execute("PRAGMA secure_delete=ON")  # a deleted row's bytes are zeroed, not left in free space (forget)
         conn.execute("PRAGMA busy_timeout=30000")
         conn.execute(_SCHEMA)
-        if "origin" not in {row[1] for row in conn.execute("PRAGMA table_info(outbox)")}:
-            conn.execute("ALTER TABLE outbox ADD COLUMN origin TEXT")  # an outbox file from before origins
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({TABLE})")}
+        for column, kind in _ADDED_COLUMNS:
+            if column not in present:
+                conn.execute(f"ALTER TABLE {TABLE} ADD COLUMN {column} {kind}")
         self._conn = conn
 
     async def close(self) -> None:
@@ -125,10 +159,11 @@ class Outbox:
             self.conn.execute("BEGIN IMMEDIATE")
             # A pending or parked event stays as it is; one already sent is sent again (JetStream says duplicate).
             self.conn.executemany(
-                "INSERT INTO outbox (event_id, subject, payload, created_at, origin) VALUES (?, ?, ?, ?, ?)"
+                f"INSERT INTO {TABLE} (event_id, subject, payload, signature, signer_key, created_at, origin)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(event_id) DO UPDATE SET sent_at = NULL, stream_seq = NULL, duplicate = NULL,"
                 " lease_owner = NULL, lease_until = 0 WHERE sent_at IS NOT NULL",
-                [(r.event_id, r.subject, r.payload, now, self.owner) for r in rows],
+                [(r.event_id, r.subject, r.payload, r.signature, r.signer_key, now, self.owner) for r in rows],
             )
 
     async def claim(self, limit: int, lease_s: float, *, only_own: bool = False) -> list[OutboxRow]:
@@ -145,16 +180,20 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             found = self.conn.execute(
-                f"SELECT seq, event_id, subject, payload FROM outbox WHERE sent_at IS NULL AND lease_until < ? {mine}"
+                f"SELECT seq, event_id, subject, payload, signature, signer_key FROM {TABLE}"
+                f" WHERE sent_at IS NULL AND lease_until < ? {mine}"
                 " ORDER BY seq LIMIT ?",
                 params,
             ).fetchall()
             if found:
                 self.conn.executemany(
-                    "UPDATE outbox SET lease_owner = ?, lease_until = ? WHERE seq = ?",
+                    f"UPDATE {TABLE} SET lease_owner = ?, lease_until = ? WHERE seq = ?",
                     [(self.owner, now + lease_s, seq) for seq, *_ in found],
                 )
-        return [OutboxRow(event_id, subject, bytes(payload)) for _, event_id, subject, payload in found]
+        return [
+            OutboxRow(event_id, subject, bytes(payload), signature, signer_key)
+            for _, event_id, subject, payload, signature, signer_key in found
+        ]
 
     async def complete(self, acks: dict[str, tuple[int, bool]]) -> None:
         """Record JetStream's acknowledgements (event id → stream seq, duplicate); prune old sent rows."""
@@ -166,11 +205,11 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.executemany(
-                "UPDATE outbox SET sent_at = ?, stream_seq = ?, duplicate = ?, lease_owner = NULL, lease_until = 0"
+                f"UPDATE {TABLE} SET sent_at = ?, stream_seq = ?, duplicate = ?, lease_owner = NULL, lease_until = 0"
                 " WHERE event_id = ?",
                 [(now, seq, int(duplicate), event_id) for event_id, (seq, duplicate) in acks.items()],
             )
-            self.conn.execute("DELETE FROM outbox WHERE sent_at < ?", (now - KEEP_SENT_S,))
+            self.conn.execute(f"DELETE FROM {TABLE} WHERE sent_at < ?", (now - KEEP_SENT_S,))
 
     async def sent(self, event_ids: Sequence[str]) -> dict[str, tuple[int, bool]]:
         """The acknowledgements recorded for these events, by whichever forwarder sent them."""
@@ -186,7 +225,7 @@ class Outbox:
     def _sent(self, event_ids: list[str]) -> list[tuple[str, int, int]]:
         marks = ",".join("?" * len(event_ids))
         query = (
-            f"SELECT event_id, stream_seq, duplicate FROM outbox WHERE sent_at IS NOT NULL AND event_id IN ({marks})"
+            f"SELECT event_id, stream_seq, duplicate FROM {TABLE} WHERE sent_at IS NOT NULL AND event_id IN ({marks})"
         )
         return self.conn.execute(query, event_ids).fetchall()
 
@@ -199,7 +238,7 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.executemany(
-                "UPDATE outbox SET lease_owner = NULL, lease_until = 0, attempts = attempts + 1, last_error = ?"
+                f"UPDATE {TABLE} SET lease_owner = NULL, lease_until = 0, attempts = attempts + 1, last_error = ?"
                 " WHERE event_id = ?",
                 [(error, event_id) for event_id, error in failures.items()],
             )
@@ -212,7 +251,7 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.execute(
-                "UPDATE outbox SET lease_owner = NULL, lease_until = 0"
+                f"UPDATE {TABLE} SET lease_owner = NULL, lease_until = 0"
                 " WHERE lease_owner = ? AND sent_at IS NULL AND lease_until < ?",
                 (self.owner, PARKED),
             )
@@ -226,25 +265,17 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.executemany(
-                "UPDATE outbox SET lease_owner = 'parked', lease_until = ?, last_error = ? WHERE event_id = ?",
+                f"UPDATE {TABLE} SET lease_owner = 'parked', lease_until = ?, last_error = ? WHERE event_id = ?",
                 [(PARKED, error, event_id) for event_id, error in refusals.items()],
             )
 
     async def depth(self) -> int:
         """Rows waiting to be sent (parked rows excluded)."""
-        count: int = await self._run(
-            lambda: self.conn.execute(
-                "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND lease_until < ?", (PARKED,)
-            ).fetchone()[0]
-        )
+        count: int = await self._run(lambda: self.conn.execute(WAITING_SQL, (PARKED,)).fetchone()[0])
         return count
 
     async def parked(self) -> dict[str, str]:
-        rows = await self._run(
-            lambda: self.conn.execute(
-                "SELECT event_id, last_error FROM outbox WHERE lease_until >= ?", (PARKED,)
-            ).fetchall()
-        )
+        rows = await self._run(lambda: self.conn.execute(PARKED_SQL, (PARKED,)).fetchall())
         return {event_id: error for event_id, error in rows}
 
     async def forget(self, project: str, artifact_id: str) -> int:
@@ -261,13 +292,13 @@ class Outbox:
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")
             doomed = []
-            for seq, subject in self.conn.execute("SELECT seq, subject FROM outbox"):
+            for seq, subject in self.conn.execute(f"SELECT seq, subject FROM {TABLE}"):
                 address = parse_event_subject(subject)
                 if address is None or address.kind == "forgotten":
                     continue
                 if address.project == project and address.artifact_id == artifact_id:
                     doomed.append((seq,))
-            self.conn.executemany("DELETE FROM outbox WHERE seq = ?", doomed)
+            self.conn.executemany(f"DELETE FROM {TABLE} WHERE seq = ?", doomed)
         checkpoint_wal(self.conn)
         return len(doomed)
 

@@ -18,10 +18,9 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from bus.errors import EpibusError, Unavailable
 from bus.jetstream import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
-from bus.outbox import OutboxRow
+from bus.outbox import MSG_ID_HEADER, OutboxRow
 from bus.vocab import ReceiptLevel
 
-MSG_ID_HEADER = "Nats-Msg-Id"
 MAX_PUBLISH_ATTEMPTS = 5
 # Whatever nats-py raises while sending is classified per row, never raised out of a batch.
 SEND_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.errors.Error)
@@ -52,7 +51,8 @@ class Receipt:
 
 
 def message_headers(event_id: str) -> dict[str, str]:
-    """A fresh headers dict per publish: nats-py writes into the dict it is given."""
+    """A fresh headers dict per publish (nats-py writes into the dict it is given), for a message that is not
+    an event row (a row's own are `OutboxRow.headers`)."""
     return {MSG_ID_HEADER: event_id}
 
 
@@ -78,7 +78,7 @@ async def send_batch(
                 results[unsent.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
             break
         try:
-            future = await js.publish_async(row.subject, row.payload, headers=message_headers(row.event_id))
+            future = await js.publish_async(row.subject, row.payload, headers=row.headers())
         except SEND_ERRORS as e:
             slots.release()
             results[row.event_id] = translate_publish_error(e, row.subject)
@@ -103,7 +103,7 @@ async def send_one(
     js: JetStreamContext, row: OutboxRow, *, timeout_s: float, extra_headers: dict[str, str] | None = None
 ) -> PubAck:
     """The awaited publish: the server's error (e.g. 10071 wrong last sequence) is raised, classified."""
-    headers = message_headers(row.event_id) | (extra_headers or {})
+    headers = row.headers() | (extra_headers or {})
     try:
         return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
     except Exception as e:

@@ -1,5 +1,6 @@
-"""Receipts beyond a PubAck: acknowledgements another process's forwarder recorded in the shared outbox, and
-the journal's confirmation (`journaled`) with what the state projection made of each event."""
+"""Receipts beyond a PubAck: acknowledgements another process's forwarder recorded in the shared outbox, the
+journal's confirmation (`journaled`) with what the state projection made of each event, and a mirror's
+(`indexed`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import PubAck
 
 from bus.ask import fan_out, refusal
-from bus.errors import Forbidden, Unavailable
+from bus.errors import ConfigError, Forbidden, Unavailable
 from bus.outbox import Outbox
 from bus.publish import Receipt
-from bus.requests import LOOKUP_CHUNK, ErrorReply, LookupReply, LookupRequest
+from bus.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupReply, LookupRequest
 from bus.signing import AgentKey
-from bus.subjects import JOURNAL_LOOKUP
+from bus.subjects import JOURNAL_LOOKUP, MIRROR_LOOKUP
 from bus.vocab import ReceiptLevel
 
 LOOKUP_TIMEOUT_S = 2.0  # one lookup; wait_journaled asks again until its own timeout
@@ -109,3 +110,67 @@ def journaled_receipt(receipt: Receipt, outcome: dict[str, Any]) -> Receipt:
     flags = tuple(dict.fromkeys([*receipt.flags, *outcome.get("flags", [])]))
     rejected = outcome.get("reason") if outcome.get("status") == "rejected" else None
     return replace(receipt, level=ReceiptLevel.journaled, flags=flags, rejected=rejected)
+
+
+async def wait_indexed(
+    connection: Callable[[], NatsClient | None],
+    event_ids: Sequence[uuid.UUID],
+    *,
+    signer: AgentKey,
+    timeout_s: float,
+) -> None:
+    """Ask every node's mirror (MIRROR_LOOKUP, signed by `signer`) until one has indexed each event. Raises
+    ConfigError at once when the nodes that answer run no mirror (waiting could never end), Unavailable naming
+    how many are missing and why after timeout_s, Forbidden when a node refuses the signer."""
+    missing = {str(e) for e in event_ids}
+    delay_s = 0.01
+    last_problem = "no node answered"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while missing and loop.time() < deadline:
+        nc = connection()
+        asking = sorted(missing)
+        for start in range(0, len(asking) if nc is not None else 0, LOOKUP_CHUNK):
+            assert nc is not None
+            chunk = LookupRequest(asking[start : start + LOOKUP_CHUNK])
+            try:
+                replies = await fan_out(
+                    nc, MIRROR_LOOKUP, chunk, IndexedReply, signer=signer, timeout_s=LOOKUP_TIMEOUT_S
+                )
+            except Unavailable as e:
+                last_problem = e.cause
+                break
+            indexed, last_problem = _indexed_by_mirrors(replies.answers, signer, asking)
+            missing -= indexed
+        if missing:
+            await asyncio.sleep(delay_s)
+            delay_s = min(0.2, delay_s * 2)
+    if missing:
+        raise Unavailable("mirror", f"{len(missing)} event(s) not indexed within {timeout_s}s: {last_problem}")
+
+
+def _indexed_by_mirrors(
+    answers: Sequence[IndexedReply | ErrorReply], signer: AgentKey, asking: Sequence[str]
+) -> tuple[set[str], str]:
+    """What the answering mirrors have indexed, and what to say if something is still missing."""
+    indexed: set[str] = set()
+    problems: list[str] = []
+    without = [a.node for a in answers if isinstance(a, IndexedReply) and not a.mirror]
+    for answer in answers:
+        if isinstance(answer, ErrorReply):
+            error = refusal(answer, signer, MIRROR_LOOKUP)
+            if isinstance(error, Forbidden):
+                raise error
+            problems.append(f"node {answer.node}: {answer.error}")
+        elif answer.mirror:
+            indexed |= set(answer.indexed)
+    if without and len(without) == len(answers):
+        published = f"event {asking[0]} is" if len(asking) == 1 else f"{len(asking)} events are"
+        raise ConfigError(
+            "wait_for",
+            f"not indexed: this node has no mirror ({', '.join(sorted(without))} runs with --mirror off); "
+            f"{published} published and journaled: wait for 'journaled', or run a node with a mirror",
+        )
+    if not answers:
+        return indexed, "no node answered; is `epibus up` running?"
+    return indexed, "; ".join(problems) or "the mirror has not indexed them yet"

@@ -259,6 +259,14 @@ class LookupReply(Message):
     outcomes: dict[str, LookupOutcome] = {}
 
 
+class IndexedReply(Message):
+    """A node's answer on MIRROR_LOOKUP: whether it runs a mirror, and which of the ids asked it has indexed."""
+
+    node: NodeName
+    mirror: bool
+    indexed: Annotated[list[str], Field(max_length=LOOKUP_CHUNK)]
+
+
 R = TypeVar("R", bound=BaseModel)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -22,6 +23,7 @@ from bus.errors import ConfigError, Forbidden, error_summary
 from bus.jetstream import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
 from bus.service_rules import Authorizer
+from bus.tally import LatencyHistogram
 
 log = logging.getLogger(__name__)
 # What publishing a reply can run into: the connection is gone, or the server lowered max_payload since the check.
@@ -73,6 +75,7 @@ class Responder(Generic[Req, Rep]):
             raise ConfigError("node", f"{node!r} cannot name a reply: {refusal(ErrorReply, e.errors()[0])}") from e
         self.node = node
         self.counts = ServiceCounts()
+        self.latency = LatencyHistogram()  # seconds from a request's arrival to its reply, answered or not
         self.subscription: Subscription | None = None
 
     async def serve(self) -> Subscription:
@@ -94,7 +97,10 @@ class Responder(Generic[Req, Rep]):
                 msg.reply[:200],
             )
             return
-        await self._send(msg.reply, await self._reply_to(msg))
+        started = time.perf_counter()
+        reply = await self._reply_to(msg)
+        self.latency.observe(time.perf_counter() - started)
+        await self._send(msg.reply, reply)
 
     async def _reply_to(self, msg: Msg) -> bytes:
         try:  # who signed it, before anything of the body is read

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -22,7 +22,9 @@ from bus.admission import Admission, BatchContext, Delivery, Refusal, Rejected, 
 from bus.errors import Unavailable, error_summary
 from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
 from bus.registry import AgentRegistry
+from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER
 from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
+from bus.tally import RunnerTally
 from bus.vocab import DeadLetterReason
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class RunnerStats:
     ack_floor_seq: int | None = None
     stalled: bool = False
     stalled_for_s: float = 0.0
+    redelivered: int = 0  # messages fetched again after an earlier delivery (nak, ack wait, restart)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -85,6 +88,13 @@ class RunnerStats:
 
 def _header_safe(text: str, limit: int = 1024) -> str:
     return " ".join(text.split())[:limit]
+
+
+def signature_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """A message's event signature headers, kept with its dead letter so `dlq replay` sends the event again as
+    it came (any one a hostile publisher made too long is cut, and then refused again when replayed)."""
+    kept = (EVENT_SIGNATURE_HEADER, EVENT_KEY_HEADER)
+    return {name: _header_safe(value, 512) for name, value in (headers or {}).items() if name in kept}
 
 
 def dead_letter_copy(data: bytes, headers: dict[str, str], *, max_payload: int) -> bytes:
@@ -118,6 +128,7 @@ class ConsumerRunner:
         redelivery_delays_s: Sequence[float] = (0.5, 2.0, 5.0, 15.0),
         registry: AgentRegistry | None = None,
         start_seq: int | None = None,
+        tally: RunnerTally | None = None,
     ) -> None:
         if not CONSUMER_PATTERN.fullmatch(observer.name):
             raise ValueError(f"observer name {observer.name!r} must match {CONSUMER_PATTERN.pattern}")
@@ -134,6 +145,7 @@ class ConsumerRunner:
         self.context = BatchContext(self.js, self.admission)
         self.start_seq = start_seq  # a new durable starts here (a rebuilt mirror already holds what is before)
         self.stats = RunnerStats()
+        self.tally = tally or RunnerTally()  # a runner that replaces another (a reindex) may keep counting on
         self._subscription: nats.js.JetStreamContext.PullSubscription | None = None
         self._stepping = asyncio.Lock()  # two fetches on one pull subscription would steal each other's replies
 
@@ -228,6 +240,16 @@ class ConsumerRunner:
         self.stats.pending, self.stats.ack_floor_seq = pending, floor
         return moved
 
+    async def acked_through(self) -> int:
+        """The stream sequence up to which this observer has acked every message (its consumer's ack floor).
+        Raises Unavailable when the server does not say within 5 s."""
+        try:
+            async with asyncio.timeout(5):
+                info = await self.js.consumer_info(STREAM, self.observer.name)
+        except PROGRESS_UNKNOWN as e:
+            raise Unavailable("nats", f"consumer {self.observer.name}: {type(e).__name__} {e}") from e
+        return info.ack_floor.stream_seq if info.ack_floor else 0
+
     async def _drop_subscription(self) -> None:
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
@@ -253,6 +275,7 @@ class ConsumerRunner:
         """Admit, hand over and ack in stream order. A message that must be retried holds everything after it
         in the batch too (nak'ed with the same delay): an observer never sees a change before its claim."""
         self.stats.fetched += len(messages)
+        self.stats.redelivered += sum(1 for msg in messages if msg.metadata.num_delivered > 1)
         admitted: list[tuple[Msg, Delivery]] = []
         rejected: list[tuple[Msg, Rejected]] = []
         await self._admit_in_order(messages, admitted, rejected)
@@ -339,6 +362,7 @@ class ConsumerRunner:
                 delay_s = min(delay_s * 2, self.ack_wait_s / 3)
         self.stats.degraded = False
         refused = {r.stream_seq: r for r in refusals}
+        self.tally.applied([delivery for _, delivery in admitted if delivery.stream_seq not in refused])
         for msg, delivery in admitted:
             refusal = refused.get(delivery.stream_seq)
             if refusal is not None:
@@ -376,6 +400,7 @@ class ConsumerRunner:
             DLQ_CONSUMER: self.observer.name,
             DLQ_AT: datetime.now(UTC).isoformat(),
         }
+        headers |= signature_headers(msg.headers)
         data = dead_letter_copy(msg.data, headers, max_payload=self.nc.max_payload)
         subject = dlq_subject(self.observer.name, reason.value)
         try:
@@ -388,5 +413,6 @@ class ConsumerRunner:
             return False
         await msg.ack()
         self.stats.dead_lettered[reason.value] = self.stats.dead_lettered.get(reason.value, 0) + 1
+        self.tally.rejected(msg.subject, reason.value)
         log.warning("dead-lettered stream seq %d on %s: %s: %s", seq, msg.subject, reason.value, error)
         return True

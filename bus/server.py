@@ -22,6 +22,7 @@ from types import TracebackType
 from bus.errors import ConfigError, Conflict, Unavailable
 from bus.home import PRIVATE_FILE, owner_only, private_dir, write_private
 from bus.ports import ServerPorts, keep_ports, port_taken, raise_for_taken_port, read_ports
+from bus.routes import ClusterRoutes, wait_for_meta_leader
 from bus.server_guard import SPAWNER, StoreLock, die_with_parent, servers_on, terminate
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class NatsServer:
         extra_config: str = "",
         extra_args: Sequence[str] = (),
         authorization: str | None = None,
+        cluster: ClusterRoutes | None = None,
     ) -> None:
         self.store_dir = store_dir
         self.host = host
@@ -97,6 +99,7 @@ class NatsServer:
         self.extra_config = extra_config
         self.extra_args = tuple(extra_args)
         self.authorization = authorization  # an `authorization {...}` block; None runs without authentication
+        self.cluster = cluster  # routes to the other servers of a cluster; None runs alone
         self.binary = nats_server_binary()
         self._process: subprocess.Popen[bytes] | None = None
         self._lock = StoreLock(store_dir)
@@ -134,7 +137,7 @@ class NatsServer:
             f'http: "{self.host}:{self.monitor_port}"\n'
             f'ports_file_dir: "{self.store_dir}"\n'
             f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
-            f"{auth}{self.extra_config}\n",
+            f"{auth}{self.cluster.config_block() if self.cluster else ''}{self.extra_config}\n",
         )
         return config
 
@@ -159,6 +162,8 @@ class NatsServer:
             if ports_file.exists() and self._read_ports(ports_file) and self._healthy():
                 if self.keep_ports:
                     keep_ports(self.store_dir, ServerPorts(self.port, self.monitor_port))
+                if self.cluster is not None:  # JetStream answers only once the cluster has elected its leader
+                    wait_for_meta_leader(self.monitor_url, max(1.0, deadline - time.monotonic()))
                 return
             time.sleep(0.05)
         self.kill()
@@ -224,7 +229,10 @@ class NatsServer:
         self._require_free_ports()
 
     def _require_free_ports(self) -> None:
-        for role, port, option in (("client", self.port, "--port"), ("monitor", self.monitor_port, "--monitor-port")):
+        ports = [("client", self.port, "--port"), ("monitor", self.monitor_port, "--monitor-port")]
+        if self.cluster is not None:
+            ports.append(("route", self.cluster.port, "--cluster-port"))
+        for role, port, option in ports:
             if port > 0 and port_taken(self.host, port):
                 raise_for_taken_port(role, self.host, port, option)
 

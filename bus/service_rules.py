@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
-from bus.auth import Enrolment, inbox_owner, inbox_prefix
+from bus.auth import AUDIT_ROLES, Enrolment, inbox_owner, inbox_prefix
 from bus.errors import Conflict, Forbidden
 from bus.registry import AgentRegistry
 from bus.requests import (
@@ -146,7 +146,7 @@ def enrolled_rule(asker: Asker, request: BaseModel) -> None:
 def recall_rule(asker: Asker, request: RecallRequest) -> None:
     """Recall from a project's mirror: its members; the audit door (every state): reviewers and admins."""
     _member(asker, request.project)
-    if request.audit and not asker.has_role(Role.reviewer, Role.admin):
+    if request.audit and not asker.has_role(*AUDIT_ROLES):
         raise asker.refuse("audit: true (the audit door) is for reviewers and admins")
 
 

@@ -1,4 +1,9 @@
-"""Agent keys (NATS nkeys, ed25519) and event signatures over canonical JSON.
+"""Agent keys (NATS nkeys, ed25519) and the signatures of events, requests and documents.
+
+An event (schema_version 2) is signed as it travels: ed25519 over `EVENT_DOMAIN + subject + "\n" + body`,
+the body being the message's bytes exactly as sent; the signature and the signing key ride in the
+EVENT_SIGNATURE_HEADER and EVENT_KEY_HEADER headers, so any language verifies without re-serialising.
+A legacy event (schema_version 1) carries its signature inside, over the canonical JSON of the rest.
 
 An agent's key is created on first use and kept as `<home>/keys/<agent>.nk` with mode 0600."""
 
@@ -9,6 +14,8 @@ import binascii
 import functools
 import hashlib
 import os
+import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,8 +28,17 @@ import nkeys
 
 from bus.auth import inbox_prefix, node_identity
 from bus.errors import ConfigError, Forbidden, InvalidEvent
-from bus.event import AGENT_PATTERN, Actor, Envelope, signing_payload
+from bus.event import (
+    AGENT_PATTERN,
+    LEGACY_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    Actor,
+    Envelope,
+    encode_event,
+    signing_payload,
+)
 from bus.home import private_dir
+from bus.subjects import event_subject
 
 NODE_KEY_FILE = "node.nk"
 NODE_IDENTITY = "node"
@@ -31,6 +47,12 @@ SIGNER_KEY_HEADER = "Epibus-Signer-Key"
 SIGNED_AT_HEADER = "Epibus-Signed-At"
 SIGNATURE_HEADER = "Epibus-Signature"
 REQUEST_MAX_AGE_S = 120.0  # a captured request cannot be replayed later than this
+# An event's signature and signing key (an nkey user public key, 'U…') travel beside its body in these headers.
+EVENT_SIGNATURE_HEADER = "Epibus-Event-Signature"
+EVENT_KEY_HEADER = "Epibus-Event-Key"
+# Domain separation: an event signature never verifies as a request or a document signature, nor they as it.
+EVENT_DOMAIN = b"epibus-event-v2\n"
+SIGNATURE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{86}$")  # 64 bytes, unpadded base64url
 
 
 def _b64(data: bytes) -> str:
@@ -103,11 +125,30 @@ class AgentKey:
         return _b64(self._pair.sign(_document_payload(purpose, document)))
 
     def sign(self, event: Envelope) -> Envelope:
-        """The event signed by this key. Raises InvalidEvent if the event names another actor."""
+        """The event (schema_version 2) signed by this key over its subject and body bytes: the signature is
+        kept on the returned envelope, and `wire_message` sends it in the headers with the very bytes signed.
+        Raises InvalidEvent if the event names another actor."""
+        self._require_actor(event)
+        unsigned = event.model_copy(update={"schema_version": SCHEMA_VERSION, "signature": None})
+        data = encode_event(unsigned)  # the one serialisation: these bytes are signed and sent
+        subject = event_subject(event.project, event.kind, event.artifact_id)
+        signature = _b64(self._pair.sign(event_signed_bytes(subject, data)))
+        signed = unsigned.model_copy(update={"signature": signature})
+        _remember(WireMessage(subject, data, event_headers(signature, self.public_key)), signed)
+        return signed
+
+    def sign_v1(self, event: Envelope) -> Envelope:
+        """The event in the legacy format (schema_version 1, the signature inside, over the canonical JSON of
+        the rest). Mesh task steps and roster changes use it: the task record keeps the signature and the
+        recorder rebuilds the event from it."""
+        self._require_actor(event)
+        legacy = event.model_copy(update={"schema_version": LEGACY_SCHEMA_VERSION, "signature": None})
+        signature = self._pair.sign(signing_payload(legacy))
+        return legacy.model_copy(update={"signature": _b64(signature)})
+
+    def _require_actor(self, event: Envelope) -> None:
         if event.actor != self.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not the signing agent {self.agent_id!r}")
-        signature = self._pair.sign(signing_payload(event))
-        return event.model_copy(update={"signature": _b64(signature)})
 
 
 def node_key(home: Path) -> AgentKey:
@@ -188,10 +229,89 @@ def verify_document(public_key: str, purpose: str, document: bytes, signature: s
 
 
 def verify_signature(event: Envelope) -> None:
-    """Raise InvalidEvent unless the event carries a valid signature by `event.actor.public_key`."""
+    """Raise InvalidEvent unless the event carries a valid signature by `event.actor.public_key`. For
+    schema_version 2 this re-encodes the event, which holds only for canonical bodies (what `sign` makes): a
+    message from the stream is verified over its own bytes by `verify_message`."""
     if event.signature is None:
         raise InvalidEvent("signature", "is missing; every event must be signed by its actor")
+    if event.schema_version == LEGACY_SCHEMA_VERSION:
+        payload = signing_payload(event)
+    else:
+        payload = event_signed_bytes(event_subject(event.project, event.kind, event.artifact_id), encode_event(event))
     try:
-        verify_key(event.actor.public_key).verify(signing_payload(event), _unb64(event.signature))
+        verify_key(event.actor.public_key).verify(payload, _unb64(event.signature))
     except nacl.exceptions.BadSignatureError as e:
         raise InvalidEvent("signature", "does not verify against actor.public_key") from e
+
+
+# -- the wire --------------------------------------------------------------------------------------------
+
+
+def event_signed_bytes(subject: str, data: bytes) -> bytes:
+    """Exactly what an event's signature covers: the domain, the subject, a newline, the body as sent."""
+    return EVENT_DOMAIN + subject.encode() + b"\n" + data
+
+
+def event_headers(signature: str, public_key: str) -> dict[str, str]:
+    """A fresh dict per publish: nats-py writes into the dict it is given."""
+    return {EVENT_SIGNATURE_HEADER: signature, EVENT_KEY_HEADER: public_key}
+
+
+@dataclass(frozen=True)
+class WireMessage:
+    """An event as it travels: subject, body bytes, and its signature headers (none for a legacy event)."""
+
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+
+
+# Events `sign` made, by identity, with their bytes: sending one does not serialise it again. An envelope is
+# frozen, so the same object is the same event; a copy with any change is a new object and is encoded anew. An
+# entry lives as long as its event does.
+_sealed: dict[int, tuple[weakref.ref[Envelope], WireMessage]] = {}
+
+
+def _remember(message: WireMessage, event: Envelope) -> None:
+    key = id(event)
+    _sealed[key] = (weakref.ref(event), message)
+    weakref.finalize(event, _sealed.pop, key, None)
+
+
+def wire_message(event: Envelope) -> WireMessage:
+    """The subject, bytes and headers to publish a signed event with. Raises InvalidEvent when it is unsigned
+    or larger than the limit."""
+    if event.signature is None:
+        raise InvalidEvent("signature", "is missing; sign the event with its actor's key first")
+    cached = _sealed.get(id(event))
+    if cached is not None and cached[0]() is event:
+        return WireMessage(cached[1].subject, cached[1].data, dict(cached[1].headers))
+    subject = event_subject(event.project, event.kind, event.artifact_id)
+    if event.schema_version == LEGACY_SCHEMA_VERSION:
+        return WireMessage(subject, encode_event(event), {})
+    return WireMessage(subject, encode_event(event), event_headers(event.signature, event.actor.public_key))
+
+
+def message_format(headers: Mapping[str, str] | None) -> int:
+    """The one rule that says which format a stream message is in: with an event signature or key header it is
+    schema_version 2 (the signature beside the body), without either it is legacy (schema_version 1)."""
+    headers = headers or {}
+    if EVENT_SIGNATURE_HEADER in headers or EVENT_KEY_HEADER in headers:
+        return SCHEMA_VERSION
+    return LEGACY_SCHEMA_VERSION
+
+
+def verify_message(subject: str, data: bytes, headers: Mapping[str, str], event: Envelope) -> Envelope:
+    """`event` (decoded from `data`) with its signature, once the headers prove that its actor's key signed
+    `subject` and `data` exactly. Raises InvalidEvent naming what does not hold; never re-serialises."""
+    signature = headers.get(EVENT_SIGNATURE_HEADER, "")
+    public_key = headers.get(EVENT_KEY_HEADER, "")
+    if not SIGNATURE_PATTERN.fullmatch(signature):
+        raise InvalidEvent(EVENT_SIGNATURE_HEADER, "must be the 64-byte ed25519 signature in unpadded base64url")
+    if public_key != event.actor.public_key:
+        raise InvalidEvent(EVENT_KEY_HEADER, f"{public_key[:12]!r}… is not the key the event names (actor.public_key)")
+    try:
+        verify_key(public_key).verify(event_signed_bytes(subject, data), _unb64(signature))
+    except (nacl.exceptions.BadSignatureError, binascii.Error, ValueError) as e:
+        raise InvalidEvent(EVENT_SIGNATURE_HEADER, "does not verify over this subject and these body bytes") from e
+    return event.model_copy(update={"signature": signature})

@@ -20,6 +20,9 @@ AGENT_KEYS_BUCKET = "epibus_agents"
 TOMBSTONES_BUCKET = "epibus_tombstones"
 # Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
 JOURNAL_LOOKUP = "epibus.journal.has"
+# Core NATS request every node answers: "which of these event ids has your mirror indexed?" (a node without a
+# mirror says so, rather than leaving the asker to wait).
+MIRROR_LOOKUP = "epibus.mirror.has"
 # Core NATS request subject every node with a mirror answers (no queue group: the asker merges all answers).
 RECALL = "epibus.recall"
 # Core NATS request every node answers: "is this artifact gone from your journal and mirror?"
@@ -100,8 +103,22 @@ def artifact_filter(project: str, artifact_id: str) -> str:
     return f"epi.{project}.*.{artifact_id}"
 
 
+def stream_info_subject(stream: str) -> str:
+    """JetStream's API subject for a stream's info; its answer carries the server's clock (`ts`), which nats-py's
+    StreamInfo leaves out."""
+    return f"$JS.API.STREAM.INFO.{stream}"
+
+
 def dlq_subject(consumer: str, reason: str) -> str:
     return f"epidlq.{consumer}.{reason}"
+
+
+def parse_dlq_subject(subject: str) -> tuple[str, str] | None:
+    """(consumer, reason) of a dead letter's subject, or None when it is not one dlq_subject builds."""
+    parts = subject.split(".")
+    if len(parts) != 3 or parts[0] != "epidlq":
+        return None
+    return parts[1], parts[2]
 
 
 def dlq_filter(consumer: str | None = None) -> str:

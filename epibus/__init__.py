@@ -1,27 +1,68 @@
-"""epibus: the shared, durable, searchable memory of a fleet of AI agents, built as an event bus."""
+"""epibus: the shared, durable, searchable memory of a fleet of AI agents, built as an event bus.
 
-from bus.client import EpibusClient, connect
-from bus.errors import (
-    ConfigError,
-    Conflict,
-    EpibusError,
-    Forbidden,
-    IllegalTransition,
-    InvalidEvent,
-    ModelMismatch,
-    NotFound,
-    Unavailable,
-)
-from bus.event import Body, Envelope, Evidence, register_kind
-from bus.publish import Receipt
-from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
-from epibus import sync
-from epibus.node import Node, NodeConfig
-from mesh.agent import MeshAgent, Outcome
-from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import Inbox, Notification
-from observers import reads
-from observers.journal import EventQuery, Journal, JournalRow
+The public names load on first use (a module `__getattr__`), so `import epibus` and the command line's lean
+paths (`epibus statusline`) do not pay for NATS, pydantic and SQLAlchemy until a name needs them."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bus.client import EpibusClient, connect
+    from bus.errors import (
+        ConfigError,
+        Conflict,
+        EpibusError,
+        Forbidden,
+        IllegalTransition,
+        InvalidEvent,
+        ModelMismatch,
+        NotFound,
+        Unavailable,
+    )
+    from bus.event import Body, Envelope, Evidence, register_kind
+    from bus.publish import Receipt
+    from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
+    from epibus import sync
+    from epibus.node import Node, NodeConfig
+    from mesh.agent import MeshAgent, Outcome
+    from mesh.coordinator import Coordinator, parse_policy
+    from mesh.peer import Inbox, Notification
+    from observers import reads
+    from observers.journal import EventQuery, Journal, JournalRow
+
+# Where each public name lives: (module, attribute), attribute None for a module itself.
+_WHERE: dict[str, tuple[str, str | None]] = {
+    **{name: ("bus.client", name) for name in ("EpibusClient", "connect")},
+    **{
+        name: ("bus.errors", name)
+        for name in (
+            "ConfigError",
+            "Conflict",
+            "EpibusError",
+            "Forbidden",
+            "IllegalTransition",
+            "InvalidEvent",
+            "ModelMismatch",
+            "NotFound",
+            "Unavailable",
+        )
+    },
+    **{name: ("bus.event", name) for name in ("Body", "Envelope", "Evidence", "register_kind")},
+    "Receipt": ("bus.publish", "Receipt"),
+    **{
+        name: ("bus.vocab", name)
+        for name in ("EpistemicSource", "ReceiptLevel", "ResolutionKind", "Reversibility", "Trust")
+    },
+    "sync": ("epibus.sync", None),
+    **{name: ("epibus.node", name) for name in ("Node", "NodeConfig")},
+    **{name: ("mesh.agent", name) for name in ("MeshAgent", "Outcome")},
+    **{name: ("mesh.coordinator", name) for name in ("Coordinator", "parse_policy")},
+    **{name: ("mesh.peer", name) for name in ("Inbox", "Notification")},
+    "reads": ("observers.reads", None),
+    **{name: ("observers.journal", name) for name in ("EventQuery", "Journal", "JournalRow")},
+}
 
 __all__ = [
     "Body",
@@ -59,3 +100,18 @@ __all__ = [
     "register_kind",
     "sync",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attribute = _WHERE[name]
+    except KeyError:
+        raise AttributeError(f"module 'epibus' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

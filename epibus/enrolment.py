@@ -24,7 +24,7 @@ from bus.admission import Admission, EnrolmentLog
 from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
 from bus.authority import enrolment_event
 from bus.errors import ConfigError, EpibusError, Unavailable
-from bus.event import AGENT_PATTERN, encode_event
+from bus.event import AGENT_PATTERN
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.outbox import OutboxRow
 from bus.publish import retrying_unavailable, send_one
@@ -34,11 +34,19 @@ from bus.responder import Responder, serve
 from bus.server import NatsServer
 from bus.service_rules import Authorizer, ServiceGuard, admin_rule
 from bus.signing import AgentKey, node_event_key
-from bus.subjects import ADMIN_QUEUE, ENROL, ENROLMENT_KIND, LIST_AGENTS, POLICY_PROJECT, REVOKE, STREAM, event_subject
+from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
 from bus.vocab import Role
 
 log = logging.getLogger(__name__)
 KEEP_IN_STEP_EVERY_S = 2.0  # how soon an enrolment made through another node reaches this node's server
+
+
+def local_agent_keys(keys: Path) -> list[tuple[str, Path]]:
+    """The agents whose keys live in a home's `keys` directory (`<agent>.nk`), with each key's path, by name."""
+    if not keys.is_dir():
+        return []
+    found = ((path.stem, path) for path in sorted(keys.glob("*.nk")))
+    return [(agent, path) for agent, path in found if AGENT_PATTERN.fullmatch(agent)]
 
 
 def initial_authorization(node: AgentKey) -> str:
@@ -50,8 +58,7 @@ async def record_enrolment(js: JetStreamContext, signer: AgentKey, enrolment: En
     """Publish an enrolment record signed by a node's identity (signing.node_event_key), retried while NATS does
     not answer. Returns its stream sequence: the change applies to events after it. Raises Unavailable."""
     event = enrolment_event(signer, enrolment, session_id=session_id)
-    subject = event_subject(POLICY_PROJECT, ENROLMENT_KIND, enrolment.agent_id)
-    row = OutboxRow(str(event.event_id), subject, encode_event(event))
+    row = OutboxRow.of(event)
     async for attempt in retrying_unavailable():
         with attempt:
             ack = await send_one(js, row, timeout_s=JS_TIMEOUT_S)
@@ -168,6 +175,9 @@ class Enrolments:
         if request.if_absent:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
             # Its standing is a first use's (every project, its own owner): nothing to record on the stream.
             if await self.registry.enrol_if_absent(enrolment) is None:
+                # Enrolled already, perhaps a moment ago by this node's keeper, which may not have reloaded the
+                # server yet: apply (it waits for the keeper's pass) so that the agent's next connect is let in.
+                await self.apply()
                 return {"enrolment": (await self.registry.require(request.agent_id)).model_dump(mode="json")}
         else:
             await self._change(enrolment, replace_key=request.replace_key)
@@ -209,12 +219,11 @@ class Enrolments:
         like a client enrolling itself with the node's key: an agent of every project, its own owner. This covers
         events they signed while no node ran, which the node forwards from the home's outbox. `known`: the agents
         the registry holds. Returns whether it enrolled any."""
-        if self.local_keys is None or not self.local_keys.is_dir():
+        if self.local_keys is None:
             return False
         enrolled = False
-        for path in sorted(self.local_keys.glob("*.nk")):
-            agent_id = path.stem
-            if agent_id in known or not AGENT_PATTERN.fullmatch(agent_id):
+        for agent_id, path in local_agent_keys(self.local_keys):
+            if agent_id in known:
                 continue  # enrolled already (perhaps revoked: never re-enrolled behind an admin's back)
             try:
                 key = AgentKey(agent_id, path.read_bytes().strip())

@@ -105,7 +105,18 @@ def node_health(node: Node) -> dict[str, Any]:
         },
         "observers": observers,
         "streams": {"drift": node.stream_drift},
+        "mirror": _mirror(node),
         "forwarder": asdict(node.forwarder.stats) if node.forwarder is not None else None,
         "services": {subject: asdict(responder.counts) for subject, responder in node.services.items()},
         "service_failures": dict(service_failures),
+    }
+
+
+def _mirror(node: Node) -> dict[str, Any]:
+    """The mirror's backend and the embedding model it was built for (`epibus status` shows them)."""
+    embedder = node.embedder
+    return {
+        "backend": node.config.mirror,
+        "model": embedder.model_id if embedder is not None else None,
+        "dimension": embedder.dimension if embedder is not None else None,
     }

@@ -17,6 +17,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from bus.client import EpibusClient
 from bus.enrol import enrol_locally
@@ -39,6 +40,8 @@ from bus.requests import (
     EraseRequest,
     ForgetProofReply,
     ForgetProofRequest,
+    IndexedReply,
+    LookupRequest,
     RecallReply,
     RecallRequest,
     ReindexProgress,
@@ -48,6 +51,7 @@ from bus.requests import (
     VerifyRequest,
 )
 from bus.responder import Handler, Req, Responder, serve
+from bus.routes import ClusterRoutes
 from bus.runner import ConsumerRunner
 from bus.server import AUTHORIZATION_FILE, NatsServer
 from bus.service_rules import (
@@ -64,16 +68,21 @@ from bus.subjects import (
     ADMIN_QUEUE,
     FORGET_ERASE,
     JOURNAL_LOOKUP,
+    MIRROR_LOOKUP,
     PROVE_FORGOTTEN,
     RECALL,
     REINDEX,
     STREAM,
     VERIFY,
 )
-from bus.tasks import cancel_and_wait
+from bus.tasks import cancel_and_wait, run_together
+from epibus.dashboard import Dashboard
+from epibus.dashboard.security import check_bind_host
 from epibus.enrolment import Enrolments, initial_authorization
 from epibus.erase import erase_forgotten
 from epibus.health import REPORT_EVERY_S, node_health, write_health
+from epibus.metrics_http import MetricsServer, MetricsSettings, start_metrics
+from epibus.status import MeshView, StatusWriter
 from mesh import events as mesh_events
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
@@ -83,6 +92,7 @@ from mesh.watch import FileCursor
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
+from observers.mirror.lookup import indexed_events
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, rebuild
 from observers.mirror.store import VectorStore
@@ -93,6 +103,7 @@ from observers.verify import verify
 log = logging.getLogger(__name__)
 # Importing mesh.events registered these kinds, so this node's observers admit the mesh's events.
 MESH_KINDS = (mesh_events.TASK_KIND, mesh_events.COORDINATORS_KIND)
+CLUSTER_START_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,16 @@ class NodeConfig:
     # Local clients enrol their agents with the node's key on first connect (see bus/client.py connect).
     auto_enrol: bool = True
     repair_streams: bool = False  # restore drifted streams at start instead of refusing to start
+    # The live web dashboard (docs/dashboard.md): None serves none; 0 a free port, kept across service restarts.
+    ui_port: int | None = None
+    ui_host: str = "127.0.0.1"
+    ui_remote: bool = False  # serve the dashboard on a non-loopback ui_host
+    # The Prometheus endpoint (epibus/metrics_http.py): None, the port kept from an earlier start (a free one
+    # at the first); 0, off. It binds metrics_host, which must be loopback unless metrics_remote.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_remote: bool = False
+    cluster: ClusterRoutes | None = None  # the embedded server's routes to the other servers of a cluster
 
 
 # How often each supervised service failed since the process started (each failure is also logged).
@@ -185,6 +206,9 @@ class Node:
         self._recovery: asyncio.Task[None] | None = None
         self.key = AgentKey.generate("node")  # replaced at start by the key kept in home (node_key)
         self.enrolments: Enrolments | None = None
+        self.dashboard: Dashboard | None = None
+        self.status: StatusWriter | None = None
+        self.metrics: MetricsServer | None = None
 
     @property
     def authenticated(self) -> bool:
@@ -199,6 +223,11 @@ class Node:
         return kept.read_text() if kept.exists() else initial_authorization(self.key)
 
     @property
+    def mesh_view(self) -> MeshView | None:
+        """The status snapshot's fold of the mesh (record=True), shared by the dashboard and the metrics."""
+        return self.status.view if self.status is not None else None
+
+    @property
     def nats_url(self) -> str:
         if self.config.nats_url:
             return self.config.nats_url
@@ -211,7 +240,7 @@ class Node:
         except BaseException:
             await self.close()
             raise
-        self._recovery = asyncio.create_task(self._recover_lost_connections())
+        self._recovery = asyncio.create_task(self._recover_lost_connections(), name="connection recovery")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -219,8 +248,10 @@ class Node:
 
     async def _start(self) -> None:
         home = self.config.home
-        if self.config.nats_url is not None and (self.config.port or self.config.monitor_port):
-            raise ConfigError("--port", "only the embedded nats-server has ports to set; drop --port or --nats")
+        if self.config.nats_url is not None and (self.config.port or self.config.monitor_port or self.config.cluster):
+            raise ConfigError("--port", "only the embedded nats-server has ports and routes; drop them or --nats")
+        if self.config.ui_port is not None:  # a refused address stops the start before anything runs
+            check_bind_host(self.config.ui_host, allow_remote=self.config.ui_remote)
         if (was := private_dir(home)) is not None:
             log.info("%s was mode %04o and is now 0700: a fleet's memory is readable by its owner only", home, was)
         self.name = node_name(home, self.config.name)
@@ -232,9 +263,12 @@ class Node:
                 monitor_port=self.config.monitor_port or -1,
                 keep_ports=True,  # clients following this node find it where it was before a restart
                 authorization=self._starting_authorization(home / "nats"),
+                server_name=self.name if self.config.cluster else "epibus",  # unique in a cluster, kept
+                cluster=self.config.cluster,
             )
             self._stack.callback(self.server.stop)  # first: a start that fails half-way still frees the store
-            await asyncio.to_thread(self.server.start)
+            # A cluster's server waits for a majority of its peers, which start at the same time.
+            await asyncio.to_thread(self.server.start, CLUSTER_START_S if self.config.cluster else 20.0)
         self.journal = Journal(self.config.journal_url or default_journal_url(home))
         self._stack.callback(self.journal.close)
         await asyncio.to_thread(self.journal.migrate)
@@ -250,7 +284,15 @@ class Node:
         )
         self._stack.push_async_callback(self._close_nats)
         self.js = self.nc.jetstream()
-        await self._ensure_streams(repair=self.config.repair_streams)
+        # A cluster elects its leaders while its servers come up: retried (bounded) until they settle.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_delay(CLUSTER_START_S if self.config.cluster else 0),
+            wait=wait_fixed(1.0),
+            reraise=True,
+        ):
+            with attempt:
+                await self._ensure_streams(repair=self.config.repair_streams)
         local_keys = home / "keys" if self.authenticated and self.config.auto_enrol else None
         server = self.server if self.authenticated else None
         enrolments = Enrolments(self.js, self.key, server, node_name=self.name, local_keys=local_keys)
@@ -273,6 +315,7 @@ class Node:
         await self._serve(FORGET_ERASE, EraseRequest, EraseReply, self._erase, erase_rule, queue=ADMIN_QUEUE)
         lookups = enrolments.guard.authorizer(enrolled_rule)
         self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(self.nc, authorize=lookups)
+        await self._serve(MIRROR_LOOKUP, LookupRequest, IndexedReply, self._answer_indexed, enrolled_rule)
         self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
         self._stack.push_async_callback(outbox.close)
@@ -285,26 +328,47 @@ class Node:
         # Every loop runs supervised: one that fails is logged, counted and restarted, and never takes the
         # task group (and with it every other service of the node) down.
         self._tasks = [
-            group.create_task(supervised("journal observer", self.runner.run)),
-            group.create_task(supervised("journal progress", self.runner.watch_progress)),
-            group.create_task(supervised("outbox forwarder", self.forwarder.run)),
-            group.create_task(supervised("health report", self._report_health)),
-            group.create_task(supervised("authorization", enrolments.keep_in_step)),
+            group.create_task(supervised("journal observer", self.runner.run), name="journal observer"),
+            group.create_task(supervised("journal progress", self.runner.watch_progress), name="journal progress"),
+            group.create_task(supervised("outbox forwarder", self.forwarder.run), name="outbox forwarder"),
+            group.create_task(supervised("health report", self._report_health), name="health report"),
+            group.create_task(supervised("authorization", enrolments.keep_in_step), name="authorization"),
         ]
         self._group = group
         if self.mirror_runner is not None:
-            self._mirror_task = group.create_task(self._run_mirror(self.mirror_runner))
+            self._mirror_task = group.create_task(self._run_mirror(self.mirror_runner), name="mirror")
             self._tasks.append(self._mirror_task)
         if self.server is not None:
-            self._tasks.append(group.create_task(self._watch_server(self.server)))
+            self._tasks.append(group.create_task(self._watch_server(self.server), name="server watch"))
         self.recorder = MeshRecorder(
             self._require_js,
             cursor=FileCursor(home / "mesh" / "recorder.cursor"),
             closed=lambda: self.nc is None or self.nc.is_closed,
         )
-        self._tasks.append(group.create_task(supervised("mesh recorder", self.recorder.run)))
+        self._tasks.append(group.create_task(supervised("mesh recorder", self.recorder.run), name="mesh recorder"))
+        if self.config.record:  # the statusline's snapshot, beside node.json
+            self.status = status = StatusWriter(
+                home,
+                self.name,
+                self._require_js,
+                self.journal,
+                connected=lambda: self._jetstream_if_connected() is not None,
+                closed=lambda: self.nc is None or self.nc.is_closed,
+            )
+            # Two loops, each supervised (and so stopped for sure) like every other: the view follows the mesh,
+            # the writer writes what it shows.
+            self._tasks.append(
+                group.create_task(supervised("status mesh view", status.view.watcher.run), name="status mesh view")
+            )
+            self._tasks.append(group.create_task(supervised("status snapshot", status.run), name="status snapshot"))
         if self.config.coordinate:
             await self._start_coordinators(group, servers)
+        if self.config.ui_port is not None:
+            await self._start_dashboard(group, self.config.ui_port)
+        settings = MetricsSettings(self.config.metrics_port, self.config.metrics_host, self.config.metrics_remote)
+        if (metrics := await start_metrics(self, settings)) is not None:
+            self._stack.push_async_callback(metrics.stop)
+        self.metrics = metrics
         if self.config.record:
             self.info = NodeInfo(
                 pid=os.getpid(),
@@ -317,6 +381,8 @@ class Node:
                 name=self.name,
                 authenticated=self.authenticated,
                 auto_enrol=self.authenticated and self.config.auto_enrol,
+                ui_url=self.dashboard.url if self.dashboard is not None else None,
+                metrics_url=metrics.url if metrics is not None else None,
             )
             write_node_info(home, self.info)
             self._stack.callback(remove_node_info, home, os.getpid())
@@ -340,7 +406,16 @@ class Node:
             self.coordinators.append(service)
         for service in self.coordinators:
             name = f"coordinator {self.config.agent} of {service.project}"
-            self._tasks.append(group.create_task(supervised(name, service.run)))
+            self._tasks.append(group.create_task(supervised(name, service.run), name=name))
+
+    async def _start_dashboard(self, group: asyncio.TaskGroup, port: int) -> None:
+        # A restart of the node's services serves the dashboard where it was, so open pages reconnect.
+        port = self.dashboard.port if self.dashboard is not None else port
+        dashboard = Dashboard(self, host=self.config.ui_host, port=port, allow_remote=self.config.ui_remote)
+        self._stack.push_async_callback(dashboard.stop)  # first: a start that fails half-way still frees the port
+        await dashboard.start()
+        self.dashboard = dashboard
+        self._tasks.append(group.create_task(supervised("dashboard feed", dashboard.feed.run), name="dashboard feed"))
 
     def _require_js(self) -> JetStreamContext:
         if self.js is None:
@@ -430,9 +505,12 @@ class Node:
             self.mirror = MirrorObserver(
                 self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.name
             )
-            self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1)
+            counted = self.mirror_runner.tally if self.mirror_runner else None  # the metrics keep counting on
+            self.mirror_runner = ConsumerRunner(
+                self.nc, self.mirror, batch_size=64, start_seq=rebuilt.last_seq + 1, tally=counted
+            )
             assert self._group is not None
-            self._mirror_task = self._group.create_task(self._run_mirror(self.mirror_runner))
+            self._mirror_task = self._group.create_task(self._run_mirror(self.mirror_runner), name="mirror")
             self._tasks.append(self._mirror_task)
             if old_name and old_name != rebuilt.consumer_name:
                 try:
@@ -466,6 +544,16 @@ class Node:
             nats_url=self.nats_url,
         )
         return await prove_forgotten(files, request.model_dump())
+
+    async def _answer_indexed(self, request: LookupRequest) -> dict[str, Any]:
+        """Which of these events this node's mirror has indexed; a node without a mirror says so."""
+        runner, store = self.mirror_runner, self.store
+        if runner is None or store is None or self.journal is None:
+            return {"mirror": False, "indexed": []}
+        return {
+            "mirror": True,
+            "indexed": await indexed_events(store, self.journal, runner.acked_through, request.root),
+        }
 
     async def _answer_recall(self, request: RecallRequest) -> dict[str, Any]:
         """Answer a recall request from this node's mirror."""
@@ -537,9 +625,12 @@ class Node:
 
     async def _run_mirror(self, runner: ConsumerRunner) -> None:
         """The mirror's runner and its progress watch, replaced together when a reindex swaps the mirror."""
-        async with asyncio.TaskGroup() as group:
-            group.create_task(supervised("mirror observer", runner.run))
-            group.create_task(supervised("mirror progress", runner.watch_progress))
+        await run_together(
+            {
+                "mirror observer": supervised("mirror observer", runner.run),
+                "mirror progress": supervised("mirror progress", runner.watch_progress),
+            }
+        )
 
     async def _report_health(self) -> None:
         while True:

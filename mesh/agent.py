@@ -21,9 +21,9 @@ from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
 from bus.subjects import MESH_STEP
-from bus.vocab import ActionCategory, TaskAction, TaskState
+from bus.vocab import ActionCategory, TaskAction
 from mesh.events import opening_record, step_event, unsigned_step_event
-from mesh.protocol import NO_COORDINATORS, advance, child_task_id, counter_record
+from mesh.protocol import NO_COORDINATORS, advance, awaits_acknowledgement, child_task_id, counter_record
 from mesh.roster import RosterChanges
 from mesh.store import MeshStore, TaskEntry, retry_on_conflict, utc_now
 from mesh.task import Message, Step, Targets, TaskRecord, message_digest, parse_message
@@ -123,8 +123,8 @@ class MeshAgent(RosterChanges):
         key, session = self.client.key, self.client.session_id
         counter = None
         if record.last_step.action is TaskAction.change:
-            counter = key.sign(unsigned_step_event(opening_record(record), 0, key.actor, session)).signature
-        signed = key.sign(unsigned_step_event(record, len(record.steps) - 1, key.actor, session))
+            counter = key.sign_v1(unsigned_step_event(opening_record(record), 0, key.actor, session)).signature
+        signed = key.sign_v1(unsigned_step_event(record, len(record.steps) - 1, key.actor, session))
         assert signed.signature is not None
         return StepRequest(
             message=message,
@@ -331,9 +331,10 @@ class MeshAgent(RosterChanges):
     async def tasks(self, project: str | None = None) -> list[TaskEntry]:
         return await self.store.tasks(project)
 
-    async def pending(self, project: str | None = None) -> list[TaskEntry]:
-        """Completed but not yet acknowledged: handshakes still open."""
-        return [e for e in await self.store.tasks(project) if e.record.state is TaskState.completed]
+    async def pending(self, project: str | None = None, *, proposer: str | None = None) -> list[TaskEntry]:
+        """Completed but not yet acknowledged: handshakes still open (with `proposer`, only those it is to
+        acknowledge)."""
+        return [e for e in await self.store.tasks(project) if awaits_acknowledgement(e.record, proposer)]
 
     async def outbox(self, project: str | None = None) -> list[TaskEntry]:
         """Tasks this agent proposed."""

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
 from bus.jetstream import RETRYABLE
-from bus.tasks import cancel_and_wait
+from bus.tasks import run_together
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
@@ -183,18 +183,12 @@ class Coordinator:
 
     async def run(self) -> None:
         await self.check()
-        # Not a TaskGroup: in 3.11 a group cancels its children once, and a child whose cancellation nats-py's
-        # fetch swallowed would run on; cancel_and_wait repeats it until both loops have ended (bus/tasks.py).
-        loops = [asyncio.create_task(self.watcher.run()), asyncio.create_task(self._sweep_forever())]
-        try:
-            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
-            for loop in done:
-                loop.result()
-        finally:
-            for loop in loops:  # at once: if this task is cancelled again while waiting, each got one cancel
-                loop.cancel()
-            # shielded: a second cancellation of run() must not abandon the loops' shutdown half way
-            await asyncio.shield(cancel_and_wait(loops))
+        await run_together(
+            {
+                f"coordinator {self.project} watcher": self.watcher.run(),
+                f"coordinator {self.project} sweep": self._sweep_forever(),
+            }
+        )
 
     async def _on_revision(self, entry: TaskEntry) -> None:
         record = entry.record

@@ -9,7 +9,19 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from bus.errors import InvalidEvent
-from bus.event import Actor, AgentId, Body, Count, Envelope, Evidence, ShortText, Text, register_kind, validate_event
+from bus.event import (
+    LEGACY_SCHEMA_VERSION,
+    Actor,
+    AgentId,
+    Body,
+    Count,
+    Envelope,
+    Evidence,
+    ShortText,
+    Text,
+    register_kind,
+    validate_event,
+)
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
@@ -144,6 +156,8 @@ def _step_event_fields(record: TaskRecord, index: int, actor: Actor, session_id:
     step = record.steps[index]
     return {
         "event_id": step.message_id,
+        # Mesh records keep the signature and the event is rebuilt from them: the legacy format, signed inside.
+        "schema_version": LEGACY_SCHEMA_VERSION,
         "project": record.proposal.project,
         "kind": TASK_KIND,
         "artifact_id": str(step.message_id),
@@ -178,6 +192,7 @@ def unsigned_roster_event(project: str, change: RosterDraft, *, seq: int, actor:
     return validate_event(
         {
             "event_id": change.message_id,
+            "schema_version": LEGACY_SCHEMA_VERSION,
             "project": project,
             "kind": COORDINATORS_KIND,
             "artifact_id": str(change.message_id),

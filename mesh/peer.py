@@ -16,7 +16,8 @@ from typing import Any
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
-from mesh.store import TaskEntry
+from mesh.protocol import TERMINAL
+from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord
 from mesh.watch import Cursor, TaskWatcher
 
@@ -80,22 +81,59 @@ def concern(agent: str, record: TaskRecord, *, coordinates: bool, capabilities: 
     return None
 
 
+def inbox_reason(agent: str, record: TaskRecord, *, coordinates: bool, capabilities: frozenset[str]) -> str | None:
+    """Why a task is in the agent's inbox now (None: it is not): what `concern` says of its latest step, or the
+    agent's own work in progress. Terminal tasks never are. The one rule behind `mesh inbox`, the MCP `inbox`
+    tool and the statusline's count."""
+    if record.state in TERMINAL:
+        return None
+    why = concern(agent, record, coordinates=coordinates, capabilities=capabilities)
+    if why is None and record.assignee == agent and record.state is TaskState.working:
+        return "yours, in progress"
+    return why
+
+
+async def inbox_now(mesh: MeshAgent, project: str | None = None) -> list[tuple[TaskEntry, str]]:
+    """The tasks in the agent's inbox now, each with why. Unreadable records are skipped into the store's
+    quarantine (mesh.store.quarantine), never shown."""
+    capabilities = await advertised_capabilities(mesh)
+    found: list[tuple[TaskEntry, str]] = []
+    coordinated: dict[str, bool] = {}
+    for entry in await mesh.tasks(project):
+        p = entry.record.proposal.project
+        if p not in coordinated:
+            coordinated[p] = await coordinates(mesh, p)
+        why = inbox_reason(mesh.agent, entry.record, coordinates=coordinated[p], capabilities=capabilities)
+        if why is not None:
+            found.append((entry, why))
+    return found
+
+
 async def advertised_capabilities(mesh: MeshAgent) -> frozenset[str]:
+    return await capabilities_of(mesh.store, mesh.agent)
+
+
+async def capabilities_of(store: MeshStore, agent: str) -> frozenset[str]:
     """What the agent advertises. An unreadable record (the store quarantines it) reads as nothing: the agent
     is offered less work, never work meant for others."""
     try:
-        advertised = await mesh.store.get_capabilities(mesh.agent)
+        advertised = await store.get_capabilities(agent)
     except MalformedRecord:
         return frozenset()
     return frozenset(advertised.capabilities) if advertised else frozenset()
 
 
 async def coordinates(mesh: MeshAgent, project: str) -> bool:
-    """Whether the agent coordinates `project`. An unreadable roster (the store quarantines it) reads as no."""
+    """Whether the agent coordinates `project`."""
+    return mesh.agent in await coordinators_of(mesh.store, project)
+
+
+async def coordinators_of(store: MeshStore, project: str) -> frozenset[str]:
+    """Who coordinates `project`. An unreadable roster (the store quarantines it) reads as nobody."""
     try:
-        return mesh.agent in await mesh.coordinators(project)
+        return frozenset((await store.get_roster(project)).roster.coordinators)
     except MalformedRecord:
-        return False
+        return frozenset()
 
 
 class Inbox:

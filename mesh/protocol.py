@@ -63,6 +63,14 @@ A2A_STATE: dict[TaskState, str] = {
 }
 
 
+def awaits_acknowledgement(record: TaskRecord, by: str | None = None) -> bool:
+    """Whether the task's handshake is open: completed, not yet acknowledged; with `by`, also that `by` is the
+    one to acknowledge it (its proposer). The one rule behind `mesh pending`, `epibus stats` and the statusline."""
+    if record.state not in TRANSITIONS[TaskAction.acknowledge].sources:
+        return False
+    return by is None or record.proposal.proposer == by
+
+
 def allowed_actions(state: TaskState) -> list[str]:
     return [a.value for a, move in TRANSITIONS.items() if state in move.sources]
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
-from bus.event import Envelope, encode_event
+from bus.event import Envelope
 from bus.jetstream import JS_TIMEOUT_S, ensure_streams
 from bus.outbox import OutboxRow
 from bus.publish import send_one
-from bus.subjects import event_subject
 from bus.vocab import TaskAction
 from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
@@ -93,8 +92,7 @@ class MeshRecorder:
         if not self._streams_ready:
             await ensure_streams(js)
             self._streams_ready = True
-        event_id = str(event.event_id)
-        row = OutboxRow(event_id, event_subject(event.project, event.kind, event.artifact_id), encode_event(event))
+        row = OutboxRow.of(event)
         ack = await send_one(js, row, timeout_s=JS_TIMEOUT_S)
         if ack.duplicate:
             self.stats.duplicates += 1

@@ -110,7 +110,7 @@ class RosterChanges:
             draft = RosterDraft(
                 message_id=message_id, change=change, agent=agent, coordinators=after, actor=self.agent, at=self.clock()
             )
-            event = key.sign(
+            event = key.sign_v1(
                 unsigned_roster_event(
                     project, draft, seq=roster.version + 1, actor=key.actor, session_id=self.client.session_id
                 )

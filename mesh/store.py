@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -52,6 +52,27 @@ class TaskEntry:
 
     record: TaskRecord
     revision: int
+
+    def summary(self, why: str | None = None) -> dict[str, Any]:
+        """The task as one flat JSON object (what listings show), with why it is listed when given."""
+        record = self.record
+        step = record.last_step
+        return {
+            "task_id": record.task_id,
+            "project": record.proposal.project,
+            "state": record.state.value,
+            "title": record.proposal.title,
+            "category": record.proposal.category.value,
+            "proposer": record.proposal.proposer,
+            "assignee": record.assignee,
+            "deadline": record.proposal.deadline.isoformat() if record.proposal.deadline else None,
+            "last_action": step.action.value,
+            "last_actor": step.actor,
+            "updated_at": step.at.isoformat(),
+            "revision": self.revision,
+            "sha": record.completion.sha if record.completion else None,
+            **({"why": why} if why is not None else {}),
+        }
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Reads of the epistemic state from the journal: the safe door `artifacts`, the separate audit
-door `audit_artifacts`, `briefing` and `vocab_report`. Every read takes `as_of`: with it, the state is folded
-from the append-only events recorded by then; without it, the live projection is read."""
+door `audit_artifacts`, `briefing`, `vocab_report` and `artifact_lineage`. Every read takes `as_of`: with it,
+the state is folded from the append-only events recorded by then; without it, the live projection is read."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import false, func, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from bus.event import validate_event
 from bus.fold import Fold
+from bus.ids import SHOWN_MATCHES
+from bus.lineage import Lineage, lineage
 from bus.state import (
     FLAG_PREVIOUSLY_RETRACTED,
     FLAG_UNEARNED,
@@ -23,12 +26,13 @@ from bus.state import (
     relevance,
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from observers.journal import Journal
+from observers.journal import Journal, database_failure
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import as_utc, events, verifications
 
 RECENT = timedelta(days=14)
+UNKNOWN_KIND = "unknown"
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,12 @@ def audit_artifacts(
     return _ranked(chosen, limit)
 
 
+def artifact_lineage(journal: Journal, project: str, artifact_id: str, *, as_of: datetime | None = None) -> Lineage:
+    """The revises, supersedes and contradiction links around an artifact, each member with its state, from
+    the same states as the audit door. Raises NotFound naming the artifact and the project."""
+    return lineage(snapshot(journal, project, as_of=as_of).states, artifact_id, project=project)
+
+
 @dataclass(frozen=True)
 class Briefing:
     project: str
@@ -199,9 +209,9 @@ def briefing(
         project=project,
         goal=goal,
         at=snap.at,
-        top=_ranked([v for v in safe if v.state.kind != "unknown"], limit),
+        top=_ranked([v for v in safe if v.state.kind != UNKNOWN_KIND], limit),
         for_goal=_ranked([v for v in safe if goal is not None and v.state.goal_id == goal], limit),
-        open_unknowns=_ranked([v for v in safe if v.state.kind == "unknown"], limit),
+        open_unknowns=_ranked([v for v in safe if v.state.kind == UNKNOWN_KIND], limit),
         recent_mistakes_and_dead_ends=sorted(
             (v for v in safe if v.state.kind in ("mistake", "dead_end") and v.state.created_at >= recent_since),
             key=lambda v: v.state.created_at,
@@ -213,6 +223,29 @@ def briefing(
         unearned_confidence=_ranked([v for v in safe if FLAG_UNEARNED in v.state.flags], limit),
         previously_retracted=_ranked([v for v in safe if FLAG_PREVIOUSLY_RETRACTED in v.state.flags], limit),
     )
+
+
+def open_unknown_counts(journal: Journal) -> dict[str, int]:
+    """How many open unknowns each project has now (projects with none left out): the count of what
+    `briefing(...).open_unknowns` lists before its limit, i.e. `unknown` artifacts the safe door shows (not
+    forgotten, contradicted or rolled back, and not resolved), in one grouped query over the live projection.
+    Raises Unavailable or ComponentFailed."""
+    a = artifacts_table.c
+    query = (
+        select(a.project, func.count())
+        .where(
+            a.kind == UNKNOWN_KIND,
+            a.forgotten == false(),
+            a.trust.not_in(sorted(t.value for t in UNSAFE_TRUST)),
+            a.lifecycle != Lifecycle.resolved.value,
+        )
+        .group_by(a.project)
+    )
+    try:
+        with journal.engine.connect() as conn:
+            return {project: int(count) for project, count in conn.execute(query)}
+    except SQLAlchemyError as e:
+        raise database_failure(e, f"counting open unknowns: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -270,3 +303,19 @@ def vocab_report(journal: Journal, project: str, *, as_of: datetime | None = Non
         unearned_confidence=unearned,
         warnings=warnings,
     )
+
+
+def artifact_ids_like(journal: Journal, project: str | None, value: str, digits: str) -> list[str]:
+    """The artifact ids of a project (of every project when None) that `value` may abbreviate: the id equal to
+    it, and those whose digits (bus.ids.id_digits) start with `digits`; sorted, at most SHOWN_MATCHES + 1."""
+    column = events.c.artifact_id
+    where = [] if project is None else [events.c.project == project]
+    exact = select(column).where(column == value, *where).limit(1)
+    starting = func.lower(func.replace(column, "-", "")).like(digits + "%")  # digits only: no LIKE wildcards
+    prefixed = select(column).where(starting, *where).distinct().order_by(column).limit(SHOWN_MATCHES + 1)
+    try:
+        with journal.engine.connect() as conn:
+            found = list(conn.execute(exact).scalars())
+            return found + [i for i in conn.execute(prefixed).scalars() if i not in found]
+    except SQLAlchemyError as e:
+        raise database_failure(e, f"looking up artifact ids in {journal.safe_url} failed: {e}") from e

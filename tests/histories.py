@@ -26,11 +26,11 @@ from nats.js import JetStreamContext
 from bus.auth import Enrolment
 from bus.authority import enrolment_event
 from bus.erasure import erased_events, erased_history
-from bus.event import Envelope, draft_event, encode_event
+from bus.event import Envelope, draft_event
 from bus.jetstream import ensure_streams
 from bus.knowledge import load_project
 from bus.registry import AgentRegistry
-from bus.signing import AgentKey, node_event_key
+from bus.signing import AgentKey, node_event_key, wire_message
 from bus.state import REFUSED, ArtifactState, decide
 from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
 from bus.vocab import ResolutionKind, Role
@@ -88,6 +88,7 @@ class Message:
     data: bytes
     deduplicate: bool  # sent with Nats-Msg-Id (as epibus clients do); hostile resends are sent without it
     forget: tuple[AgentKey, str] | None = None  # made when published, as the client's forget does
+    headers: dict[str, str] | None = None  # the event's signature headers (none for a legacy event)
 
 
 @dataclass
@@ -159,7 +160,8 @@ class _Builder:
 
     def send(self, event: Envelope, *, deduplicate: bool = True, subject: str | None = None) -> None:
         subject = subject or event_subject(event.project, event.kind, event.artifact_id)
-        self.messages.append(Message(subject, encode_event(event), deduplicate))
+        wire = wire_message(event)
+        self.messages.append(Message(subject, wire.data, deduplicate, headers=dict(wire.headers)))
         self.sent.append(event)
 
     def apply(self, op: Op) -> None:
@@ -255,7 +257,7 @@ class _Builder:
         sent = [m for m in self.messages if m.forget is None]
         if sent:
             earlier = sent[earlier_i % len(sent)]
-            self.messages.append(Message(earlier.subject, earlier.data, False))
+            self.messages.append(Message(earlier.subject, earlier.data, False, headers=earlier.headers))
 
 
 def build(history: Iterable[Op], keys: Keys, project: str) -> list[Message]:
@@ -281,8 +283,10 @@ async def publish(
                 await before_forget()
             seqs.append(await forget(js, *message.forget, project=message.subject.split(".")[1]))
             continue
-        headers = {"Nats-Msg-Id": json.loads(message.data)["event_id"]} if message.deduplicate else None
-        ack = await js.publish(message.subject, message.data, headers=headers)
+        headers = dict(message.headers or {})
+        if message.deduplicate:
+            headers["Nats-Msg-Id"] = json.loads(message.data)["event_id"]
+        ack = await js.publish(message.subject, message.data, headers=headers or None)
         if not ack.duplicate:
             seqs.append(ack.seq)
     return (min(seqs), max(seqs)) if seqs else (0, 0)
@@ -300,7 +304,8 @@ async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, proje
     event = key.sign(
         draft_event("forgotten", body, project=project, actor=key.actor, session_id="s", artifact_id=artifact_id)
     )
-    ack = await js.publish(event_subject(project, "forgotten", artifact_id), encode_event(event))
+    wire = wire_message(event)
+    ack = await js.publish(wire.subject, wire.data, headers=dict(wire.headers))
     try:
         decide(event, view.next_seq, view.fold.artifacts.get, view.fold.tombstones.__contains__, view.authority)
     except REFUSED:

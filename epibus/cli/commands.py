@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 from collections import Counter
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,7 +23,7 @@ from bus.reader import replay, stream_figures
 from bus.registry import AgentRegistry
 from bus.server import MIN_SERVER_VERSION
 from bus.subjects import STREAM, events_filter
-from bus.vocab import TaskState
+from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -34,12 +35,16 @@ from epibus.cli.common import (
     emit_json,
     err_console,
     handles_errors,
-    parse_time,
     run,
     table,
 )
 from epibus.cli.display import shown
+from epibus.cli.inputs import EventKindOpt, ProjectFilterOpt
+from epibus.cluster import cluster_routes
+from epibus.metrics_http import MetricsSettings, check_host
 from epibus.node import Node, NodeConfig
+from epibus.times import parse_time
+from mesh.protocol import awaits_acknowledgement
 from mesh.store import MeshStore
 from observers.journal import EventQuery, Journal, JournalObserver
 
@@ -102,16 +107,64 @@ def up(
             help="Restore streams whose settings drifted from what epibus needs, instead of refusing to start.",
         ),
     ] = False,
+    ui_port: Annotated[
+        int | None,
+        typer.Option(
+            "--ui-port",
+            envvar="EPIBUS_UI_PORT",
+            min=0,
+            max=65535,
+            help="Serve the live dashboard on this port (0: a free one); its URL, with the token, is printed.",
+        ),
+    ] = None,
+    ui_host: Annotated[
+        str, typer.Option("--ui-host", envvar="EPIBUS_UI_HOST", help="The dashboard's address (loopback by default).")
+    ] = "127.0.0.1",
+    ui_remote: Annotated[
+        bool, typer.Option("--ui-remote", help="Allow a non-loopback --ui-host (plain HTTP: use a trusted network).")
+    ] = False,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            envvar="EPIBUS_METRICS_PORT",
+            min=0,
+            max=65535,
+            help="The Prometheus endpoint's port (kept for later starts; a free one at the first); 0 turns it off.",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option("--metrics-host", envvar="EPIBUS_METRICS_HOST", help="The address /metrics listens on."),
+    ] = "127.0.0.1",
+    metrics_remote: Annotated[
+        bool,
+        typer.Option("--metrics-remote", help="Allow a --metrics-host that is not loopback (the token still applies)."),
+    ] = False,
+    cluster_port: Annotated[
+        int | None,
+        typer.Option("--cluster-port", min=1, max=65535, help="Listen for cluster routes here (loopback)."),
+    ] = None,
+    routes: Annotated[
+        str | None,
+        typer.Option("--routes", help="PORT,PORT,...: the cluster's route ports on loopback (with --cluster-port)."),
+    ] = None,
+    route_secret_file: Annotated[
+        Path | None,
+        typer.Option("--route-secret-file", help="The cluster's route secret (0600); routes must present it."),
+    ] = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a node: an embedded nats-server (unless --nats), the journal observer, the outbox forwarder, the
-    vector mirror with its recall service (unless --mirror off), and any mesh coordinators (--coordinate).
+    vector mirror with its recall service (unless --mirror off), any mesh coordinators (--coordinate) and the
+    live dashboard (--ui-port).
     The embedded server listens on the same ports at every start (free ones at the first, or --port). A stream
     whose settings drifted from what epibus needs stops the start (--repair-streams restores it)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
+    check_host(MetricsSettings(metrics_port, metrics_host, metrics_remote))  # before anything starts
     pairs = [c.partition("=") for c in coordinate or []]
     if bad := [p for p, sep, policy in pairs if not (p and sep and policy)]:
         raise ConfigError("--coordinate", f"{bad[0]!r} must be PROJECT=POLICY, e.g. fleet=auto-accept:operational")
@@ -130,6 +183,13 @@ def up(
         authenticate=authenticate,
         auto_enrol=auto_enrol,
         repair_streams=repair_streams,
+        ui_port=ui_port,
+        ui_host=ui_host,
+        ui_remote=ui_remote,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        metrics_remote=metrics_remote,
+        cluster=cluster_routes(cluster_port, routes, route_secret_file),
     )
     run(_up(config, as_json))
 
@@ -155,6 +215,7 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "pid": node.info.pid,
             "nats_url": node.info.nats_url,
             "monitor_url": node.info.monitor_url,
+            "metrics_url": node.info.metrics_url,
             "journal": node.journal.safe_url if node.journal else None,
             "outbox": node.info.outbox_path,
             "embedded_server": node.info.embedded_server,
@@ -162,11 +223,16 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "embedding_model": node.embedder.model_id if node.embedder else None,
             "server_version": release,
             "coordinating": [f"{c.project} ({c.policy.name})" for c in node.coordinators],
+            # The one place the token is shown: opening this URL trades it for a cookie (docs/dashboard.md).
+            "dashboard": node.dashboard.url_with_token if node.dashboard else None,
         }
         if as_json:
             emit_json(where)
         else:
-            console.print(table("epibus node", ["what", "where"], [[k, v] for k, v in where.items() if k != "ok"]))
+            rows = [[k, v] for k, v in where.items() if k not in ("ok", "dashboard")]
+            console.print(table("epibus node", ["what", "where"], rows))
+            if where["dashboard"]:  # on a line of its own: a wrapped token could not be copied
+                console.print(shown("dashboard: ", (where["dashboard"], "bold")), soft_wrap=True)
             console.print(shown("Ctrl-C stops the node."))
         if version is not None and (version.major, version.minor) < MIN_SERVER_VERSION[:2]:
             err_console.print(
@@ -188,10 +254,12 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
 
 @handles_errors
 def tail(
-    project: Annotated[str | None, typer.Option("--project", "-p")] = None,
-    kind: Annotated[str | None, typer.Option("--kind", "-k")] = None,
+    project: ProjectFilterOpt = None,
+    kind: EventKindOpt = None,
     from_start: Annotated[bool, typer.Option("--from-start", help="Begin at the first event, not the next.")] = False,
-    count: Annotated[int | None, typer.Option("--count", "-n", help="Stop after N events.")] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", help="Stop after N events.", callback=inputs.at_least_one)
+    ] = None,
     nats: NatsOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
@@ -205,7 +273,7 @@ async def _tail_line(msg: Msg, admission: Admission, as_json: bool) -> None:
     """One line per message; what the nodes' admission refuses is shown with its reason, never as an event."""
     seq = msg.metadata.sequence.stream
     try:
-        event = await admission.admit(msg.subject, msg.data, msg.metadata.timestamp)
+        event = await admission.admit(msg.subject, msg.data, msg.metadata.timestamp, msg.headers)
     except Rejected as e:
         if as_json:
             emit_json({"stream_seq": seq, "subject": msg.subject, "rejected": e.reason.value, "error": e.error})
@@ -221,7 +289,7 @@ async def _tail_line(msg: Msg, admission: Admission, as_json: bool) -> None:
             (event.project, "cyan"),
             " ",
             (event.kind, "bold"),
-            f" {event.artifact_id[:13]} ",
+            f" {event.artifact_id} ",
             (event.actor.agent_id, "green"),
             f" {event.body.content_text()[:100]}",  # one line: shown() turns newlines into spaces
         ),
@@ -263,13 +331,15 @@ async def _tail(
 
 @handles_errors
 def events(
-    project: Annotated[str | None, typer.Option("--project", "-p")] = None,
-    kind: Annotated[str | None, typer.Option("--kind", "-k")] = None,
-    actor: Annotated[str | None, typer.Option("--actor", help="Agent id.")] = None,
-    artifact_id: Annotated[str | None, typer.Option("--artifact-id")] = None,
+    project: ProjectFilterOpt = None,
+    kind: EventKindOpt = None,
+    actor: Annotated[str | None, typer.Option("--actor", help="Agent id.", callback=inputs.agent)] = None,
+    artifact_id: Annotated[
+        str | None, typer.Option("--artifact-id", help="Its id or a unique prefix of it (4+ hex characters).")
+    ] = None,
     since: Annotated[str | None, typer.Option("--since", help="ISO time or age (30m, 2h, 7d).")] = None,
     until: Annotated[str | None, typer.Option("--until", help="ISO time or age (30m, 2h, 7d).")] = None,
-    limit: Annotated[int, typer.Option("--limit", min=1, max=100_000)] = 50,
+    limit: Annotated[int, typer.Option("--limit", callback=inputs.limit(100_000))] = 50,
     oldest_first: Annotated[bool, typer.Option("--oldest-first")] = False,
     journal: JournalOpt = None,
     home: HomeOpt = None,
@@ -280,7 +350,9 @@ def events(
         project=project,
         kind=kind,
         actor=actor,
-        artifact_id=artifact_id,
+        artifact_id=ids.optional_artifact_id(
+            artifact_id, field="--artifact-id", project=project, journal=journal, home=home
+        ),
         since=parse_time(since, "--since"),
         until=parse_time(until, "--until"),
         limit=limit,
@@ -305,7 +377,7 @@ def events(
                     f"{r.recorded_at:%Y-%m-%d %H:%M:%S}",
                     r.project,
                     r.kind,
-                    r.artifact_id[:13],
+                    r.artifact_id,
                     r.actor_id,
                     ("[forgotten]" if r.status == "forgotten" else r.event().body.content_text()[:80]),
                 ]
@@ -444,5 +516,5 @@ async def _mesh_pending(js: JetStreamContext) -> tuple[dict[str, int], int]:
         entries = await store.tasks()
     except NotFound:
         return {}, 0
-    pending = Counter(e.record.proposal.project for e in entries if e.record.state is TaskState.completed)
+    pending = Counter(e.record.proposal.project for e in entries if awaits_acknowledgement(e.record))
     return dict(pending), store.quarantine.count

@@ -10,7 +10,6 @@ import re
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -20,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from bus.errors import ConfigError, EpibusError
+from bus.errors import EpibusError
 from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
 from bus.jetstream import open_nats
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key
@@ -53,23 +52,28 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def fail(message: str, *, as_json: bool, code: int = 1) -> typer.Exit:
+def fail(message: str, *, as_json: bool, code: int = 1, error_type: str = "Error") -> typer.Exit:
+    """Report an error as one line on stderr (with --json, one JSON object there:
+    {"ok": false, "error": …, "type": …}); the caller raises the returned Exit. stdout stays for results."""
+    line = " ".join(message.split())
     if as_json:
-        print(json.dumps({"ok": False, "error": message}))
+        print(json.dumps({"ok": False, "error": line, "type": error_type}), file=sys.stderr, flush=True)
     else:
-        err_console.print(shown(("error:", "bold red"), " ", message), soft_wrap=True)
+        shown_type = "" if error_type == "Error" else f"{error_type}: "
+        err_console.print(shown(("error:", "bold red"), " ", shown_type + line), soft_wrap=True)
     return typer.Exit(code)
 
 
 def handles_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """EpibusError → one line on stderr (or {"error": …} with --json) and exit code 1; nothing else caught."""
+    """EpibusError → one line on stderr (one JSON object there with --json) and exit code 1; nothing else is
+    caught. (The app's group does the same for a command without this decorator and for usage errors.)"""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
         except EpibusError as e:
-            raise fail(f"{type(e).__name__}: {e}", as_json=bool(kwargs.get("as_json"))) from None
+            raise fail(str(e), as_json=bool(kwargs.get("as_json")), error_type=type(e).__name__) from None
 
     return wrapper
 
@@ -79,11 +83,26 @@ def emit_json(data: Any) -> None:
     print(json.dumps(data, default=str, sort_keys=True), flush=True)
 
 
+# What a person copies out of a table into the next command: never folded across lines.
+ID_TOKEN = re.compile(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # event, artifact, task ids
+    r"|\bU[A-Z2-7]{55}\b"  # an agent's public key
+)
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    """A table whose title and cells are shown literally (see `display.shown`); a cell may wrap at newlines."""
-    t = Table(title=shown(title), show_lines=False)
-    for column in columns:
-        t.add_column(shown(column), overflow="fold")
+    """A table whose title and cells are shown literally (see `display.shown`); a cell may wrap at newlines.
+    A column whose cells hold ids never wraps (the other columns fold to make room), and a column mixing ids
+    with text is never narrower than an id: every id printed can be copied whole from one line."""
+    longest_title_word = max((len(word) for word in title.split()), default=0)
+    t = Table(title=shown(title), show_lines=False, min_width=longest_title_word + 4)
+    for index, column in enumerate(columns):
+        cells = ["" if row[index] is None else str(row[index]) for row in rows]
+        ids = [len(m.group()) for c in cells for m in ID_TOKEN.finditer(c)]
+        if ids and all(len(c) <= 160 and not any(ch.isspace() for ch in c) for c in cells):
+            t.add_column(shown(column), no_wrap=True, overflow="fold")
+        else:
+            t.add_column(shown(column), overflow="fold", min_width=max(ids, default=None))
     for row in rows:
         t.add_row(*(_cell(v) for v in row))
     return t
@@ -91,31 +110,6 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
 
 def _cell(value: Any) -> Text:
     return Text("") if value is None else shown(str(value), multiline=True)
-
-
-_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
-def parse_time(value: str | None, option: str, *, ahead: bool = False) -> datetime | None:
-    """ISO 8601 (UTC if no offset) or a duration like 30m, 2h, 7d: an age (that long ago) or, with ahead,
-    that long from now (a deadline)."""
-    if value is None:
-        return None
-    match = _RELATIVE.match(value.strip())
-    try:
-        if match:
-            span = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
-            return datetime.now(UTC) + span if ahead else datetime.now(UTC) - span
-        parsed = datetime.fromisoformat(value)
-        parsed = parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed
-        parsed.astimezone(UTC)  # every reader compares it in UTC: 9999-12-31T23:59-23:59 is past the last day
-    except OverflowError:
-        raise ConfigError(option, f"{value!r} is out of range: times run from year 1 to 9999 in UTC") from None
-    except ValueError:
-        shape = "a duration" if ahead else "an age"
-        raise ConfigError(option, f"{value!r} is neither ISO 8601 nor {shape} like 30m, 2h, 7d") from None
-    return parsed
 
 
 def stdout_is_terminal() -> bool:

@@ -13,8 +13,10 @@ import typer
 
 from bus.client import connect
 from bus.errors import InvalidEvent
+from bus.ids import parse_event_id
 from bus.records import QuarantinedRecord
 from bus.vocab import ActionCategory, describe
+from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -24,14 +26,13 @@ from epibus.cli.common import (
     emit_json,
     err_console,
     handles_errors,
-    parse_time,
     run,
     table,
 )
 from epibus.cli.display import shown
+from epibus.times import parse_time
 from mesh.agent import MeshAgent, Outcome
 from mesh.peer import require_commit
-from mesh.store import TaskEntry
 
 T = TypeVar("T")
 
@@ -41,9 +42,12 @@ mesh_app = typer.Typer(
 coordinators_app = typer.Typer(help="Which agents decide a project's work.", no_args_is_help=True)
 mesh_app.add_typer(coordinators_app, name="coordinators")
 
-TaskArg = Annotated[str, typer.Argument(help="The task id.")]
-ProjectOpt = Annotated[str | None, typer.Option("--project", "-p", help="The task's project [default: found by id].")]
-RequiredProject = Annotated[str, typer.Option("--project", "-p", help="The project.")]
+TaskArg = Annotated[str, typer.Argument(help="The task id, or a unique prefix of it (4+ hex digits).")]
+ProjectOpt = Annotated[
+    str | None,
+    typer.Option("--project", "-p", help="The task's project [default: found by id].", callback=inputs.project),
+]
+RequiredProject = Annotated[str, typer.Option("--project", "-p", help="The project.", callback=inputs.project)]
 MessageIdOpt = Annotated[
     str | None,
     typer.Option("--message-id", help="A UUIDv7 for this message; sending the same id again is a safe retry."),
@@ -64,16 +68,24 @@ def run_mesh(nats: str | None, agent: str | None, home: Path | None, work: Calla
     return run(go())
 
 
+def run_task(
+    nats: str | None,
+    agent: str | None,
+    home: Path | None,
+    task: str,
+    project: str | None,
+    work: Callable[[MeshAgent, str], Awaitable[T]],
+) -> T:
+    """`run_mesh` for a command acting on one task: `work` gets the whole task id `task` abbreviates."""
+
+    async def resolved(mesh: MeshAgent) -> T:
+        return await work(mesh, await ids.task_id(mesh, task, field="TASK", project=project))
+
+    return run_mesh(nats, agent, home, resolved)
+
+
 def message_id_of(value: str | None) -> uuid.UUID | None:
-    if value is None:
-        return None
-    try:
-        parsed = uuid.UUID(value)
-    except ValueError:
-        raise InvalidEvent(f"--message-id={value!r}", "is not a UUID") from None
-    if parsed.version != 7:
-        raise InvalidEvent(f"--message-id={value!r}", f"must be a UUIDv7, got version {parsed.version}")
-    return parsed
+    return None if value is None else parse_event_id(value, "--message-id")
 
 
 def _show_outcome(outcome: Outcome, as_json: bool) -> None:
@@ -92,27 +104,6 @@ def _show_outcome(outcome: Outcome, as_json: bool) -> None:
     )
     if outcome.record.child_id and step.child_id:
         console.print(shown(f"counter-proposal: task {step.child_id}"), soft_wrap=True)
-
-
-def task_row(entry: TaskEntry, why: str | None = None) -> dict[str, Any]:
-    record = entry.record
-    step = record.last_step
-    return {
-        "task_id": record.task_id,
-        "project": record.proposal.project,
-        "state": record.state.value,
-        "title": record.proposal.title,
-        "category": record.proposal.category.value,
-        "proposer": record.proposal.proposer,
-        "assignee": record.assignee,
-        "deadline": record.proposal.deadline.isoformat() if record.proposal.deadline else None,
-        "last_action": step.action.value,
-        "last_actor": step.actor,
-        "updated_at": step.at.isoformat(),
-        "revision": entry.revision,
-        "sha": record.completion.sha if record.completion else None,
-        **({"why": why} if why is not None else {}),
-    }
 
 
 def show_tasks(
@@ -146,7 +137,9 @@ def propose(
     to: ToOpt = None,
     capability: CapabilityOpt = None,
     deadline: DeadlineOpt = None,
-    parent: Annotated[str | None, typer.Option("--parent", help="The task this one follows from.")] = None,
+    parent: Annotated[
+        str | None, typer.Option("--parent", help="The task this one follows from (id or unique prefix).")
+    ] = None,
     payload: Annotated[str | None, typer.Option("--payload", help="A JSON object for the assignee.")] = None,
     task_id: Annotated[str | None, typer.Option("--task-id", help="[default: the message id]")] = None,
     message_id: MessageIdOpt = None,
@@ -157,25 +150,25 @@ def propose(
 ) -> None:
     """Propose work to a project's coordinators."""
     data = _payload(payload)
-    outcome = run_mesh(
-        nats,
-        agent,
-        home,
-        lambda m: m.propose(
+    due, mid = parse_time(deadline, "--deadline", ahead=True), message_id_of(message_id)
+
+    async def work(m: MeshAgent) -> Outcome:
+        parent_id = None if parent is None else await ids.task_id(m, parent, field="--parent", project=project)
+        return await m.propose(
             project,
             title,
             summary,
             category=category,
             agents=to or (),
             capabilities=capability or (),
-            deadline=parse_time(deadline, "--deadline", ahead=True),
-            parent_id=parent,
+            deadline=due,
+            parent_id=parent_id,
             payload=data,
             task_id=task_id,
-            message_id=message_id_of(message_id),
-        ),
-    )
-    _show_outcome(outcome, as_json)
+            message_id=mid,
+        )
+
+    _show_outcome(run_mesh(nats, agent, home, work), as_json)
 
 
 def _payload(value: str | None) -> dict[str, Any] | None:
@@ -209,7 +202,14 @@ def accept(
     """Accept a proposal and name who does it (coordinators only)."""
     mid = message_id_of(message_id)
     _show_outcome(
-        run_mesh(nats, agent, home, lambda m: m.accept(task, assignee=assignee, project=project, message_id=mid)),
+        run_task(
+            nats,
+            agent,
+            home,
+            task,
+            project,
+            lambda m, t: m.accept(t, assignee=assignee, project=project, message_id=mid),
+        ),
         as_json,
     )
 
@@ -229,7 +229,8 @@ def decline(
     """Decline a proposal, with the reason (coordinators only)."""
     mid = message_id_of(message_id)
     _show_outcome(
-        run_mesh(nats, agent, home, lambda m: m.decline(task, reason, project=project, message_id=mid)), as_json
+        run_task(nats, agent, home, task, project, lambda m, t: m.decline(t, reason, project=project, message_id=mid)),
+        as_json,
     )
 
 
@@ -254,12 +255,14 @@ def change(
     """Counter-propose (coordinators only): the proposal becomes `changed` and a new one, linked to it,
     takes its place with the fields given here changed."""
     mid = message_id_of(message_id)
-    outcome = run_mesh(
+    outcome = run_task(
         nats,
         agent,
         home,
-        lambda m: m.change(
-            task,
+        task,
+        project,
+        lambda m, t: m.change(
+            t,
             project=project,
             reason=reason,
             message_id=mid,
@@ -290,7 +293,9 @@ def start(
 ) -> None:
     """Start accepted work (its assignee only)."""
     mid = message_id_of(message_id)
-    _show_outcome(run_mesh(nats, agent, home, lambda m: m.start(task, project=project, message_id=mid)), as_json)
+    _show_outcome(
+        run_task(nats, agent, home, task, project, lambda m, t: m.start(t, project=project, message_id=mid)), as_json
+    )
 
 
 @mesh_app.command()
@@ -316,13 +321,13 @@ def complete(
     mid = message_id_of(message_id)
     pointers = [_evidence(e) for e in evidence or []]
 
-    async def work(m: MeshAgent) -> Outcome:
+    async def work(m: MeshAgent, whole: str) -> Outcome:
         if repo is not None:
-            entry = await m.locate(task, project)
-            await asyncio.to_thread(require_commit, repo, sha, task=f"{task} ({entry.record.state})")
-        return await m.complete(task, sha, evidence=pointers, note=note, project=project, message_id=mid)
+            entry = await m.locate(whole, project)
+            await asyncio.to_thread(require_commit, repo, sha, task=f"{whole} ({entry.record.state})")
+        return await m.complete(whole, sha, evidence=pointers, note=note, project=project, message_id=mid)
 
-    _show_outcome(run_mesh(nats, agent, home, work), as_json)
+    _show_outcome(run_task(nats, agent, home, task, project, work), as_json)
 
 
 def _evidence(value: str) -> dict[str, str]:
@@ -346,7 +351,10 @@ def fail(
 ) -> None:
     """Give up on accepted or started work, with the reason (its assignee only)."""
     mid = message_id_of(message_id)
-    _show_outcome(run_mesh(nats, agent, home, lambda m: m.fail(task, reason, project=project, message_id=mid)), as_json)
+    _show_outcome(
+        run_task(nats, agent, home, task, project, lambda m, t: m.fail(t, reason, project=project, message_id=mid)),
+        as_json,
+    )
 
 
 @mesh_app.command()
@@ -364,7 +372,10 @@ def cancel(
     """Withdraw an open task (its proposer or a coordinator)."""
     mid = message_id_of(message_id)
     _show_outcome(
-        run_mesh(nats, agent, home, lambda m: m.cancel(task, reason=reason, project=project, message_id=mid)), as_json
+        run_task(
+            nats, agent, home, task, project, lambda m, t: m.cancel(t, reason=reason, project=project, message_id=mid)
+        ),
+        as_json,
     )
 
 
@@ -381,4 +392,7 @@ def acknowledge(
 ) -> None:
     """Acknowledge a completion, closing the handshake (its proposer only)."""
     mid = message_id_of(message_id)
-    _show_outcome(run_mesh(nats, agent, home, lambda m: m.acknowledge(task, project=project, message_id=mid)), as_json)
+    _show_outcome(
+        run_task(nats, agent, home, task, project, lambda m, t: m.acknowledge(t, project=project, message_id=mid)),
+        as_json,
+    )

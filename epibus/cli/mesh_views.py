@@ -16,7 +16,7 @@ from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home
 from bus.records import QuarantinedRecord
 from bus.tasks import cancel_and_wait
-from bus.vocab import TaskState
+from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -35,15 +35,14 @@ from epibus.cli.mesh import (
     TaskArg,
     mesh_app,
     run_mesh,
+    run_task,
     show_tasks,
-    task_row,
 )
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import Inbox, Notification, NotificationLog, advertised_capabilities, concern, coordinates
+from mesh.peer import Inbox, Notification, NotificationLog, inbox_now
 from mesh.protocol import TERMINAL
 from mesh.store import TaskEntry
-from mesh.task import TaskRecord
 from mesh.watch import Cursor, FileCursor
 
 # -- reading ----------------------------------------------------------------------------------------------
@@ -60,7 +59,7 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """One task: its proposal, where it stands, and every step with who took it."""
-    entry = run_mesh(nats, agent, home, lambda m: m.locate(task, project))
+    entry = run_task(nats, agent, home, task, project, lambda m, t: m.locate(t, project))
     record = entry.record
     if as_json:
         emit_json({"ok": True, "revision": entry.revision, **record.model_dump(mode="json")})
@@ -111,7 +110,7 @@ def outbox(
 ) -> None:
     """Tasks this agent proposed, wherever they stand."""
     entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.outbox(project)))
-    show_tasks("outbox", [task_row(e) for e in entries], as_json, quarantined)
+    show_tasks("outbox", [e.summary() for e in entries], as_json, quarantined)
 
 
 @mesh_app.command()
@@ -125,7 +124,7 @@ def pending(
 ) -> None:
     """Completed tasks their proposer has not acknowledged yet (open handshakes)."""
     entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.pending(project)))
-    show_tasks("pending acknowledgement", [task_row(e) for e in entries], as_json, quarantined)
+    show_tasks("pending acknowledgement", [e.summary() for e in entries], as_json, quarantined)
 
 
 async def _listed(
@@ -149,7 +148,8 @@ def inbox(
     ] = None,
     reset: Annotated[bool, typer.Option("--reset", help="With --watch: forget the saved cursor, start over.")] = False,
     count: Annotated[
-        int | None, typer.Option("--count", "-n", help="With --watch: stop after N notifications.")
+        int | None,
+        typer.Option("--count", "-n", help="With --watch: stop after N notifications.", callback=inputs.at_least_one),
     ] = None,
     nats: NatsOpt = None,
     agent: AgentOpt = None,
@@ -177,21 +177,7 @@ def inbox(
 
 
 async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[str, Any]], list[QuarantinedRecord]]:
-    capabilities = await advertised_capabilities(mesh)
-    rows: list[dict[str, Any]] = []
-    coordinated: dict[str, bool] = {}
-    for entry in await mesh.tasks(project):
-        record: TaskRecord = entry.record
-        if record.state in TERMINAL:
-            continue
-        p = record.proposal.project
-        if p not in coordinated:
-            coordinated[p] = await coordinates(mesh, p)
-        why = concern(mesh.agent, record, coordinates=coordinated[p], capabilities=capabilities)
-        if why is None and record.assignee == mesh.agent and record.state is TaskState.working:
-            why = "yours, in progress"
-        if why is not None:
-            rows.append(task_row(entry, why))
+    rows = [entry.summary(why) for entry, why in await inbox_now(mesh, project)]
     return rows, mesh.store.quarantine.records
 
 

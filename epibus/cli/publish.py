@@ -14,11 +14,12 @@ from pydantic.fields import FieldInfo
 
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import Body, Evidence, draft_event, encode_event, kind_names, raise_for_validation, require_kind
+from bus.event import Body, Evidence, draft_event, kind_names, raise_for_validation, require_kind
 from bus.home import default_agent, epibus_home
 from bus.ids import new_event_id
 from bus.signing import AgentKey
 from bus.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
+from epibus.cli import ids
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -32,10 +33,14 @@ from epibus.cli.common import (
     table,
 )
 from epibus.cli.display import shown
+from epibus.cli.inputs import ProjectOpt
 
 publish_app = typer.Typer(
     help="Publish an event. One subcommand per kind: `epibus publish finding --help`.", no_args_is_help=True
 )
+
+
+ARTIFACT_LINKS = ("revises", "supersedes")
 
 
 def _option_name(field: str) -> str:
@@ -96,7 +101,7 @@ def _common_parameters() -> list[inspect.Parameter]:
     keyword = inspect.Parameter.KEYWORD_ONLY
     p = inspect.Parameter
     return [
-        p("project", keyword, annotation=Annotated[str, typer.Option("--project", "-p", help="Project slug.")]),
+        p("project", keyword, annotation=ProjectOpt),
         p(
             "artifact_id",
             keyword,
@@ -117,7 +122,12 @@ def _common_parameters() -> list[inspect.Parameter]:
             keyword,
             default=ReceiptLevel.published,
             annotation=Annotated[
-                ReceiptLevel, typer.Option("--wait", help="Level to wait for: published or journaled.")
+                ReceiptLevel,
+                typer.Option(
+                    "--wait",
+                    help="Level to wait for: published (a stream has it), journaled (a node's journal has it) or "
+                    "indexed (a node's mirror has it: recall finds it).",
+                ),
             ],
         ),
         p(
@@ -155,6 +165,11 @@ def _make_command(kind: str) -> Any:
             if value is None:
                 continue
             body[name] = _parse_evidence(value) if name == "evidence" else value
+        for link in ARTIFACT_LINKS:  # a claim's links to other artifacts take prefixes too
+            if link in body:
+                body[link] = ids.artifact_id(
+                    body[link], field=_option_name(link), project=options["project"], journal=None, home=options["home"]
+                )
         run(_publish(kind, body, options))
 
     command.__signature__ = inspect.Signature([*common, *field_params])  # type: ignore[attr-defined]
@@ -164,8 +179,8 @@ def _make_command(kind: str) -> Any:
 
 
 async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
-    if o["wait_for"] not in (ReceiptLevel.published, ReceiptLevel.journaled):
-        raise InvalidEvent("--wait", repr(o["wait_for"].value), allowed=["published", "journaled"])
+    if o["wait_for"] is ReceiptLevel.outboxed:
+        raise InvalidEvent("--wait", repr(o["wait_for"].value), allowed=["published", "journaled", "indexed"])
     # Validate and sign before connecting: bad input is named even when no node is running.
     home = epibus_home(o["home"])
     key = AgentKey.load_or_create(home, o["agent"] or default_agent())
@@ -179,8 +194,7 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
         goal_id=o["goal_id"],
         source=o["source"],
     )
-    event = key.sign(draft)
-    encode_event(event)  # the size limit, too
+    event = key.sign(draft)  # raises InvalidEvent over the size limit, too
     # No node running and no --nats: the event waits in the home's outbox, signed as it would be sent now, and
     # the node's forwarder sends it (same event id) when it starts.
     async with connect(
@@ -200,22 +214,16 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
             shown(f"no epibus node is running under {home}: the event waits in the outbox until `epibus up`"),
             soft_wrap=True,
         )
-    console.print(
-        table(
-            f"{'published' if receipt.level is not ReceiptLevel.outboxed else 'outboxed'} {kind}",
-            ["event_id", "artifact_id", "level", "stream_seq", "duplicate", "flags"],
-            [
-                [
-                    receipt.event_id,
-                    event.artifact_id,
-                    receipt.level.value,
-                    receipt.stream_seq,
-                    receipt.duplicate,
-                    ",".join(receipt.flags),
-                ]
-            ],
-        )
-    )
+    rows: list[list[Any]] = [
+        ["event_id", receipt.event_id],
+        ["artifact_id", event.artifact_id],
+        ["level", receipt.level.value],
+        ["stream_seq", receipt.stream_seq],
+        ["duplicate", receipt.duplicate],
+        ["flags", ",".join(receipt.flags)],
+    ]
+    title = f"{'published' if receipt.level is not ReceiptLevel.outboxed else 'outboxed'} {kind}"
+    console.print(table(title, ["field", "value"], rows))
 
 
 def register_publish_commands() -> None:

@@ -14,9 +14,11 @@ from bus.client import connect
 from bus.fleet import ask_forget_proof, ask_reindex, ask_verify
 from bus.recall import ForgetProof, RecallAnswer, ask_all, recall_request
 from bus.requests import RecallRequest
+from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
+    JournalOpt,
     JsonOpt,
     NatsOpt,
     Target,
@@ -24,16 +26,21 @@ from epibus.cli.common import (
     emit_json,
     err_console,
     handles_errors,
-    parse_time,
     run,
     table,
 )
 from epibus.cli.display import plain, shown
+from epibus.times import parse_time
 
 QueryArg = Annotated[str, typer.Argument(help="What to recall, in words.")]
-ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug (required: recall is scoped).")]
-KOpt = Annotated[int, typer.Option("--k", "-k", min=1, max=200, help="How many hits.")]
-KindsOpt = Annotated[list[str] | None, typer.Option("--kind", help="Only these kinds (repeatable).")]
+ProjectOpt = Annotated[
+    str, typer.Option("--project", "-p", help="Project slug (required: recall is scoped).", callback=inputs.project)
+]
+KOpt = Annotated[int, typer.Option("--k", "-k", help="How many hits (1 to 200).", callback=inputs.limit(200))]
+KindsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--kind", help="Only these artifact kinds (repeatable).", callback=inputs.artifact_kind_list),
+]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the nodes.")]
 
 
@@ -46,7 +53,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
             f"{h['score']:.3f}",
             f"{h['similarity']:.3f}",
             h["kind"],
-            h["artifact_id"][:13],
+            h["artifact_id"],
             f"{h['state']['trust']}/{h['state']['lifecycle']}",
             h["provenance"]["actor"],
             h["content"][:70],
@@ -110,11 +117,12 @@ async def _recall(request: RecallRequest, timeout_s: float, target: Target) -> R
 
 @handles_errors
 def forget_command(
-    artifact_id: Annotated[str, typer.Argument(help="The artifact whose content must go.")],
+    artifact_id: Annotated[str, typer.Argument(help="The artifact whose content must go (id or unique prefix).")],
     project: ProjectOpt,
     reason: Annotated[str, typer.Option("--reason", help="Why (kept in the audit trail).")],
     timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every store.")] = 30.0,
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -123,6 +131,7 @@ def forget_command(
     each is kept) and delete its points from every mirror; then every node erases what is left in its files
     and scans every file it owns for the content. Exit code 1 unless no store holds the content and every
     store could be checked (a store a node cannot scan, such as a server it does not run, is never clean)."""
+    artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
     proof = run(_forget(artifact_id, project, reason, timeout, nats, agent, home))
     if as_json:
         emit_json({"ok": proof.clean, **proof.as_dict()})

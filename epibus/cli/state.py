@@ -16,6 +16,7 @@ from bus.publish import Receipt
 from bus.recall import RecallAnswer
 from bus.state import TRUST_TRANSITIONS
 from bus.vocab import ResolutionKind, Trust, describe
+from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -25,21 +26,22 @@ from epibus.cli.common import (
     console,
     emit_json,
     handles_errors,
-    parse_time,
     run,
     table,
 )
 from epibus.cli.display import shown
+from epibus.cli.inputs import ArtifactKindsOpt, ProjectOpt
+from epibus.times import parse_time
 from observers.journal import Journal
 from observers.reads import ArtifactView, artifacts, audit_artifacts, briefing, vocab_report
 
 T = TypeVar("T")
-ProjectOpt = Annotated[str, typer.Option("--project", "-p", help="Project slug.")]
-ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on.")]
+ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on: its id or a unique prefix (4+ hex digits).")]
 AsOfOpt = Annotated[
     str | None, typer.Option("--as-of", help="Knowledge as it stood then: ISO time or age (30m, 2h, 7d).")
 ]
-KindFilter = Annotated[list[str] | None, typer.Option("--kind", "-k", help="Only these kinds (repeatable).")]
+KindFilter = ArtifactKindsOpt
+LimitOpt = Annotated[int, typer.Option("--limit", callback=inputs.at_least_one)]
 
 
 def trust_help() -> str:
@@ -61,9 +63,12 @@ def _print_receipt(title: str, receipt: Receipt, artifact_id: str, as_json: bool
     if as_json:
         emit_json({"ok": True, "artifact_id": artifact_id, **receipt.as_dict()})
         return
-    console.print(
-        table(title, ["artifact_id", "event_id", "stream_seq"], [[artifact_id, receipt.event_id, receipt.stream_seq]])
-    )
+    rows: list[list[Any]] = [
+        ["artifact_id", artifact_id],
+        ["event_id", receipt.event_id],
+        ["stream_seq", receipt.stream_seq],
+    ]
+    console.print(table(title, ["field", "value"], rows))
 
 
 @handles_errors
@@ -71,14 +76,21 @@ def resolve(
     artifact_id: ArtifactArg,
     project: ProjectOpt,
     resolution: Annotated[ResolutionKind, typer.Option("--as", help=describe(ResolutionKind))],
-    superseded_by: Annotated[str | None, typer.Option("--superseded-by", help="The replacing artifact.")] = None,
+    superseded_by: Annotated[
+        str | None, typer.Option("--superseded-by", help="The replacing artifact (id or unique prefix).")
+    ] = None,
     note: Annotated[str | None, typer.Option("--note")] = None,
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Mark an artifact no longer current, saying why (lifecycle). Trust is unchanged."""
+    artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
+    superseded_by = ids.optional_artifact_id(
+        superseded_by, field="--superseded-by", project=project, journal=journal, home=home
+    )
     body = {"resolution": resolution.value, "superseded_by": superseded_by, "note": note}
     receipt = run(_transition("resolved", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
     _print_receipt(f"resolved ({resolution.value})", receipt, artifact_id, as_json)
@@ -91,12 +103,14 @@ def verify(
     note: Annotated[str | None, typer.Option("--note")] = None,
     evidence: Annotated[list[str] | None, typer.Option("--evidence", help="KIND:REF, repeatable")] = None,
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Vouch for another agent's artifact (trust → verified; a verified one gains another record).
     The verifier is the signing agent (--agent), an agent or reviewer of another owner than the author's."""
+    artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
     pointers = [_evidence(v) for v in evidence or []]
     body = {"note": note, "evidence": [p.model_dump(mode="json") for p in pointers]}
     receipt = run(_transition("verified", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
@@ -107,14 +121,19 @@ def verify(
 def contradict(
     artifact_id: ArtifactArg,
     project: ProjectOpt,
-    by: Annotated[str, typer.Option("--by", help="The existing artifact that contradicts it (not itself).")],
+    by: Annotated[
+        str, typer.Option("--by", help="The existing artifact that contradicts it (not itself; id or unique prefix).")
+    ],
     reason: Annotated[str, typer.Option("--reason")],
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Refute an artifact with another one (trust → contradicted; only a rollback may follow)."""
+    artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
+    by = ids.artifact_id(by, field="--by", project=project, journal=journal, home=home)
     body = {"contradicted_by": by, "reason": reason}
     receipt = run(_transition("contradicted", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
     _print_receipt("contradicted", receipt, artifact_id, as_json)
@@ -134,12 +153,14 @@ def rollback(
     apply: Annotated[bool, typer.Option("--apply", help="Write the rollback (default: show the plan only).")] = False,
     cascade: Annotated[bool, typer.Option("--cascade", help="Also roll back tainted descendants.")] = False,
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Walk `revises` back to the nearest verified ancestor, roll back the intermediates, report descendants
     built on them as tainted. A dry run unless --apply; cycles and broken chains are errors."""
+    artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
     plan, receipts = run(_rollback(project, artifact_id, reason, apply, cascade, nats, agent, home))
     if as_json:
         emit_json({"ok": True, "applied": apply, "plan": plan.as_dict(), "receipts": [r.as_dict() for r in receipts]})
@@ -186,7 +207,7 @@ def _read(journal: str | None, home: Path | None, read: Callable[[Journal], T]) 
 def _artifact_rows(views: list[ArtifactView]) -> list[list[Any]]:
     return [
         [
-            v.state.artifact_id[:13],
+            v.state.artifact_id,
             v.state.kind,
             v.state.state_label,
             v.state.author,
@@ -207,7 +228,7 @@ def artifacts_command(
     kind: KindFilter = None,
     include_resolved: Annotated[bool, typer.Option("--include-resolved", help="Also stale/superseded ones.")] = False,
     as_of: AsOfOpt = None,
-    limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
+    limit: LimitOpt = 50,
     journal: JournalOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -231,7 +252,7 @@ def audit(
     project: ProjectOpt,
     kind: KindFilter = None,
     as_of: AsOfOpt = None,
-    limit: Annotated[int, typer.Option("--limit", min=1)] = 500,
+    limit: LimitOpt = 500,
     journal: JournalOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -254,7 +275,7 @@ def briefing_command(
         str | None, typer.Option("--goal-text", help="The goal in words: adds what the mirrors recall for it.")
     ] = None,
     as_of: AsOfOpt = None,
-    limit: Annotated[int, typer.Option("--limit", min=1)] = 10,
+    limit: LimitOpt = 10,
     journal: JournalOpt = None,
     nats: NatsOpt = None,
     agent: AgentOpt = None,
@@ -281,7 +302,7 @@ def briefing_command(
         if views is not None:
             console.print(table(f"{title} ({len(views)})", COLUMNS, _artifact_rows(views)))
     if semantic is not None:
-        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"][:13], h["content"][:70]] for h in semantic.hits]
+        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"], h["content"][:70]] for h in semantic.hits]
         console.print(table(f"recalled for the goal ({len(rows)})", ["score", "kind", "artifact", "content"], rows))
 
 

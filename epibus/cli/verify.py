@@ -8,16 +8,20 @@ from typing import Annotated
 import typer
 
 from bus.errors import ConfigError
-from epibus.cli import recall, state
-from epibus.cli.common import AgentOpt, HomeOpt, JsonOpt, NatsOpt, handles_errors
+from epibus.cli import inputs, recall, state
+from epibus.cli.common import AgentOpt, HomeOpt, JournalOpt, JsonOpt, NatsOpt, handles_errors
 
 
 @handles_errors
 def verify(
     artifact_id: Annotated[
-        str | None, typer.Argument(help="Vouch for this artifact; leave out to reconcile the stores.")
+        str | None,
+        typer.Argument(help="Vouch for this artifact (id or unique prefix); leave out to reconcile the stores."),
     ] = None,
-    project: Annotated[str | None, typer.Option("--project", "-p", help="Project (required with an artifact).")] = None,
+    project: Annotated[
+        str | None,
+        typer.Option("--project", "-p", help="Project (required with an artifact).", callback=inputs.project),
+    ] = None,
     note: Annotated[str | None, typer.Option("--note", help="With an artifact: what was checked.")] = None,
     evidence: Annotated[
         list[str] | None, typer.Option("--evidence", help="With an artifact: KIND:REF, repeatable.")
@@ -25,6 +29,7 @@ def verify(
     repair: Annotated[bool, typer.Option("--repair", help="Without an artifact: make the stores agree.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Without an artifact: seconds.")] = 120.0,
     nats: NatsOpt = None,
+    journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -44,4 +49,14 @@ def verify(
         raise ConfigError("--project", "is required to verify an artifact")
     if repair:
         raise ConfigError("verify", "--repair reconciles the stores; leave out the ARTIFACT to use it")
-    state.verify(artifact_id, project, note=note, evidence=evidence, nats=nats, agent=agent, home=home, as_json=as_json)
+    state.verify(
+        artifact_id,
+        project,
+        note=note,
+        evidence=evidence,
+        nats=nats,
+        journal=journal,
+        agent=agent,
+        home=home,
+        as_json=as_json,
+    )

@@ -15,6 +15,7 @@ import json
 import os
 import sqlite3
 import struct
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -105,6 +106,8 @@ class FastEmbedder:
         self.dimension = DEFAULT_DIMENSION if self.model_id == DEFAULT_MODEL else 0  # known after loading
         self._model: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed")
+        self.texts_embedded = 0  # texts the model embedded (the cache answers the others)
+        self.seconds_embedding = 0.0  # wall time the model spent on them
 
     def _ensure_model(self) -> Any:
         if self._model is None:
@@ -134,6 +137,7 @@ class FastEmbedder:
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         if not texts:
             return []
+        started = time.perf_counter()
         try:
             vectors: list[list[float]] = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._embed, list(texts)
@@ -150,6 +154,8 @@ class FastEmbedder:
             raise ComponentFailed("embedder", f"{self.model_id} on {len(texts)} text(s): {error_summary(e)}") from e
         if len(vectors) != len(texts) or any(len(v) != self.dimension for v in vectors):
             raise ComponentFailed("embedder", f"{self.model_id} returned malformed vectors")
+        self.seconds_embedding += time.perf_counter() - started
+        self.texts_embedded += len(texts)
         return vectors
 
     def close(self) -> None:

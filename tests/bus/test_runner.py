@@ -15,7 +15,7 @@ from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
 from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner, Delivery
-from bus.signing import AgentKey
+from bus.signing import AgentKey, wire_message
 from bus.subjects import event_subject
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
@@ -61,7 +61,9 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
         await js.publish(f"epi.{project}.finding.junk", b"\x00\xffnot json at all")
         await js.publish(f"epi.{project}.finding.junk", b'{"kind": "finding"}')
         wrong_subject = client.event("finding", finding(2), project=project)
-        await js.publish(f"epi.{project}.finding.elsewhere", encode_event(wrong_subject))
+        await js.publish(
+            f"epi.{project}.finding.elsewhere", encode_event(wrong_subject), headers=wire_message(wrong_subject).headers
+        )
         tampered = json.loads(encode_event(client.event("finding", finding(3), project=project)))
         tampered["body"]["impact"] = 1.0
         await js.publish(event_subject(project, "finding", tampered["artifact_id"]), json.dumps(tampered).encode())
@@ -71,7 +73,8 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
                 update={"actor": impostor.actor, "signature": None}
             )
         )
-        await js.publish(event_subject(project, "finding", forged.artifact_id), encode_event(forged))
+        forged_wire = wire_message(forged)
+        await js.publish(forged_wire.subject, forged_wire.data, headers=dict(forged_wire.headers))
         last = client.event("finding", finding(5), project=project)
         await client.publish(last)
         await raw.close()

@@ -41,7 +41,7 @@ from bus.server import NatsServer
 from bus.subjects import DLQ_STREAM, MESH_BUCKET, STREAM
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig
-from tests.e2e.test_cli import as_json, epibus
+from tests.e2e.test_cli import as_json, epibus, error_json
 from tests.support import eventually
 
 MESH_STREAM = f"KV_{MESH_BUCKET}"
@@ -262,10 +262,11 @@ async def test_epibus_up_on_a_drifted_stream_exits_with_the_drift_in_one_line(
         result = await asyncio.to_thread(epibus, tmp_path / "up-home", *args, check=False)
         assert await config_of(js, STREAM) == drifted
     assert result.returncode == 1
-    assert as_json(result) == {
+    assert error_json(result) == {
         "ok": False,
-        "error": "StreamDrift: stream EPI drifted: max_msgs=10 (epibus needs -1: no limit); "
+        "error": "stream EPI drifted: max_msgs=10 (epibus needs -1: no limit); "
         "run `epibus streams repair` to restore it",
+        "type": "StreamDrift",
     }
 
 

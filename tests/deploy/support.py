@@ -103,6 +103,39 @@ def service(name: str) -> dict[str, Any]:
     return svc
 
 
+class UnsetVariable(Exception):
+    """A `${VAR:?message}` of the compose file with VAR unset or empty: compose refuses to run."""
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """A compose value with `${VAR}`, `${VAR:-default}` and `${VAR:?message}` replaced as compose replaces them
+    from `env`, and `$$` kept as `$`. Raises UnsetVariable with the message."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.group(1), match.group(2), match.group(3) or ""
+        current = env.get(name, "")
+        if op == ":?" and not current:
+            raise UnsetVariable(f"{name}: {arg}")
+        if op == ":-" and not current:
+            return arg
+        return current
+
+    return re.sub(r"\$\$|\$\{(\w+)(?:(:[?-])([^}]*))?\}", one, value)
+
+
+def host_ports(svc: dict[str, Any]) -> list[str]:
+    """A service's published ports as written (short syntax) or as host_ip:published (long syntax)."""
+    found = []
+    for spec in svc.get("ports") or []:
+        if isinstance(spec, dict):
+            found.append(f"{spec.get('host_ip', '')}:{spec.get('published', '')}:{spec.get('target')}")
+        else:
+            found.append(str(spec))
+    return found
+
+
 def env_of(svc: dict[str, Any]) -> dict[str, str]:
     env = svc.get("environment") or {}
     if isinstance(env, list):

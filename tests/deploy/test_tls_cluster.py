@@ -25,6 +25,7 @@ from bus.errors import Unavailable
 from bus.jetstream import open_nats
 from bus.tls import CA_ENV, CERT_ENV, KEY_ENV
 from epibus.certs import generate
+from tests.conftest import postgres_database
 from tests.deploy.support import (
     ClusterPorts,
     NatsNode,
@@ -39,7 +40,7 @@ from tests.deploy.support import (
     start_cluster_node,
     wait_for,
 )
-from tests.support import start_node_process, stop_node_process
+from tests.support import journal_event_ids, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -195,10 +196,13 @@ async def test_a_client_without_the_ca_and_a_certificate_it_signed_is_refused(
     assert connz["num_connections"] == 0, connz
 
 
-def compose_node_env(cluster: Nodes, certs: Path, home: Path) -> dict[str, str]:
+def compose_node_env(cluster: Nodes, certs: Path, home: Path, journal_url: str) -> dict[str, str]:
     """The epibus service's environment from docker-compose.yml, its paths and server names made local: the
-    mounted certificate files become the ones `epibus certs` wrote, nats-N the loopback servers."""
+    mounted certificate files become the ones `epibus certs` wrote, nats-N the loopback servers, and the journal
+    on the postgres service a database of this machine's PostgreSQL (test_compose_services checks the URL)."""
     env = env_of(service("epibus"))
+    assert "@postgres:5432/" in env["EPIBUS_JOURNAL_URL"], env["EPIBUS_JOURNAL_URL"]
+    env["EPIBUS_JOURNAL_URL"] = journal_url
     mounted = mounted_certs("epibus")
     for key, value in env.items():
         if PurePosixPath(value) in mounted:
@@ -215,7 +219,13 @@ async def test_the_node_as_compose_configures_it_connects_over_tls_and_journals_
     cluster: Nodes, cluster_certs: Path, tmp_path: Path
 ) -> None:
     home = tmp_path / "node-home"
-    env = compose_node_env(cluster, cluster_certs, home)
+    with postgres_database() as journal_url:
+        env = compose_node_env(cluster, cluster_certs, home, journal_url)
+        await node_journals_over_tls(cluster, home, env)
+        assert journal_event_ids(journal_url, "demo"), "the node's PostgreSQL journal holds no event"
+
+
+async def node_journals_over_tls(cluster: Nodes, home: Path, env: dict[str, str]) -> None:
     process, status = await asyncio.to_thread(start_node_process, home, env=env)
     try:
         published = await asyncio.to_thread(

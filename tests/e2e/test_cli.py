@@ -40,6 +40,12 @@ def as_json(result: subprocess.CompletedProcess[str]) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def error_json(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """The error a failed command reports with --json: one JSON object on stderr, nothing on stdout."""
+    assert result.stdout == "", result.stdout
+    return dict(json.loads(result.stderr.strip().splitlines()[-1]))
+
+
 @pytest.fixture
 def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subprocess.Popen[str]]]:
     home = tmp_path / "epibus-home"
@@ -134,7 +140,7 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
         urllib.request.urlopen(f"{status['monitor_url']}/healthz", timeout=2)  # the embedded server is gone too
     stopped = epibus(home, "stats", "--json", check=False)
     assert stopped.returncode == 1
-    assert "no epibus node is running" in as_json(stopped)["error"]
+    assert "no epibus node is running" in error_json(stopped)["error"]
 
 
 def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_node):
@@ -178,7 +184,7 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_
     )
     assert enum.returncode != 0 and "exploratory" in enum.stderr
     resolved = epibus(home, "resolve", "a1", "-p", "demo", "--as", "superseded", "--json", check=False)
-    assert resolved.returncode == 1 and "superseded_by" in as_json(resolved)["error"]
+    assert resolved.returncode == 1 and "superseded_by" in error_json(resolved)["error"]
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 0
     assert stats["outbox_depth"] == 0
@@ -229,7 +235,7 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
     assert {d["reason"] for d in again} == {"invalid_event"}
     assert len(as_json(epibus(home, "events", "-p", "demo", "--json"))) == 1
     missing = epibus(home, "dlq", "replay", "--seq", "999", "--json", check=False)
-    assert missing.returncode == 1 and "999" in as_json(missing)["error"]
+    assert missing.returncode == 1 and "999" in error_json(missing)["error"]
 
 
 def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: Path):
@@ -266,7 +272,7 @@ def test_a_second_node_on_the_same_home_is_refused(running_node):
     home, status, _ = running_node
     second = epibus(home, "up", "--json", check=False, timeout=30)
     assert second.returncode == 1
-    assert str(status["pid"]) in as_json(second)["error"]
+    assert str(status["pid"]) in error_json(second)["error"]
 
 
 def test_state_commands_from_publish_to_rollback(running_node):
@@ -301,14 +307,16 @@ def test_state_commands_from_publish_to_rollback(running_node):
     child = publish("alice", "raising the quantum fixes it", "--revises", base)
     grandchild = publish("alice", "quantum 50 ms is optimal", "--revises", child)
     own = epibus(home, "verify", child, "-p", "st", "--agent", "alice", "--json", check=False)
-    assert own.returncode == 1 and "alice is the author" in as_json(own)["error"]
+    assert own.returncode == 1 and "alice is the author" in error_json(own)["error"]
 
     plan = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--json"))
     assert plan["applied"] is False and plan["plan"]["intermediates"] == [child]
     assert plan["plan"]["tainted"] == [grandchild] and plan["receipts"] == []
     # Only the author (or an admin) rolls a claim back: bob is refused before anything is published, alice may.
-    refused = epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json", check=False)
-    assert refused.returncode == 1 and "rule author-or-admin" in as_json(refused)["error"]
+    refused = epibus(
+        home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json", check=False
+    )
+    assert refused.returncode == 1 and "rule author-or-admin" in error_json(refused)["error"]
     applied = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "alice", "--cascade", "--apply", "--json"))
     assert len(applied["receipts"]) == 2
 
@@ -325,6 +333,24 @@ def test_state_commands_from_publish_to_rollback(running_node):
         )
 
     eventually_sync(settled, timeout_s=20)
+    lineage = as_json(epibus(home, "lineage", child, "-p", "st", "--json"))
+    assert [a["artifact_id"] for a in lineage["ancestors"]] == [base]
+    assert [(d["artifact_id"], d["depth"], d["trust"]) for d in lineage["descendants"]] == [
+        (grandchild, 1, "rolled_back")
+    ]
+    assert (lineage["artifact"]["trust"], lineage["missing"], lineage["cycle"]) == ("rolled_back", [], [])
+    drawn = epibus(home, "lineage", grandchild, "-p", "st")
+    # a table of three rows (the root, the child, the grandchild), each id whole on its line, under a title
+    # naming the artifact
+    assert f"lineage of {grandchild} in st" in drawn.stdout
+    assert [sum(whole in line for line in drawn.stdout.splitlines()) for whole in (base, child, grandchild)] == [
+        1,
+        1,
+        2,
+    ]
+    unknown = epibus(home, "lineage", "no-such-artifact", "-p", "st", "--json", check=False)
+    assert unknown.returncode == 1
+    assert "project 'st' holds no such artifact" in error_json(unknown)["error"]
     safe = [a["artifact_id"] for a in as_json(epibus(home, "artifacts", "-p", "st", "--json"))]
     assert safe == [base]
     audit = {a["artifact_id"]: a for a in as_json(epibus(home, "audit", "-p", "st", "--json"))}

@@ -21,6 +21,7 @@ from bus.server import NatsServer
 from epibus.cli.mesh_roster import seat_as_operator
 from epibus.health import HEALTH_FILE
 from epibus.node import Node, NodeConfig
+from epibus.statusline import STATUS_FILE
 from mesh.agent import MeshAgent
 from tests.conftest import finding
 from tests.support import eventually
@@ -40,6 +41,7 @@ EXPECTED_WHILE_RUNNING = {
     "node.json",
     "node-name",
     HEALTH_FILE,
+    STATUS_FILE,
     "keys/alice.nk",
     "mesh/recorder.cursor",
     "mirror/collection.json",
@@ -114,7 +116,9 @@ async def test_every_directory_and_file_of_a_running_node_with_its_server_and_mi
             await seat_as_operator([node.nats_url], home, project, "alice")
             await mesh.propose(project, "rotate logs", "the disk fills up", category="operational", agents=["alice"])
             await eventually(lambda: node.mirror is not None and node.mirror.indexed >= 1, timeout_s=15)
-            await eventually(lambda: (home / "mesh" / "recorder.cursor").exists() and (home / HEALTH_FILE).exists())
+            await eventually(
+                lambda: all((home / name).exists() for name in ("mesh/recorder.cursor", HEALTH_FILE, STATUS_FILE))
+            )
 
             dirs, files = walk(home)
             missing = EXPECTED_WHILE_RUNNING - files.keys()

@@ -99,7 +99,7 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
         try:
             for i, message in enumerate(fuzzer.messages(HOSTILE_MESSAGES)):
                 try:
-                    ack = await js.publish(message.subject, message.data)
+                    ack = await js.publish(message.subject, message.data, headers=message.headers)
                     accepted[ack.seq] = message.category
                 except nats.js.errors.APIError as e:
                     refused_by_stream.append((e.err_code, len(message.data)))

@@ -44,6 +44,12 @@ def last_json(result: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def error_json(result: subprocess.CompletedProcess[str]) -> Any:
+    """The error a failed command reports with --json: one JSON object on stderr, nothing on stdout."""
+    assert result.stdout == "", result.stdout
+    return json.loads(result.stderr.strip().splitlines()[-1])
+
+
 def spawn(home: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "epibus", *args],
@@ -174,7 +180,7 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
             check=False,
         )
         assert refused.returncode == 1
-        assert f"complete.sha='{absent}': is not a commit in" in last_json(refused)["error"]
+        assert f"complete.sha='{absent}': is not a commit in" in error_json(refused)["error"]
         assert last_json(epibus(home, "mesh", "show", task, "--json"))["state"] == "working"  # nothing written
         done = last_json(
             epibus(
@@ -203,7 +209,7 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
 
         wrong = epibus(home, "mesh", "ack", task, "--agent", "bob", "--json", check=False)
         assert wrong.returncode == 1
-        assert "only its proposer (alice) may" in last_json(wrong)["error"]
+        assert "only its proposer (alice) may" in error_json(wrong)["error"]
         epibus(home, "mesh", "ack", task, "--agent", "alice", "--json")
         assert last_json(epibus(home, "mesh", "pending", "-p", PROJECT, "--json"))["tasks"] == []
         assert last_json(epibus(home, "stats", "--json"))["mesh_pending"] == {}
@@ -259,7 +265,7 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
         check=False,
     )
     assert unknown.returncode == 1
-    assert "no coordinators" in last_json(unknown)["error"]
+    assert "no coordinators" in error_json(unknown)["error"]
     epibus(home, "mesh", "coordinators", "add", "coord", "-p", PROJECT, "--agent", "coord")
     listed = last_json(epibus(home, "mesh", "coordinators", "list", "-p", PROJECT, "--json"))
     assert listed["coordinators"] == ["coord"]
@@ -273,14 +279,14 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
     assert intruder.returncode == 1
     assert (
         f"may not accept task {first} (proposed): only the coordinators of project {PROJECT} (coord)"
-        in last_json(intruder)["error"]
+        in error_json(intruder)["error"]
     )
     no_reason = epibus(home, "mesh", "decline", first, "--agent", "coord", check=False)
     assert no_reason.returncode != 0
     assert "--reason" in no_reason.stderr
     epibus(home, "mesh", "decline", first, "--reason", "not this year", "--agent", "coord")
     again = epibus(home, "mesh", "accept", first, "--agent", "coord", "--json", check=False)
-    assert "declined (a terminal state: it has no exit)" in last_json(again)["error"]
+    assert "declined (a terminal state: it has no exit)" in error_json(again)["error"]
 
     changed = last_json(
         epibus(
@@ -312,7 +318,7 @@ def test_decline_change_and_bad_input_from_the_command_line(node_home: Path) -> 
     outbox = last_json(epibus(home, "mesh", "outbox", "-p", PROJECT, "--agent", "alice", "--json"))["tasks"]
     assert {t["task_id"]: t["state"] for t in outbox} == {first: "declined", second: "changed", child: "proposed"}
     bad_sha = epibus(home, "mesh", "complete", child, "--sha", "abc", "--agent", "bob", "--json", check=False)
-    assert "40 or 64 lowercase hex" in last_json(bad_sha)["error"]
+    assert "40 or 64 lowercase hex" in error_json(bad_sha)["error"]
 
 
 @pytest.mark.parametrize("node_home", ["off"], indirect=True)
@@ -324,8 +330,9 @@ def test_a_watcher_killed_and_restarted_mid_stream_misses_and_repeats_nothing(
     watch = ["mesh", "inbox", "--watch", "-p", PROJECT, "--agent", "bob", "--out", str(log), "--json"]
     watcher = spawn(home, *watch)
     n = 12
+    gate = tmp_path / "second-half"  # the producer holds its second half until the watcher is dead
     producer = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, str(n), PROJECT],
+        [sys.executable, "-c", PRODUCER, str(n), PROJECT, str(gate)],
         env=env_for(home),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -336,6 +343,7 @@ def test_a_watcher_killed_and_restarted_mid_stream_misses_and_repeats_nothing(
         watcher.kill()  # SIGKILL mid-stream: no chance to clean up
         watcher.wait(timeout=10)
         assert len(lines(log)) < 2 * n, "the watcher was killed after the stream ended; the test proves nothing"
+        gate.touch()
         time.sleep(0.5)
         watcher = spawn(home, *watch)
         out, err = producer.communicate(timeout=120)
@@ -354,21 +362,28 @@ def test_a_watcher_killed_and_restarted_mid_stream_misses_and_repeats_nothing(
     )
 
 
-# A proposer in its own process: n proposals to bob, one after another, while the watcher is killed and restarted.
+# A proposer in its own process: n proposals to bob, one after another; the second half waits for the gate file,
+# so the watcher is always killed mid-stream however fast this machine is.
 PRODUCER = """
 import asyncio, json, sys
+from pathlib import Path
 from bus.client import connect
 from mesh.agent import MeshAgent
 
-async def main(n, project):
+async def main(n, project, gate):
     async with connect(agent="alice") as client:
         mesh = MeshAgent(client)
         ids = []
         for i in range(n):
+            if i == n // 2:
+                for _ in range(2400):  # at most 120 s
+                    if gate.exists():
+                        break
+                    await asyncio.sleep(0.05)
             outcome = await mesh.propose(project, f"job {i}", "s", category="operational", agents=["bob"])
             ids.append(outcome.record.task_id)
             await asyncio.sleep(0.2)
         print(json.dumps(ids))
 
-asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])))
 """

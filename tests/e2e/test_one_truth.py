@@ -17,12 +17,12 @@ from nats.js import JetStreamContext
 
 from bus.admission import TimeBounds
 from bus.client import EpibusClient, connect
-from bus.event import Envelope, draft_event, encode_event
+from bus.event import Envelope, draft_event
 from bus.ids import point_id
 from bus.knowledge import load_project
 from bus.reader import dead_letters, replay
 from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.signing import AgentKey, wire_message
 from bus.subjects import STREAM, event_subject
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
@@ -66,10 +66,9 @@ async def caught_up(node: Node) -> None:
 
 async def publish_raw(js: JetStreamContext, event: Envelope, *, dedupe: bool = True) -> int:
     """Publish as a plain nats-py client would: no validation, no outbox."""
-    headers = {"Nats-Msg-Id": str(event.event_id)} if dedupe else None
-    ack = await js.publish(
-        event_subject(event.project, event.kind, event.artifact_id), encode_event(event), headers=headers
-    )
+    wire = wire_message(event)
+    headers = dict(wire.headers) | ({"Nats-Msg-Id": str(event.event_id)} if dedupe else {})
+    ack = await js.publish(wire.subject, wire.data, headers=headers or None)
     return int(ack.seq)
 
 

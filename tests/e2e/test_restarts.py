@@ -24,7 +24,7 @@ from bus.client import connect
 from epibus.node import Node, NodeConfig
 from observers.journal import make_engine
 from tests.conftest import finding
-from tests.e2e.test_mesh_processes import epibus, first_line, last_json, lines, spawn, stop
+from tests.e2e.test_mesh_processes import epibus, error_json, first_line, last_json, lines, spawn, stop
 from tests.support import eventually, eventually_sync, journal_event_ids
 
 pytestmark = pytest.mark.slow
@@ -115,8 +115,8 @@ def test_a_kept_port_taken_by_another_process_is_one_line_naming_the_port_the_ho
         squatter.listen()
         refused = epibus(nodes.home, "up", "--json", "--mirror", "off", check=False)
     assert refused.returncode == 1
-    assert len(refused.stdout.strip().splitlines()) == 1
-    error = last_json(refused)["error"]
+    assert len(refused.stderr.strip().splitlines()) == 1
+    error = error_json(refused)["error"]
     assert f"port 127.0.0.1:{port} is taken by pid {os.getpid()} (" in error
     assert "epibus up --port N" in error
     assert not (nodes.home / "node.json").exists()
@@ -223,7 +223,7 @@ def test_a_finding_published_while_no_node_runs_is_outboxed_then_journaled_once_
     receipt = last_json(epibus(home, "publish", "finding", "-p", "demo", *args, "--json"))
     assert (receipt["ok"], receipt["level"], receipt["stream_seq"]) == (True, "outboxed", None)
     with sqlite3.connect(home / "outbox.db") as db:  # durable on disk, read by another path
-        (outboxed,) = db.execute("SELECT event_id, payload FROM outbox WHERE sent_at IS NULL").fetchall()
+        (outboxed,) = db.execute("SELECT event_id, signature FROM outbox WHERE sent_at IS NULL").fetchall()
     assert outboxed[0] == receipt["event_id"]
 
     nodes.start()
@@ -236,7 +236,7 @@ def test_a_finding_published_while_no_node_runs_is_outboxed_then_journaled_once_
             (envelope,) = conn.execute(text("SELECT envelope FROM events WHERE project = 'demo'")).scalars()
     finally:
         engine.dispose()
-    assert json.loads(envelope)["signature"] == json.loads(outboxed[1])["signature"]  # the event signed offline
+    assert json.loads(envelope)["signature"] == outboxed[1]  # the event signed offline (its header's signature)
     assert last_json(epibus(home, "stats", "--json"))["streams"]["EPI"]["messages"] == 1
 
 
@@ -247,14 +247,14 @@ def test_with_no_node_running_reads_state_changes_and_waiting_for_the_journal_re
     for command in (["stats"], ["resolve", "a-1", "-p", "demo", "--as", "stale"]):
         refused = epibus(home, *command, "--json", check=False)
         assert refused.returncode == 1
-        assert len(refused.stdout.strip().splitlines()) == 1
-        error = last_json(refused)["error"]
+        assert len(refused.stderr.strip().splitlines()) == 1
+        error = error_json(refused)["error"]
         assert f"no epibus node is running under {home}" in error
         assert "only `epibus publish` can wait in the outbox" in error
     args = ["--text", "t", "--impact", "0.4", "--confidence", "0.9", "--subject", "s", "--wait", "journaled"]
     waiting = epibus(home, "publish", "finding", "-p", "demo", *args, "--json", check=False)
     assert waiting.returncode == 1
-    assert "'journaled' needs a running node" in last_json(waiting)["error"]
+    assert "'journaled' needs a running node" in error_json(waiting)["error"]
     outbox = home / "outbox.db"
     if outbox.exists():  # nothing written: no row, or no outbox at all
         with sqlite3.connect(outbox) as db:

@@ -296,7 +296,7 @@ async def test_a_nul_character_in_a_claim_does_not_stop_a_postgresql_journal(
     and every later event waited. The event model refuses NUL now, so every path dead-letters it."""
     key = AgentKey.load_or_create(tmp_path / "alice", "alice")
     template = signed(key, "finding", finding(text="a NUL in the middle"), project)
-    raw = template.model_dump(mode="json", exclude={"signature"})
+    raw = template.model_dump(mode="json", exclude={"signature"}) | {"schema_version": 1}  # legacy: signed inside
     raw["body"]["text"] = "a NUL \x00 in the middle"
     seed = (tmp_path / "alice" / "keys" / "alice.nk").read_bytes().strip()
     signature = base64.urlsafe_b64encode(nkeys.from_seed(seed).sign(canonical_json(raw))).rstrip(b"=").decode()

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from bus.errors import ConfigError
-from epibus.cli.common import parse_time
+from epibus.times import parse_time
 
 
 @pytest.mark.parametrize(

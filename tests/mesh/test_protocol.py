@@ -11,7 +11,7 @@ import pytest
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
 from bus.ids import new_event_id
 from bus.vocab import TaskAction, TaskState
-from mesh.protocol import A2A_STATE, TERMINAL, advance, child_task_id
+from mesh.protocol import A2A_STATE, TERMINAL, advance, awaits_acknowledgement, child_task_id
 from mesh.task import TaskRecord, parse_message
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -139,6 +139,15 @@ def test_every_state_and_action_follows_the_table(state: TaskState, action: Task
 def test_terminal_states_are_exactly_those_without_exit() -> None:
     assert {s for s, moves in EXPECTED.items() if not moves} == TERMINAL
     assert S.completed not in TERMINAL  # it waits for the proposer's acknowledgement
+
+
+@pytest.mark.parametrize("state", list(S))
+def test_only_a_completed_task_awaits_acknowledgement_and_only_by_its_proposer(state: TaskState) -> None:
+    record = record_in(state)
+    completed = state is S.completed
+    assert awaits_acknowledgement(record) is completed
+    assert awaits_acknowledgement(record, "alice") is completed  # alice proposed it
+    assert awaits_acknowledgement(record, "bob") is False  # bob completed it; only alice acknowledges
 
 
 def test_every_state_maps_onto_an_a2a_state() -> None:

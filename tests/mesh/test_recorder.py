@@ -135,7 +135,7 @@ async def test_a_step_signed_with_another_agents_key_is_never_published(
     forged = entry.model_copy(
         update={"state": TaskState.accepted, "assignee": "mallory", "steps": (*entry.steps, step)}
     )
-    signed = mallory.sign(unsigned_step_event(forged, 1, mallory.actor, "s1"))
+    signed = mallory.sign_v1(unsigned_step_event(forged, 1, mallory.actor, "s1"))
     step = step.model_copy(
         update={"public_key": mallory.actor.public_key, "session_id": "s1", "signature": signed.signature}
     )

@@ -22,7 +22,6 @@ from bus.errors import Forbidden
 from bus.event import Envelope, encode_event
 from bus.knowledge import load_project
 from bus.outbox import Outbox, OutboxRow
-from bus.publish import message_headers
 from bus.reader import replay
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key
@@ -126,7 +125,7 @@ async def published_raw(fleet: Fleet, key: AgentKey, event: Envelope) -> dict[st
     nc = await nats.connect(node.nats_url, **key.nats_credentials)
     try:
         subject = event_subject(event.project, event.kind, event.artifact_id)
-        await nc.jetstream().publish(subject, encode_event(event), headers=message_headers(str(event.event_id)))
+        await nc.jetstream().publish(subject, encode_event(event), headers=OutboxRow.of(event).headers())
     finally:
         await nc.close()
     journal = node.journal
@@ -238,9 +237,7 @@ async def test_an_event_in_a_project_its_actor_is_not_a_member_of_is_refused_on_
     rule = f"agent 'bob' may not publish finding in project {elsewhere}: rule membership"
     outbox = await Outbox(fleet.home / "outbox.db").open()
     try:
-        await outbox.add(
-            [OutboxRow(event_id, event_subject(elsewhere, "finding", event.artifact_id), encode_event(event))]
-        )
+        await outbox.add([OutboxRow.of(event)])
     finally:
         await outbox.close()
     assert node.forwarder is not None

@@ -17,6 +17,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from bus import enrol
+from bus.auth import Enrolment
 from bus.client import connect
 from bus.errors import Forbidden
 from bus.follow import StreamFollower
@@ -261,3 +262,26 @@ async def test_a_local_first_connect_never_changes_an_enrolled_agent(secured, pr
     await nc.close()
     assert listed["carol"]["roles"] == ["admin"]
     assert listed["carol"]["projects"] == [project]
+
+
+async def test_a_local_enrolment_the_keeper_wrote_but_has_not_applied_yet_still_lets_the_agent_in(
+    secured, project
+) -> None:
+    node, home = secured
+    dora = AgentKey.generate("dora")  # not under the home: the keeper does not enrol it on its own
+    assert node.enrolments is not None
+    # the keeper's pass has written the registry and not yet reloaded the server (its next pass is up to 2 s off)
+    first_use = Enrolment(
+        agent_id="dora",
+        public_key=dora.public_key,
+        owner="dora",
+        roles=(Role.agent,),
+        projects=("*",),
+        enrolled_by="test",
+        enrolled_at=datetime.now(UTC),
+    )
+    assert await node.enrolments.registry.enrol_if_absent(first_use) is not None
+    await enrol.enrol_locally([node.nats_url], home, dora)  # what a refused client does, then it connects again
+    nc = await open_nats([node.nats_url], name="dora", timeout_s=5, key=dora)
+    assert nc.is_connected
+    await nc.close()

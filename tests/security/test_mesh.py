@@ -115,7 +115,7 @@ async def test_a_roster_seized_around_the_node_is_trusted_by_no_reader_and_decid
         actor="mallory",
         at=datetime.now(UTC),
     )
-    signed = key.sign(unsigned_roster_event(fleet.project, draft, seq=1, actor=key.actor, session_id="s1"))
+    signed = key.sign_v1(unsigned_roster_event(fleet.project, draft, seq=1, actor=key.actor, session_id="s1"))
     change = draft.model_dump(mode="json") | {
         "public_key": key.public_key,
         "session_id": "s1",
@@ -261,7 +261,7 @@ async def test_steps_appended_around_the_node_are_quarantined_and_mesh_ack_refus
         }
         if name == "mallory's":
             parsed = TaskRecord.model_validate(record)
-            signed = mallory.sign(unsigned_step_event(parsed, 1, mallory.actor, "s1"))
+            signed = mallory.sign_v1(unsigned_step_event(parsed, 1, mallory.actor, "s1"))
             record["steps"][1] |= {"public_key": mallory.public_key, "session_id": "s1", "signature": signed.signature}
         else:
             record["completion"] = completion
@@ -295,7 +295,9 @@ async def test_steps_appended_around_the_node_are_quarantined_and_mesh_ack_refus
         stdin=subprocess.DEVNULL,
     )
     assert acked.returncode == 1, acked.stdout + acked.stderr
-    assert json.loads(acked.stdout)["error"].startswith("UntrustedRecord: epibus_mesh key task.")
+    refusal = json.loads(acked.stderr.strip().splitlines()[-1])
+    assert refusal["type"] == "UntrustedRecord"
+    assert refusal["error"].startswith("epibus_mesh key task.")
     assert fleet.node.recorder is not None
     assert fleet.node.recorder.watcher.stats.untrusted == len(forged)
     assert alice.store.quarantine.count >= 1
@@ -321,7 +323,7 @@ async def test_a_first_coordinator_claimed_by_an_agent_that_is_no_admin_is_refus
             actor="mallory",
             at=datetime.now(UTC),
         )
-        signed = key.sign(unsigned_roster_event(where, draft, seq=len(seats) + 1, actor=key.actor, session_id="s"))
+        signed = key.sign_v1(unsigned_roster_event(where, draft, seq=len(seats) + 1, actor=key.actor, session_id="s"))
         assert signed.signature is not None
         revision = before["keys"].get(roster_key(where), (0,))[0]
         request = RosterRequest(

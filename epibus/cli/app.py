@@ -1,0 +1,108 @@
+"""The `epibus` command line's typer app (typer + rich). Every command takes --json. `epibus.cli.main` runs it,
+except for the lean commands it dispatches before importing this module (`statusline`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Annotated
+
+import typer
+
+from epibus.cli import (
+    agents,
+    certs,
+    cluster,
+    commands,
+    dlq,
+    health,
+    lineage,
+    mcp,
+    mesh,
+    mesh_roster,
+    mesh_views,
+    ops,
+    recall,
+    state,
+    streams,
+    verify,
+)
+from epibus.cli.display import SafeFormatter
+from epibus.cli.group import EpibusGroup
+from epibus.cli.publish import publish_app, register_publish_commands
+from epibus.statusline import STATUSLINE_HELP
+from epibus.statusline import main as statusline_main
+
+app = typer.Typer(
+    name="epibus",
+    help="epibus: a distributed event bus with durable, queryable memory for fleets of AI agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,  # --install-completion / --show-completion; `epibus completion SHELL` prints the script
+    cls=EpibusGroup,  # one error format for every command, usage errors included
+)
+register_publish_commands()
+app.add_typer(publish_app, name="publish")
+app.add_typer(dlq.dlq_app, name="dlq")
+app.add_typer(agents.agent_app, name="agent")
+app.add_typer(streams.streams_app, name="streams")
+app.add_typer(cluster.cluster_app, name="cluster")
+app.add_typer(mesh.mesh_app, name="mesh")  # its reading commands are in mesh_views, the roster's in mesh_roster
+assert mesh_views.show is not None
+assert mesh_roster.coordinators_add is not None
+app.command()(commands.up)
+app.command()(commands.tail)
+app.command()(commands.events)
+app.command("replay")(commands.replay_command)
+app.command()(commands.stats)
+app.command()(health.health)
+app.command()(state.resolve)
+for command in (verify.verify, state.contradict, state.rollback):
+    app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)
+app.command("artifacts")(state.artifacts_command)
+app.command()(state.audit)
+app.command("lineage")(lineage.lineage_command)
+app.command("briefing")(state.briefing_command)
+app.command("vocab-report")(state.vocab_report_command)
+app.command("recall")(recall.recall_command)
+app.command("audit-recall")(recall.audit_recall_command)
+app.command("forget")(recall.forget_command)
+app.command("reindex")(recall.reindex_command)
+app.command()(certs.certs)
+app.command("mcp")(mcp.mcp)
+app.command()(ops.status)
+app.command()(ops.doctor)
+app.command()(ops.down)
+app.command()(ops.version)
+app.command()(ops.completion)
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=ops.version_callback, is_eager=True, help="Print the epibus and nats-server versions."
+        ),
+    ] = False,
+) -> None:
+    """epibus: a distributed event bus with durable, queryable memory for fleets of AI agents."""
+
+
+@app.command(
+    "statusline",
+    help=STATUSLINE_HELP,
+    add_help_option=False,  # its own parser answers --help
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def statusline(ctx: typer.Context) -> None:
+    # `epibus statusline` never gets here (epibus.cli.main runs it before typer loads); this entry lists it in
+    # --help and serves callers of this app, with the same parser.
+    raise typer.Exit(statusline_main(ctx.args))
+
+
+def main() -> None:
+    handler = logging.StreamHandler()  # stderr; a logged remote text must not reach the terminal raw
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=os.environ.get("EPIBUS_LOG_LEVEL", "WARNING").upper(), handlers=[handler])
+    app(prog_name=ops.PROG, complete_var=ops.COMPLETE_VAR)  # also under `python -m epibus`

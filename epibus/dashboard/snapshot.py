@@ -1,0 +1,116 @@
+"""The dashboard's health snapshot of the node it runs in: the node's own health report (epibus/health.py) and
+what it names as problems, each observer's lag, the dead-letter and outbox depths, and the mesh's tasks and
+open acknowledgements as the node's MeshView folds them. A figure that cannot be had now is null, with the
+reason among `problems`: a slow or broken part never hides the others."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from typing import TYPE_CHECKING, Any
+
+from bus.errors import EpibusError
+from bus.jetstream import NATS_OR_API_ERROR
+from bus.subjects import DLQ_STREAM
+from epibus.health import node_health, problems
+from epibus.status import MeshView
+from mesh.protocol import awaits_acknowledgement
+from mesh.task import TaskRecord
+
+if TYPE_CHECKING:
+    from epibus.node import Node
+
+READ_TIMEOUT_S = 2.0
+MESH_TASKS_SHOWN = 30
+STREAM_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *NATS_OR_API_ERROR)
+
+
+async def node_snapshot(node: Node) -> dict[str, Any]:
+    report = node_health(node)
+    found = problems(node.config.home, node.info, report) if node.info is not None else []
+    snapshot: dict[str, Any] = {
+        "node": {"name": node.name, "pid": report["pid"], "at": report["at"], "nats": report["nats"]},
+        "observers": {name: _observer(stats) for name, stats in report["observers"].items()},
+        "forwarder": report["forwarder"],
+        "service_failures": report["service_failures"],
+    }
+    snapshot["dlq_depth"] = await _dlq_depth(node, found)
+    snapshot["outbox"] = await _outbox(node, found)
+    snapshot["mesh"] = mesh_figures(node.mesh_view, found)
+    snapshot["problems"] = found
+    return snapshot
+
+
+def _observer(stats: dict[str, Any]) -> dict[str, Any]:
+    """What the page shows of a runner: its lag (messages waiting for it on the server) and its state."""
+    state = "stalled" if stats.get("stalled") else "degraded" if stats.get("degraded") else "ok"
+    return {
+        "state": state,
+        "lag": stats.get("pending"),
+        "handled": stats.get("handled"),
+        "last_stream_seq": stats.get("last_stream_seq"),
+        "dead_lettered": sum((stats.get("dead_lettered") or {}).values()),
+        "last_error": stats.get("last_error"),
+    }
+
+
+async def _dlq_depth(node: Node, found: list[str]) -> int | None:
+    js = node.js
+    if js is None or node.nc is None or not node.nc.is_connected:
+        found.append("dead letters: the node is not connected to NATS")
+        return None
+    try:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            info = await js.stream_info(DLQ_STREAM)
+    except STREAM_ERRORS as e:
+        found.append(f"dead letters: {DLQ_STREAM} did not answer ({type(e).__name__} {e})")
+        return None
+    return int(info.state.messages)
+
+
+async def _outbox(node: Node, found: list[str]) -> dict[str, int] | None:
+    if node.forwarder is None:
+        return None
+    outbox = node.forwarder.outbox
+    try:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            return {"depth": await outbox.depth(), "parked": len(await outbox.parked())}
+    except (TimeoutError, sqlite3.Error, EpibusError) as e:
+        found.append(f"outbox: not readable now ({type(e).__name__} {e})")
+        return None
+
+
+def mesh_figures(view: MeshView | None, found: list[str]) -> dict[str, Any] | None:
+    """Tasks per project and state, the open acknowledgements (completed, not yet acknowledged by their
+    proposer), and the most recently changed tasks."""
+    if view is None:
+        found.append("mesh: not followed by this node (it runs without its status snapshot)")
+        return None
+    if not view.caught_up:
+        found.append("mesh: still reading the bucket")
+    records = sorted(view.records.values(), key=lambda r: r.last_step.at, reverse=True)
+    by_state: dict[str, dict[str, int]] = {}
+    for record in records:
+        counts = by_state.setdefault(record.proposal.project, {})
+        counts[record.state.value] = counts.get(record.state.value, 0) + 1
+    awaiting = [r for r in records if awaits_acknowledgement(r)]
+    return {
+        "tasks": len(records),
+        "by_project": by_state,
+        "pending_acks": len(awaiting),
+        "latest": [_task(r) for r in records[:MESH_TASKS_SHOWN]],
+        "quarantined": view.watcher.stats.quarantined,
+    }
+
+
+def _task(record: TaskRecord) -> dict[str, Any]:
+    return {
+        "project": record.proposal.project,
+        "task_id": record.task_id,
+        "title": record.proposal.title,
+        "state": record.state.value,
+        "proposer": record.proposal.proposer,
+        "assignee": record.assignee,
+        "awaits_ack": awaits_acknowledgement(record),
+        "at": record.last_step.at.isoformat(),
+    }
