@@ -7,12 +7,9 @@ import contextlib
 import signal
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from bus.admission import Admission, Rejected
 from bus.errors import ConfigError, NotFound
@@ -41,12 +38,15 @@ from epibus.cli.common import (
 from epibus.cli.display import shown
 from epibus.cli.inputs import EventKindOpt, ProjectFilterOpt
 from epibus.cluster import cluster_routes
-from epibus.metrics_http import MetricsSettings, check_host
-from epibus.node import Node, NodeConfig
 from epibus.times import parse_time
-from mesh.protocol import awaits_acknowledgement
-from mesh.store import MeshStore
-from observers.journal import EventQuery, Journal, JournalObserver
+
+# Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
+# and the mesh store would otherwise cost every CLI start, `epibus --help` included.
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+
+    from epibus.node import NodeConfig
 
 # -- up ---------------------------------------------------------------------------------------------------
 
@@ -164,6 +164,9 @@ def up(
     whose settings drifted from what epibus needs stops the start (--repair-streams restores it)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
+    from epibus.metrics_http import MetricsSettings, check_host
+    from epibus.node import NodeConfig
+
     check_host(MetricsSettings(metrics_port, metrics_host, metrics_remote))  # before anything starts
     pairs = [c.partition("=") for c in coordinate or []]
     if bad := [p for p, sep, policy in pairs if not (p and sep and policy)]:
@@ -195,6 +198,8 @@ def up(
 
 
 async def _up(config: NodeConfig, as_json: bool) -> None:
+    from epibus.node import Node
+
     home = config.home
     running = read_node_info(home)
     if running is not None:
@@ -231,8 +236,8 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
         else:
             rows = [[k, v] for k, v in where.items() if k not in ("ok", "dashboard")]
             console.print(table("epibus node", ["what", "where"], rows))
-            if where["dashboard"]:  # on a line of its own: a wrapped token could not be copied
-                console.print(shown("dashboard: ", (where["dashboard"], "bold")), soft_wrap=True)
+            if node.dashboard:  # on a line of its own: a wrapped token could not be copied
+                console.print(shown("dashboard: ", (node.dashboard.url_with_token, "bold")), soft_wrap=True)
             console.print(shown("Ctrl-C stops the node."))
         if version is not None and (version.major, version.minor) < MIN_SERVER_VERSION[:2]:
             err_console.print(
@@ -346,6 +351,8 @@ def events(
     as_json: JsonOpt = False,
 ) -> None:
     """Query the journal."""
+    from observers.journal import EventQuery, Journal
+
     query = EventQuery(
         project=project,
         kind=kind,
@@ -407,6 +414,10 @@ def replay_command(
 
 
 async def _replay(from_seq: int, rebuild_state: bool, journal: str | None, target: Target, as_json: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from observers.journal import Journal, JournalObserver
+
     store = Journal(resolve_journal_url(journal, epibus_home(target.home)))
     nc = await target.connect()
     try:
@@ -511,6 +522,9 @@ async def _stats(target: Target) -> dict[str, Any]:
 async def _mesh_pending(js: JetStreamContext) -> tuple[dict[str, int], int]:
     """Completed-but-unacknowledged mesh tasks per project (open handshakes), and how many task records
     could not be read (quarantined, left out)."""
+    from mesh.protocol import awaits_acknowledgement
+    from mesh.store import MeshStore
+
     store = MeshStore(js, create=False)
     try:
         entries = await store.tasks()

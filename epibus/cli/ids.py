@@ -5,12 +5,13 @@ anything is sent: the whole id travels on the wire, never the prefix."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bus.home import epibus_home, resolve_journal_url
 from bus.ids import id_digits, id_prefix, only_match
-from mesh.agent import MeshAgent
-from observers.journal import Journal
-from observers.reads import artifact_ids_like
+
+if TYPE_CHECKING:
+    from mesh.agent import MeshAgent
 
 
 def artifact_id(value: str, *, field: str, project: str | None, journal: str | None, home: Path | None) -> str:
@@ -19,6 +20,10 @@ def artifact_id(value: str, *, field: str, project: str | None, journal: str | N
     digits = id_prefix(value)
     if digits is None:
         return value
+    # Loaded here, not at the top: SQLAlchemy is a large part of every CLI start, and few commands read the journal.
+    from observers.journal import Journal
+    from observers.reads import artifact_ids_like
+
     store = Journal(resolve_journal_url(journal, epibus_home(home)))
     try:
         store.migrate()

@@ -13,7 +13,6 @@ from epibus.cli.display import shown
 from epibus.cli.inputs import ProjectOpt
 from epibus.cli.state import AsOfOpt, _read
 from epibus.times import parse_time
-from observers.reads import artifact_lineage
 
 ArtifactArg = Annotated[str, typer.Argument(help="The artifact whose lineage is shown (id or unique prefix).")]
 COLUMNS = ["relation", "artifact", "kind", "trust/lifecycle", "author", "created", "content"]
@@ -50,6 +49,8 @@ def lineage_command(
     """The lineage of an artifact: what it revises (to the root) and what revises it, the supersession chain
     through it, what contradicts it and what it contradicts, each with its state. Cycles and links to
     artifacts the journal lacks (forgotten ones) are reported."""
+    from observers.reads import artifact_lineage  # SQLAlchemy: loaded only to read (see epibus.cli.state)
+
     cutoff = parse_time(as_of, "--as-of")
     artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
     found = _read(journal, home, lambda j: artifact_lineage(j, project, artifact_id, as_of=cutoff))

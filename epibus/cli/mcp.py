@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,8 +18,10 @@ from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home
 from epibus.cli.common import AgentOpt, HomeOpt, JournalOpt, JsonOpt, NatsOpt, err_console, handles_errors
 from epibus.cli.display import shown
-from epibus.mcp_tools.server import EpibusMcp, http_token
-from epibus.mcp_tools.session import AgentSession, SessionConfig
+
+if TYPE_CHECKING:
+    from epibus.mcp_tools.server import EpibusMcp
+    from epibus.mcp_tools.session import AgentSession
 
 DEFAULT_HTTP_PORT = 8765
 log = logging.getLogger(__name__)
@@ -50,11 +52,16 @@ def mcp(
             json.dumps(client_config(name, where, home, http=http, host=host, port=port), indent=None if as_json else 2)
         )
         return
+    # Loaded here: the MCP SDK (starlette, pydantic schemas) costs every other command's start a second of CPU.
+    from epibus.mcp_tools.session import AgentSession, SessionConfig
+
     session = AgentSession(SessionConfig(agent=name, home=home, nats=nats, journal=journal))
     asyncio.run(_serve(session, http=http, host=host, port=port, as_json=as_json))
 
 
 async def _serve(session: AgentSession, *, http: bool, host: str, port: int, as_json: bool) -> None:
+    from epibus.mcp_tools.server import EpibusMcp  # the MCP SDK, loaded only to serve (see `mcp`)
+
     async with session:
         server = EpibusMcp(session)
         try:
@@ -84,6 +91,8 @@ async def _transport(
         else:
             err_console.print(shown(f"epibus mcp: agent {session.agent} at {url} (Ctrl-C stops)"), soft_wrap=True)
 
+    from epibus.mcp_tools.server import http_token  # the MCP SDK, loaded only to serve (see `mcp`)
+
     await server.serve_http(host=host, port=port, token=http_token(session.home, session.agent), ready=ready)
 
 
@@ -101,6 +110,8 @@ def client_config(
     """The `mcpServers` entry for this agent, as MCP clients (desktop and coding assistants) read it."""
     name = f"epibus-{agent}"
     if http:
+        from epibus.mcp_tools.server import http_token  # the MCP SDK, loaded only when a token is asked for
+
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/mcp"
         headers = {"Authorization": f"Bearer {http_token(home, agent)}"}
         return {"mcpServers": {name: {"type": "http", "url": url, "headers": headers}}}

@@ -27,8 +27,6 @@ from epibus.cli.common import (
     table,
 )
 from epibus.cli.display import shown
-from epibus.doctor import diagnose
-from epibus.doctor_local import FAIL
 from epibus.node_process import find, stop
 from epibus.status_report import node_status
 
@@ -98,6 +96,10 @@ def doctor(
     """Check everything epibus needs here, one line each (ok | warn | fail) with how to fix it: NATS and
     JetStream, the server version, the streams and buckets, the clock, the key registry, the journal's schema,
     the mirror's model, disk space and file modes. Exit 1 when a check fails."""
+    # Loaded here: the checks import SQLAlchemy and the journal, a large part of any other command's start.
+    from epibus.doctor import diagnose
+    from epibus.doctor_local import FAIL
+
     checks = run(diagnose(home, nats, journal, replicas=replicas))
     if as_json:
         emit_json([asdict(check) for check in checks])

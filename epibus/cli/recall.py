@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from bus.client import connect
 from bus.fleet import ask_forget_proof, ask_reindex, ask_verify
@@ -255,6 +254,8 @@ def reindex_command(
     """Rebuild every node's mirror from the stream into a new collection and swap it in (after a model
     change, or to start clean); the old mirror keeps answering until the swap. For admins (under a node's
     home the node's operator asks)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn  # only this command's bar
+
     with Progress(
         TextColumn("{task.description}", markup=False),
         BarColumn(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -32,8 +32,12 @@ from epibus.cli.common import (
 from epibus.cli.display import shown
 from epibus.cli.inputs import ArtifactKindsOpt, ProjectOpt
 from epibus.times import parse_time
-from observers.journal import Journal
-from observers.reads import ArtifactView, artifacts, audit_artifacts, briefing, vocab_report
+
+# The journal reads are loaded by the commands that read, not at the top: SQLAlchemy is a large part of every
+# CLI start, `epibus --help` included.
+if TYPE_CHECKING:
+    from observers.journal import Journal
+    from observers.reads import ArtifactView
 
 T = TypeVar("T")
 ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on: its id or a unique prefix (4+ hex digits).")]
@@ -196,6 +200,8 @@ async def _rollback(
 
 def _read(journal: str | None, home: Path | None, read: Callable[[Journal], T]) -> T:
     """Open the journal, read, close: every read command's frame."""
+    from observers.journal import Journal
+
     store = Journal(resolve_journal_url(journal, epibus_home(home)))
     try:
         store.migrate()
@@ -234,6 +240,8 @@ def artifacts_command(
     as_json: JsonOpt = False,
 ) -> None:
     """The safe read: never contradicted, rolled back, retracted or mistyped artifacts. Ranked by relevance."""
+    from observers.reads import artifacts
+
     cutoff = parse_time(as_of, "--as-of")
     kinds = set(kind) if kind else None
     views = _read(
@@ -258,6 +266,8 @@ def audit(
     as_json: JsonOpt = False,
 ) -> None:
     """The audit read: every artifact whatever its state, with its verification log."""
+    from observers.reads import audit_artifacts
+
     cutoff = parse_time(as_of, "--as-of")
     kinds = set(kind) if kind else None
     views = _read(journal, home, lambda j: audit_artifacts(j, project, kinds=kinds, as_of=cutoff, limit=limit))
@@ -284,6 +294,8 @@ def briefing_command(
 ) -> None:
     """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
     superseded items and confidence flags; with --goal-text, what the mirrors recall for the goal."""
+    from observers.reads import briefing
+
     cutoff = parse_time(as_of, "--as-of")
     brief = _read(journal, home, lambda j: briefing(j, project, goal, as_of=cutoff, limit=limit))
     semantic = run(_recall_goal(goal_text, project, limit, cutoff, nats, agent, home)) if goal_text else None
@@ -322,6 +334,8 @@ def vocab_report_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Counts of resolutions per kind, trust states and sources: are errors being recorded at all?"""
+    from observers.reads import vocab_report
+
     cutoff = parse_time(as_of, "--as-of")
     report = _read(journal, home, lambda j: vocab_report(j, project, as_of=cutoff))
     if as_json:
