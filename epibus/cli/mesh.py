@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -31,8 +31,10 @@ from epibus.cli.common import (
 )
 from epibus.cli.display import shown
 from epibus.times import parse_time
-from mesh.agent import MeshAgent, Outcome
-from mesh.peer import require_commit
+
+# The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
+if TYPE_CHECKING:
+    from mesh.agent import MeshAgent, Outcome
 
 T = TypeVar("T")
 
@@ -61,6 +63,8 @@ CategoryHelp = f"Action category. {describe(ActionCategory)}"
 
 
 def run_mesh(nats: str | None, agent: str | None, home: Path | None, work: Callable[[MeshAgent], Awaitable[T]]) -> T:
+    from mesh.agent import MeshAgent
+
     async def go() -> T:
         async with connect(nats, agent=agent, home=home) as client:
             return await work(MeshAgent(client))
@@ -320,6 +324,8 @@ def complete(
     """Complete the work with its commit SHA (its assignee only)."""
     mid = message_id_of(message_id)
     pointers = [_evidence(e) for e in evidence or []]
+
+    from mesh.peer import require_commit
 
     async def work(m: MeshAgent, whole: str) -> Outcome:
         if repo is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -24,8 +24,11 @@ from bus.vocab import Role
 from epibus.cli.common import AgentOpt, HomeOpt, JsonOpt, NatsOpt, console, emit_json, err_console, handles_errors, run
 from epibus.cli.display import shown
 from epibus.cli.mesh import MessageIdOpt, RequiredProject, coordinators_app, message_id_of, run_mesh
-from mesh.agent import MeshAgent
-from mesh.store import Roster
+
+# The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
+if TYPE_CHECKING:
+    from mesh.agent import MeshAgent
+    from mesh.store import Roster
 
 T = TypeVar("T")
 AgentArg = Annotated[str, typer.Argument(help="The agent.")]
@@ -38,6 +41,8 @@ def _run_as_signer(
     where = epibus_home(home)
     if not (where / NODE_KEY_FILE).exists():
         return run_mesh(nats, agent, home, lambda mesh: work(mesh, None))
+
+    from mesh.agent import MeshAgent
 
     async def go() -> T:
         servers = split_servers(resolve_nats_url(nats, where))
@@ -53,6 +58,8 @@ async def seat_as_operator(
 ) -> Roster:
     """What `epibus mesh coordinators add` does from a node's home, from Python: the node's operator gives
     `who` the coordinator role in `project` if the fleet enrols its agents, and seats it."""
+    from mesh.agent import MeshAgent
+
     async with EpibusClient(servers, node_key(home), outbox=None) as client:
         mesh = MeshAgent(client)
         await give_coordinator_role(mesh, who, project, home)

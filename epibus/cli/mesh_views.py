@@ -8,7 +8,7 @@ import json
 import signal
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -38,12 +38,13 @@ from epibus.cli.mesh import (
     run_task,
     show_tasks,
 )
-from mesh.agent import MeshAgent
-from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import Inbox, Notification, NotificationLog, inbox_now
-from mesh.protocol import TERMINAL
-from mesh.store import TaskEntry
-from mesh.watch import Cursor, FileCursor
+
+# The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
+if TYPE_CHECKING:
+    from mesh.agent import MeshAgent
+    from mesh.peer import Notification, NotificationLog
+    from mesh.store import TaskEntry
+    from mesh.watch import Cursor
 
 # -- reading ----------------------------------------------------------------------------------------------
 
@@ -64,6 +65,8 @@ def show(
     if as_json:
         emit_json({"ok": True, "revision": entry.revision, **record.model_dump(mode="json")})
         return
+    from mesh.protocol import TERMINAL
+
     p = record.proposal
     rows: list[list[Any]] = [
         ["task", record.task_id],
@@ -164,6 +167,9 @@ def inbox(
         return
     if reset and out is not None:
         raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
+    from mesh.peer import NotificationLog
+    from mesh.watch import FileCursor
+
     me = agent or default_agent()
     cursor: Cursor
     log = NotificationLog(out) if out is not None else None
@@ -177,6 +183,8 @@ def inbox(
 
 
 async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[str, Any]], list[QuarantinedRecord]]:
+    from mesh.peer import inbox_now
+
     rows = [entry.summary(why) for entry, why in await inbox_now(mesh, project)]
     return rows, mesh.store.quarantine.records
 
@@ -184,6 +192,8 @@ async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[st
 async def _watch_inbox(
     mesh: MeshAgent, project: str | None, cursor: Cursor, log: NotificationLog | None, count: int | None, as_json: bool
 ) -> None:
+    from mesh.peer import Inbox
+
     done = asyncio.Event()
     told = 0
 
@@ -242,6 +252,9 @@ def coordinate(
 ) -> None:
     """Run the coordinator service for a project: decide proposals by the policy, expire overdue tasks.
     This agent must be one of the project's coordinators."""
+    from mesh.coordinator import Coordinator, parse_policy
+    from mesh.watch import FileCursor
+
     chosen = parse_policy(policy)
 
     async def work(mesh: MeshAgent) -> None:

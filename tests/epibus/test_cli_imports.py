@@ -1,5 +1,5 @@
 """Starting the command line loads no heavy library a command may not need: the MCP SDK and its web stack, the
-node's servers, SQLAlchemy, the mirror's embedding and vector stores, the metrics client. Each command that
+node's servers, SQLAlchemy, the mirror's embedding and vector stores, the metrics client, the mesh's models. Each command that
 needs one imports it when it runs. A structural check on `sys.modules`, never a timing."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ HEAVY = (
     "epibus.mcp_tools",
     "epibus.metrics",
     "observers.journal",
+    "mesh.agent",
 )
 
 
