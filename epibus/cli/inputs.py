@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+import mesh.events  # noqa: F401  registers the mesh's kinds (task, coordinators): --kind accepts, reads parse them
 from bus.event import AGENT_PATTERN, kind_names, require_kind
 from bus.subjects import PROJECT_PATTERN
 

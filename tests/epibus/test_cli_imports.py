@@ -1,6 +1,6 @@
 """Starting the command line loads no heavy library a command may not need: the MCP SDK and its web stack, the
-node's servers, SQLAlchemy, the mirror's embedding and vector stores, the metrics client, the mesh's models. Each command that
-needs one imports it when it runs. A structural check on `sys.modules`, never a timing."""
+node's servers, SQLAlchemy, the mirror's embedding and vector stores, the metrics client, the mesh's agent.
+Each command that needs one imports it when it runs. A structural check on `sys.modules`, never a timing."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def test_commands_that_do_not_need_them_load_none_of_the_heavy_libraries(tmp_pat
 
 def test_a_command_that_needs_one_loads_it_when_it_runs(tmp_path: Path):
     # The check above could pass on a list of names nothing imports: `events` reads the journal, `mcp
-    # --print-config --http` makes the HTTP server's token.
-    codes, heavy = loaded_heavy([["events", "--json"], ["mcp", "--print-config", "--http"]], tmp_path / "home")
+    # --print-config --http` makes the HTTP server's token. A kind the mesh registers is known without its agent.
+    argvs = [["events", "--kind", "task", "--json"], ["mcp", "--print-config", "--http"]]
+    codes, heavy = loaded_heavy(argvs, tmp_path / "home")
     assert codes == [0, 0]
     assert {"sqlalchemy", "observers.journal", "mcp", "epibus.mcp_tools.server"} <= set(heavy)
