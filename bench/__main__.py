@@ -69,7 +69,7 @@ def main() -> None:
     mode = "full" if args.full else "tiny" if args.tiny else "quick"
     names = [name for name in ROWS if not args.only or name in args.only]
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
     info = machine()
     started = time.perf_counter()
     lines = asyncio.run(run(names, mode, console))

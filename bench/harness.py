@@ -234,7 +234,8 @@ def _figure(value: float | None, unit: str) -> str:
 
 
 def table(lines: list[Line], title: str) -> Table:
-    t = Table(title=title, show_lines=False)
+    caption = "ratio: throughput epibus/baseline; latency baseline/epibus; state change large/small (1.0 = flat)"
+    t = Table(title=title, caption=caption, show_lines=False)
     for column in ("row", "epibus", "figure", "baseline (same run)", "figure", "ratio", "target", "met"):
         t.add_column(column, overflow="fold")
     for line in lines:
@@ -250,7 +251,7 @@ def table(lines: list[Line], title: str) -> Table:
             _figure(line.epibus, line.unit),
             line.baseline_what,
             _figure(line.baseline, line.unit),
-            "—" if line.ratio is None else f"{line.ratio:.2f} ({line.ratio_is})",
+            "—" if line.ratio is None else f"{line.ratio:.2f}",
             line.target,
             met,
         )
