@@ -31,6 +31,9 @@ from observers.mirror.store import Point
 from observers.recall import recall, safe_filter
 
 BATCH = 256
+# FastStream's default PubAck timeout (0.5 s) fails a gather of thousands of publishes on a busy 2-core machine
+# (nats: timeout); a user raises it, as epibus's publish_many waits for its PubAcks up to its own timeout.
+PUBLISH_TIMEOUT_S = 60.0
 
 
 def finding(i: int) -> dict[str, Any]:
@@ -77,7 +80,7 @@ async def faststream_pipeline(url: str, root: Path, n: int) -> tuple[float, dict
         Column("body", Text),
     )
     meta.create_all(engine)
-    broker = NatsBroker(url)
+    broker = NatsBroker(url, logger=None)  # its per-message log lines would be in the timed section
     stream = JStream("FSBENCH", subjects=["fsbench.>"])
 
     @broker.subscriber(
@@ -108,7 +111,9 @@ async def faststream_pipeline(url: str, root: Path, n: int) -> tuple[float, dict
         messages = [
             {"event_id": str(uuid.uuid4()), "project": "fs", "kind": "finding", "body": finding(i)} for i in range(n)
         ]
-        await asyncio.gather(*(broker.publish(m, "fsbench.events", stream="FSBENCH") for m in messages))
+        await asyncio.gather(
+            *(broker.publish(m, "fsbench.events", stream="FSBENCH", timeout=PUBLISH_TIMEOUT_S) for m in messages)
+        )
         waited = await wait_for_count(count, n, start=start, deadline_s=60 + n / 100)
     finally:
         await broker.stop()
