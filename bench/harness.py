@@ -244,7 +244,9 @@ def table(lines: list[Line], title: str) -> Table:
             continue
         met = "—" if line.met is None else ("[green]yes[/green]" if line.met else "[red]no[/red]")
         stalls = line.details.get("stalls")
-        what = line.what + (f" [red](stalls >{STALL_S:g} s: {stalls})[/red]" if stalls else "")
+        what = line.what
+        for side, gaps in (stalls or {}).items():
+            what += f" [red]({side} stalled >{STALL_S:g} s: {', '.join(f'{g:g} s' for g in gaps)})[/red]"
         t.add_row(
             line.row,
             what,

@@ -153,7 +153,8 @@ async def row_live(root: Path, sizes: Sizes) -> list[Line]:
         target=1.0,
         details=details,
     )
-    line.details["stalls"] = epi_details["stalls"] + fs_details["stalls"] or None
+    sides = {"epibus": epi_details["stalls"], "FastStream": fs_details["stalls"]}
+    line.details["stalls"] = {side: gaps for side, gaps in sides.items() if gaps} or None
     # Shown beside the measured ratio, never instead of it: what FastStream would do without its stalls.
     fs_busy = fs_s - sum(fs_details["stalls"])
     line.details["faststream_per_s_without_stalls"] = fs_details["reached"] / fs_busy if fs_busy > 0 else None
