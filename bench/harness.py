@@ -233,6 +233,13 @@ def _figure(value: float | None, unit: str) -> str:
     return f"{value:,.0f} {unit}" if value >= 100 else f"{value:,.1f} {unit}"
 
 
+def _without_stalls(line: Line) -> str:
+    busy = line.details.get("faststream_per_s_without_stalls")
+    if not line.details.get("stalls", {}) or "FastStream" not in line.details["stalls"] or busy is None:
+        return ""
+    return f" ({_figure(busy, line.unit)} less its stalls)"
+
+
 def table(lines: list[Line], title: str) -> Table:
     caption = "ratio: throughput epibus/baseline; latency baseline/epibus; state change large/small (1.0 = flat)"
     t = Table(title=title, caption=caption, show_lines=False)
@@ -252,7 +259,7 @@ def table(lines: list[Line], title: str) -> Table:
             what,
             _figure(line.epibus, line.unit),
             line.baseline_what,
-            _figure(line.baseline, line.unit),
+            _figure(line.baseline, line.unit) + _without_stalls(line),
             "—" if line.ratio is None else f"{line.ratio:.2f}",
             line.target,
             met,
