@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from nats.aio.client import Client as NatsClient
 from nats.js.api import StorageType, StreamConfig
 
 from bench import mesh_handshake, mirror, publish
@@ -175,7 +176,7 @@ async def row_live(root: Path, sizes: Sizes) -> list[Line]:
 
 
 async def fetch_loop(
-    nc: nats.NATS, subject: str, durable: str, n: int, handle: Callable[[list[Any]], Awaitable[None]]
+    nc: NatsClient, subject: str, durable: str, n: int, handle: Callable[[list[Any]], Awaitable[None]]
 ) -> float:
     sub = await nc.jetstream().pull_subscribe(subject, durable=durable, stream=STREAM)
     seen, start = 0, time.perf_counter()
