@@ -1,7 +1,8 @@
 """`python -m bench`: every row of the performance issue side by side, each against a fresh nats-server, each
 epibus figure next to a baseline measured in the same run; prints a table and writes bench/results.json.
 
-    python -m bench [--quick | --full] [--only ROW ...] [--json] [--out PATH]
+    python -m bench [--quick | --full] [--only ROW ...] [--json | --markdown] [--out PATH]
+    python -m bench --from bench/results.json   # an earlier run as the README's markdown table
 
 Rows: live (publish -> journaled vs a FastStream pipeline; needs the `bench` extra), drain, publish, mirror,
 recall, state, mesh. A row that fails is reported as failed (with its error) and the exit code is 1."""
@@ -20,7 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
-from bench.harness import SIZES, Line, failed, machine, results, scratch, table
+from bench.harness import SIZES, Line, failed, machine, markdown, results, scratch, table
 from bench.rows import ROWS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
@@ -64,8 +65,14 @@ def main() -> None:
         help=f"run only this row (repeatable): {', '.join(ROWS)}",
     )
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown (the README's)")
+    parser.add_argument("--from", dest="source", type=Path, help="render an earlier results.json; run nothing")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the results")
     args = parser.parse_args()
+    if args.source is not None:
+        earlier = json.loads(args.source.read_text())
+        print(markdown([Line(**row) for row in earlier["rows"]], earlier["machine"], earlier["mode"]), end="")
+        return
     mode = "full" if args.full else "tiny" if args.tiny else "quick"
     names = [name for name in ROWS if not args.only or name in args.only]
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -77,6 +84,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     if args.json:
         print(json.dumps(report, indent=2, default=str))
+    elif args.markdown:
+        print(markdown(lines, info, mode), end="")
     else:
         load = " ".join(f"{x:.2f}" for x in info["load_average"])
         console.print(

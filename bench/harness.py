@@ -267,6 +267,33 @@ def table(lines: list[Line], title: str) -> Table:
     return t
 
 
+def markdown(lines: list[Line], info: dict[str, Any], mode: str) -> str:
+    """The table as the README shows it, with the machine it ran on."""
+    load = ", ".join(f"{x:.2f}" for x in info["load_average"])
+    out = [
+        f"`python -m bench --{mode}` on {info['cpu_count']} CPUs ({info['processor']}), load average {load} at start, "
+        f"{info['nats_server']}, Python {info['python']}.",
+        "",
+        "| row | epibus | figure | baseline (same run) | figure | ratio | target | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for line in lines:
+        if line.error is not None:
+            out.append(f"| {line.row} | failed: {line.error} | | | | | | error |")
+            continue
+        met = "—" if line.met is None else ("yes" if line.met else "no")
+        stalls = "".join(
+            f" ({side} stalled >{STALL_S:g} s: {', '.join(f'{g:g} s' for g in gaps)})"
+            for side, gaps in (line.details.get("stalls") or {}).items()
+        )
+        ratio = "—" if line.ratio is None else f"{line.ratio:.2f}"
+        out.append(
+            f"| {line.row} | {line.what}{stalls} | {_figure(line.epibus, line.unit)} | {line.baseline_what} | "
+            f"{_figure(line.baseline, line.unit)}{_without_stalls(line)} | {ratio} | {line.target} | {met} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def results(mode: str, started: float, info: dict[str, Any], lines: list[Line]) -> dict[str, Any]:
     return {
         "mode": mode,

@@ -51,6 +51,12 @@ def test_bench_rows_write_numeric_figures_beside_their_baselines(tmp_path: Path)
         assert isinstance(row["met"], bool) or row["target"] == "—"
     assert "journal observer drain" in done.stdout  # the table was printed
     assert "publish_many" in done.stdout
+    rendered = subprocess.run(
+        [sys.executable, "-m", "bench", "--from", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert rendered.returncode == 0, rendered.stderr[-2000:]
+    table_rows = [line for line in rendered.stdout.splitlines() if line.startswith(("| drain |", "| publish |"))]
+    assert len(table_rows) == 3
 
 
 async def test_a_row_that_fails_is_reported_with_its_error_not_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
