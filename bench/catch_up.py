@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as `python bench/catch_up.py`: this folder comes first on sys.path (its mesh.py would shadow the `mesh`
-# package), and the repository root is needed for the tests' history generator.
+# Run as `python bench/catch_up.py`: the repository root goes first on sys.path for the
+# tests' history generator.
 sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
     p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
 ]

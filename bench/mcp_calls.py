@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-# Run as `python bench/mcp_calls.py`: this folder comes first on sys.path (its mesh.py would shadow the `mesh`
-# package), and the repository root is needed for the tests' node helpers.
+# Run as `python bench/mcp_calls.py`: the repository root goes first on sys.path for the
+# tests' node helpers.
 sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
     p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
 ]

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import nats
+from nats.aio.client import Client as NatsClient
 from nats.js.api import StorageType, StreamConfig
 from rich.console import Console
 from rich.table import Table
@@ -67,7 +68,7 @@ async def epibus_publish(url: str, home: Path, project: str, n: int, *, outbox: 
     return elapsed
 
 
-async def raw_drain(nc: nats.NATS, n: int) -> float:
+async def raw_drain(nc: NatsClient, n: int) -> float:
     js = nc.jetstream()
     sub = await js.pull_subscribe("bench.raw.>", durable="raw-drain", stream="BENCH")
     seen = 0
@@ -83,7 +84,7 @@ async def raw_drain(nc: nats.NATS, n: int) -> float:
     return time.perf_counter() - start
 
 
-async def journal_drain(nc: nats.NATS, journal_url: str, project: str, n: int) -> float:
+async def journal_drain(nc: NatsClient, journal_url: str, project: str, n: int) -> float:
     journal = Journal(journal_url)
     journal.migrate()
     observer = JournalObserver(journal, name=f"bench-{project}")
@@ -145,7 +146,7 @@ async def main(n: int, as_json: bool) -> None:
         table.add_column(column)
     for r in results:
         table.add_row(
-            r["what"],
+            str(r["what"]),
             f"{r['per_s']:,}",
             f"{r['seconds']}",
             "baseline" if r["ratio_vs_baseline"] is None else f"{r['ratio_vs_baseline']:.2f}",

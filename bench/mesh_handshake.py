@@ -1,7 +1,7 @@
 """Mesh handshakes per second and handshake latency with N peers on one node, against a baseline measured in
 the same run on the same nats-server (`sync_interval: always`, as deployed).
 
-    python bench/mesh.py [--peers 4] [--tasks 25] [--in-flight 2] [--json]
+    python bench/mesh_handshake.py [--peers 4] [--tasks 25] [--in-flight 2] [--json]
 
 epibus: N peer agents, each on its own connection with its own inbox watcher, and one coordinator service
 (policy auto-accept:operational) on another. Peer i proposes `--tasks` tasks to peer i+1, keeping
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -27,21 +26,18 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-# Run as `python bench/mesh.py`, this file's folder comes first on sys.path and its own name would shadow the
-# `mesh` package it measures.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import nats
+from rich.console import Console
+from rich.table import Table
 
-import nats  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bus.client import connect  # noqa: E402
-from bus.server import NatsServer  # noqa: E402
-from bus.tasks import cancel_and_wait  # noqa: E402
-from mesh.agent import MeshAgent  # noqa: E402
-from mesh.coordinator import Coordinator, parse_policy  # noqa: E402
-from mesh.peer import Inbox, Notification  # noqa: E402
-from mesh.task import TaskRecord  # noqa: E402
+from bus.client import connect
+from bus.server import NatsServer
+from bus.tasks import cancel_and_wait
+from epibus.node import Node, NodeConfig
+from mesh.agent import MeshAgent
+from mesh.coordinator import Coordinator, parse_policy
+from mesh.peer import Inbox, Notification
+from mesh.task import TaskRecord
 
 PROJECT = "bench"
 # This process's CPU time during each timed section: every agent, watcher and the coordinator share one
@@ -126,6 +122,11 @@ class Peer:
 
 async def epibus_handshakes(url: str, home: Path, peers: int, tasks: int, in_flight: int) -> tuple[float, list[float]]:
     async with AsyncExitStack() as stack:
+        # The mesh's writes go through a node's mesh service, as with `epibus up`: one runs here, in this process.
+        config = NodeConfig(
+            home=home / "node", nats_url=url, journal_url=f"sqlite:///{home / 'journal.db'}", mirror="off"
+        )
+        await stack.enter_async_context(Node(config))
 
         async def agent(name: str) -> MeshAgent:
             client = await stack.enter_async_context(connect(url, agent=name, home=home, outbox=False))
