@@ -1,0 +1,111 @@
+"""One state change against the size of the project, in one run on one nats-server.
+
+    python bench/state_change.py [--sizes 100,20000,100000] [--runs 3] [--full-up-to 20000] [--json]
+
+For each size, a project is filled with that many signed findings (publish_many), then `verify` is timed from
+the client API (`EpibusClient.transition`, a connected client: CLI start-up is not in it) on a claim of its
+own, `--runs` times, each on a fresh claim. The baseline is the same verify at the smallest size. The whole
+project's fold (what every transition did before, `project_view` + decide + publish) is timed too, up to
+`--full-up-to` events (it grows with the project: 20,000 events take tens of seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bus.client import EpibusClient, connect
+from bus.server import NatsServer
+
+
+async def fill(client: EpibusClient, project: str, n: int) -> None:
+    chunk = 5_000
+    for start in range(0, n, chunk):
+        events = [
+            client.event(
+                "finding",
+                {"text": f"finding {i} " + "x" * 40, "impact": 0.5, "confidence": 0.7, "subject": "bench"},
+                project=project,
+            )
+            for i in range(start, min(n, start + chunk))
+        ]
+        await client.publish_many(events, timeout_s=600)
+
+
+async def one_verify(author: EpibusClient, verifier: EpibusClient, project: str, *, whole: bool) -> float:
+    claim = author.event(
+        "finding",
+        {"text": f"claim {uuid.uuid4().hex}", "impact": 0.5, "confidence": 0.6, "subject": "b"},
+        project=project,
+    )
+    await author.publish(claim)
+    start = time.perf_counter()
+    view = await verifier.project_view(project) if whole else None
+    await verifier.transition(
+        "verified", {"note": "checked"}, project=project, artifact_id=claim.artifact_id, view=view
+    )
+    return time.perf_counter() - start
+
+
+async def run(sizes: list[int], runs: int, full_up_to: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"load_average": os.getloadavg(), "sizes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = NatsServer(Path(tmp) / "nats")
+        server.start()
+        try:
+            home = Path(tmp) / "home"
+            async with (
+                connect(server.url, agent="bench-author", home=home, outbox=False) as author,
+                connect(server.url, agent="bench-verifier", home=home, outbox=False) as verifier,
+            ):
+                for size in sizes:
+                    project = f"sc-{uuid.uuid4().hex[:8]}"
+                    started = time.perf_counter()
+                    await fill(author, project, size)
+                    filled_s = time.perf_counter() - started
+                    direct = [await one_verify(author, verifier, project, whole=False) for _ in range(runs)]
+                    whole = (
+                        [await one_verify(author, verifier, project, whole=True) for _ in range(runs)]
+                        if size <= full_up_to
+                        else []
+                    )
+                    results["sizes"][size] = {"fill_s": filled_s, "direct_s": direct, "whole_project_s": whole}
+        finally:
+            server.stop()
+    base = statistics.median(results["sizes"][sizes[0]]["direct_s"])
+    for figures in results["sizes"].values():
+        figures["direct_ratio_to_smallest"] = statistics.median(figures["direct_s"]) / base
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="100,20000")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--full-up-to", type=int, default=20_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    results = asyncio.run(run(sizes, args.runs, args.full_up_to))
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"load average {results['load_average']}")
+    for size, f in results["sizes"].items():
+        direct = " ".join(f"{s * 1000:.0f}" for s in f["direct_s"])
+        whole = " ".join(f"{s * 1000:.0f}" for s in f["whole_project_s"]) or "-"
+        print(
+            f"{size:>7} events: verify {direct} ms (x{f['direct_ratio_to_smallest']:.2f} of the smallest); "
+            f"whole-project fold {whole} ms; filled in {f['fill_s']:.1f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
