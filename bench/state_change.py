@@ -21,8 +21,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bus.admission import Admission, EnrolmentLog
 from bus.client import EpibusClient, connect
+from bus.knowledge import _read_admitted
+from bus.reader import last_matching
+from bus.registry import AgentRegistry
 from bus.server import NatsServer
+from bus.subjects import STREAM, artifact_filter, events_filter
 
 
 async def fill(client: EpibusClient, project: str, n: int) -> None:
@@ -54,6 +59,31 @@ async def one_verify(author: EpibusClient, verifier: EpibusClient, project: str,
     return time.perf_counter() - start
 
 
+async def phases(author: EpibusClient, verifier: EpibusClient, project: str) -> dict[str, float]:
+    """Where one direct read's time goes: each read it makes, timed alone (ms)."""
+    claim = author.event(
+        "finding",
+        {"text": f"claim {uuid.uuid4().hex}", "impact": 0.5, "confidence": 0.6, "subject": "b"},
+        project=project,
+    )
+    await author.publish(claim)
+    admission = Admission(AgentRegistry(verifier.js))
+    out: dict[str, float] = {}
+    for name, read in (
+        ("last_matching", lambda: last_matching(verifier.js, STREAM, artifact_filter(project, claim.artifact_id))),
+        (
+            "artifact_subjects",
+            lambda: _read_admitted(verifier.js, admission, artifact_filter(project, claim.artifact_id)),
+        ),
+        ("forgets", lambda: _read_admitted(verifier.js, admission, events_filter(project, "forgotten"))),
+        ("enrolments", lambda: EnrolmentLog(verifier.js, admission).read_filtered()),
+    ):
+        start = time.perf_counter()
+        await read()
+        out[name] = (time.perf_counter() - start) * 1000
+    return out
+
+
 async def run(sizes: list[int], runs: int, full_up_to: int) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average": os.getloadavg(), "sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,13 +100,20 @@ async def run(sizes: list[int], runs: int, full_up_to: int) -> dict[str, Any]:
                     started = time.perf_counter()
                     await fill(author, project, size)
                     filled_s = time.perf_counter() - started
+                    await one_verify(author, verifier, project, whole=False)  # warm: imports, registry cache
                     direct = [await one_verify(author, verifier, project, whole=False) for _ in range(runs)]
+                    profile = await phases(author, verifier, project)
                     whole = (
                         [await one_verify(author, verifier, project, whole=True) for _ in range(runs)]
                         if size <= full_up_to
                         else []
                     )
-                    results["sizes"][size] = {"fill_s": filled_s, "direct_s": direct, "whole_project_s": whole}
+                    results["sizes"][size] = {
+                        "fill_s": filled_s,
+                        "direct_s": direct,
+                        "whole_project_s": whole,
+                        "phases_ms": profile,
+                    }
         finally:
             server.stop()
     base = statistics.median(results["sizes"][sizes[0]]["direct_s"])
@@ -105,6 +142,7 @@ def main() -> None:
             f"{size:>7} events: verify {direct} ms (x{f['direct_ratio_to_smallest']:.2f} of the smallest); "
             f"whole-project fold {whole} ms; filled in {f['fill_s']:.1f} s"
         )
+        print("         reads alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in f["phases_ms"].items()))
 
 
 if __name__ == "__main__":
