@@ -3,16 +3,19 @@ it and published with per-artifact compare-and-set, rollback planning and applyi
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from nats.js import JetStreamContext
 
 from bus.event import Body, Envelope
-from bus.knowledge import ProjectView, cas_headers, load_project
+from bus.knowledge import ProjectView, cas_headers, load_artifact, load_project
 from bus.publish import Receipt
 from bus.registry import AgentRegistry
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.state import decide
+
+log = logging.getLogger(__name__)
 
 
 class ChangesCore(Protocol):
@@ -32,6 +35,8 @@ class ChangesCore(Protocol):
     ) -> Receipt: ...
 
     async def project_view(self, project: str) -> ProjectView: ...
+
+    async def change_view(self, event: Envelope) -> ProjectView: ...
 
     async def transition(
         self,
@@ -53,6 +58,23 @@ class StateChanges:
         self._registry = self._registry or AgentRegistry(self.js)
         return await load_project(self.js, project, self._registry)
 
+    async def change_view(self: ChangesCore, event: Envelope) -> ProjectView:
+        """What deciding `event` reads: the artifacts it names and those they link to, read from their own
+        subjects (a cost that does not grow with the project), or the whole project when the decision reads
+        what only its fold knows (`bus.knowledge.load_artifact`)."""
+        self._registry = self._registry or AgentRegistry(self.js)
+        read = await load_artifact(self.js, event, self._registry)
+        if read.view is not None:
+            return read.view
+        log.debug(
+            "folding project %s to decide %s on %s: %s",
+            event.project,
+            event.kind,
+            event.artifact_id,
+            read.whole_project,
+        )
+        return await self.project_view(event.project)
+
     async def transition(
         self: ChangesCore,
         kind: str,
@@ -67,8 +89,8 @@ class StateChanges:
         it so that JetStream refuses it if any other event landed on the artifact since (Conflict). Raises
         Forbidden naming the rule the agent breaks or IllegalTransition (nothing written), Conflict (re-read and
         retry deliberately) or Unavailable."""
-        view = view or await self.project_view(project)
         event = self.event(kind, body, project=project, artifact_id=artifact_id)
+        view = view or await self.change_view(event)
         fold = view.fold
         change = decide(event, view.next_seq, fold.artifacts.get, fold.tombstones.__contains__, view.authority)
         expected = view.subject_seq.get(artifact_id, 0)

@@ -16,13 +16,13 @@ from bus.admission import Admission, Delivery, EnrolmentLog, ForgottenArtifacts,
 from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
-from bus.event import Envelope
+from bus.event import Envelope, FindingBody, ResolvedBody
 from bus.fold import Fold
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
 from bus.reader import read_stream
 from bus.records import Quarantine, decode_tombstone_key
 from bus.registry import AgentRegistry
-from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags
+from bus.state import FLAG_PREVIOUSLY_RETRACTED, Tombstone, claim_flags, event_references
 from bus.subjects import (
     STREAM,
     TOMBSTONES_BUCKET,
@@ -58,27 +58,33 @@ class ProjectView:
         return max(self.fold.last_seq, self.authority.last_seq, *self.subject_seq.values(), 0) + 1
 
 
-async def load_project(js: JetStreamContext, project: str, registry: AgentRegistry | None = None) -> ProjectView:
-    """Fold every event of the project in stream order, skipping exactly what the live consumer
-    dead-letters (invalid, wrongly signed, or signed with a key not bound to its agent), so the client's
-    view and the journal's projection agree. Raises Unavailable."""
-    admission = Admission(registry or AgentRegistry(js))
-    view = ProjectView(project)
-    read: list[tuple[int, EventAddress | None, Delivery | None]] = []
-    async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
+# What a read admitted: (stream seq, the address its subject names, the admitted event or None when refused).
+Read = list[tuple[int, EventAddress | None, Delivery | None]]
+# How many artifacts one state change may read directly; a longer chain of links is folded with the project.
+MAX_LINKED = 256
+
+
+async def _read_admitted(js: JetStreamContext, admission: Admission, filter_subject: str) -> Read:
+    """Every message on `filter_subject`, admitted exactly as the live consumer admits it: what it
+    dead-letters (invalid, wrongly signed, a key not bound to its agent) comes back as None."""
+    read: Read = []
+    async for messages in read_stream(js, STREAM, filter_subject=filter_subject):
         for msg in messages:
-            seq = msg.metadata.sequence.stream
             try:
                 delivery: Delivery | None = await admission.admit_msg(msg)
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
-            read.append((seq, parse_event_subject(msg.subject), delivery))
-    # Forgets and enrolment records from reads the broker lets an agent make: its project, and the records.
-    forgets = forgets_in([d for _, _, d in read if d is not None])
-    authority = await EnrolmentLog(js, admission).read_filtered()
+            read.append((msg.metadata.sequence.stream, parse_event_subject(msg.subject), delivery))
+    return read
+
+
+def _fold_view(project: str, read: Read, forgets: list[tuple[Envelope, int]], authority: Authority) -> ProjectView:
+    """The one fold both reads share: `read` in stream order through `Fold.apply`, with what the project's
+    forgets recorded and the enrolment records."""
+    view = ProjectView(project)
     erased = ForgottenArtifacts.records(forgets, authority)
     view.erased, view.authority, view.fold.authority = erased, authority, authority
-    for seq, address, delivery in read:
+    for seq, address, delivery in sorted(read, key=lambda r: r[0]):
         if address is not None:
             view.subject_seq[address.artifact_id] = seq
         if delivery is None:
@@ -90,6 +96,80 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
         view.messages.setdefault(event.artifact_id, []).append((seq, str(event.event_id)))
         view.fold.apply(event, seq, erased)
     return view
+
+
+async def load_project(js: JetStreamContext, project: str, registry: AgentRegistry | None = None) -> ProjectView:
+    """Fold every event of the project in stream order, skipping exactly what the live consumer
+    dead-letters (invalid, wrongly signed, or signed with a key not bound to its agent), so the client's
+    view and the journal's projection agree. Raises Unavailable."""
+    admission = Admission(registry or AgentRegistry(js))
+    read = await _read_admitted(js, admission, events_filter(project))
+    # Forgets and enrolment records from reads the broker lets an agent make: its project, and the records.
+    forgets = forgets_in([d for _, _, d in read if d is not None])
+    authority = await EnrolmentLog(js, admission).read_filtered()
+    return _fold_view(project, read, forgets, authority)
+
+
+def whole_project_needed(event: Envelope) -> str | None:
+    """Why deciding `event` needs the whole project folded (None: the artifacts it names are enough). An
+    artifact's lifecycle also changes when a claim on another subject supersedes it, and nothing on its own
+    subjects says so: a decision that reads a lifecycle (a resolution, a supersession) reads the project."""
+    body = event.body
+    if isinstance(body, ResolvedBody):
+        return "a resolution reads the artifact's lifecycle, which a claim elsewhere superseding it changes"
+    if isinstance(body, FindingBody) and body.supersedes is not None:
+        return "a supersession reads the superseded artifact's lifecycle"
+    return None
+
+
+@dataclass(frozen=True)
+class ArtifactRead:
+    """What `load_artifact` found: the view, or why only the whole project's fold can decide."""
+
+    view: ProjectView | None
+    whole_project: str | None = None
+
+
+async def load_artifact(
+    js: JetStreamContext, event: Envelope, registry: AgentRegistry | None = None, *, max_linked: int = MAX_LINKED
+) -> ArtifactRead:
+    """The view `load_project` gives of what deciding `event` reads, from the subjects of the artifacts it names
+    and, transitively, those their events link to (at most `max_linked`), the project's forgets and the
+    enrolment records: a cost that grows with the artifact's history, not the project's. The same admission
+    and the same fold as `load_project` (`_fold_view`); `subject_seq` of the event's artifact is the value
+    compare-and-set expects. Exact for an artifact's existence, author, trust and contradiction: what
+    verifying, contradicting, rolling back and forgetting read. When the decision, or the creation of an
+    artifact it reads, reads a lifecycle (`whole_project_needed`), or the links run past `max_linked`, the
+    view is None with the reason. An event id reused on another subject is not seen here: the stores refuse
+    the reuse (and the changes on top of it) as the project's fold does. Raises Unavailable."""
+    why = whole_project_needed(event)
+    if why is not None:
+        return ArtifactRead(None, why)
+    admission = Admission(registry or AgentRegistry(js))
+    project, read, seen = event.project, [], set[str]()
+    wanted = event_references(event)
+    while wanted:
+        if len(seen) + len(wanted) > max_linked:
+            return ArtifactRead(None, f"its artifact links to more than {max_linked} others")
+        batch = sorted(wanted)
+        seen |= wanted
+        reads = await asyncio.gather(*(_read_admitted(js, admission, artifact_filter(project, a)) for a in batch))
+        wanted = set()
+        for one in reads:
+            read += one
+            for _, _, delivery in one:
+                if delivery is None:
+                    continue
+                why = whole_project_needed(delivery.event) if not delivery.event.body.transition else None
+                if why is not None:
+                    return ArtifactRead(None, f"{delivery.event.artifact_id} was claimed superseding another: {why}")
+                wanted |= event_references(delivery.event) - seen
+    # After the artifacts, as load_project: a forget or a record stored before what was read is never missed.
+    forgets = forgets_in(
+        [d for _, _, d in await _read_admitted(js, admission, events_filter(project, "forgotten")) if d is not None]
+    )
+    authority = await EnrolmentLog(js, admission).read_filtered()
+    return ArtifactRead(_fold_view(project, read, forgets, authority))
 
 
 def cas_headers(project: str, artifact_id: str, expected_seq: int) -> dict[str, str]:
