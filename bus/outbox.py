@@ -21,7 +21,7 @@ from bus.errors import Unavailable
 from bus.event import Envelope
 from bus.home import private_sqlite
 from bus.outbox_schema import PARKED, PARKED_SQL, TABLE, WAITING_SQL
-from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, event_headers, wire_message
+from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, PreparedEvent, event_headers, wire_message
 from bus.subjects import parse_event_subject
 
 T = TypeVar("T")
@@ -74,6 +74,11 @@ class OutboxRow:
             message.headers.get(EVENT_SIGNATURE_HEADER),
             message.headers.get(EVENT_KEY_HEADER),
         )
+
+    @classmethod
+    def prepared(cls, prepared: PreparedEvent, signature: str, signer_key: str) -> OutboxRow:
+        """The row of a prepared event signed in bulk: what `of` gives for the event sealed with `signature`."""
+        return cls(str(prepared.event.event_id), prepared.subject, prepared.data, signature, signer_key)
 
     def headers(self) -> dict[str, str]:
         """A fresh dict per publish (nats-py writes into it): the event id for JetStream's deduplication, and
