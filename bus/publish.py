@@ -92,7 +92,10 @@ async def send_chunks(
                 results[row.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
                 continue
             try:
-                async with asyncio.timeout(timeout_s):
+                if slots.locked():  # only a wait needs a deadline (asyncio.timeout costs more than a publish)
+                    async with asyncio.timeout(timeout_s):
+                        await slots.acquire()
+                else:
                     await slots.acquire()
             except TimeoutError:
                 starved = True  # the rest, in this chunk and the next, is reported unsent
