@@ -83,10 +83,9 @@ class OutboxRow:
     def headers(self) -> dict[str, str]:
         """A fresh dict per publish (nats-py writes into it): the event id for JetStream's deduplication, and
         the signature headers when the event has them."""
-        headers = {MSG_ID_HEADER: self.event_id}
         if self.signature is not None and self.signer_key is not None:
-            headers |= event_headers(self.signature, self.signer_key)
-        return headers
+            return {MSG_ID_HEADER: self.event_id, **event_headers(self.signature, self.signer_key)}
+        return {MSG_ID_HEADER: self.event_id}
 
 
 class Outbox:
