@@ -1,10 +1,10 @@
 """Publish and drain throughput, each against a baseline measured in the same run on the same nats-server.
 
-    python bench/publish.py [-n 10000] [--json]
+    python bench/publish.py [-n 10000] [--json] [--sync always|default]
 
 1. raw nats-py publish_async of N 200-byte messages (bounded in flight, every PubAck awaited)
    vs epibus publish_many of N events built, validated and signed in the timed section, without and with
-   the outbox (SQLite, synchronous=FULL);
+   the outbox (SQLite, synchronous=FULL), and of N events each signed as built (`client.event`);
 2. a raw pull-fetch-ack loop over N messages vs the journal observer (validate, verify signature, insert into
    SQLite, ack) over N events."""
 
@@ -49,11 +49,14 @@ async def raw_publish(js: nats.js.JetStreamContext, n: int) -> float:
     return time.perf_counter() - start
 
 
-async def epibus_publish(url: str, home: Path, project: str, n: int, *, outbox: bool) -> float:
+async def epibus_publish(url: str, home: Path, project: str, n: int, *, outbox: bool, drafts: bool = True) -> float:
+    """`drafts`: events built with `client.draft` and signed by publish_many in bulk; else each signed by
+    `client.event` as it is built. Built, validated and signed inside the timed section either way."""
     async with connect(url, agent="bench", home=home, outbox=outbox, max_in_flight=MAX_IN_FLIGHT) as client:
         start = time.perf_counter()
+        build = client.draft if drafts else client.event
         events = [
-            client.event(
+            build(
                 "finding",
                 {"text": f"finding {i} " + "x" * 40, "impact": 0.5, "confidence": 0.7, "subject": "bench"},
                 project=project,
@@ -100,10 +103,10 @@ async def journal_drain(nc: NatsClient, journal_url: str, project: str, n: int) 
     return elapsed
 
 
-async def main(n: int, as_json: bool) -> None:
+async def main(n: int, as_json: bool, *, sync_always: bool = True) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        server = NatsServer(root / "nats")  # sync_interval: always, as deployed
+        server = NatsServer(root / "nats", sync_always=sync_always)  # always: as deployed
         server.start()
         try:
             nc = await nats.connect(server.url)
@@ -113,8 +116,10 @@ async def main(n: int, as_json: bool) -> None:
                 StreamConfig(name="BENCH", subjects=["bench.>"], storage=StorageType.FILE, duplicate_window=600)
             )
             direct_project, outbox_project = f"b-{uuid.uuid4().hex[:8]}", f"b-{uuid.uuid4().hex[:8]}"
+            signed_project = f"b-{uuid.uuid4().hex[:8]}"
             raw_s = await raw_publish(js, n)
             direct_s = await epibus_publish(server.url, root / "home", direct_project, n, outbox=False)
+            signed_s = await epibus_publish(server.url, root / "home", signed_project, n, outbox=False, drafts=False)
             outbox_s = await epibus_publish(server.url, root / "home", outbox_project, n, outbox=True)
             raw_drain_s = await raw_drain(nc, n)
             journal_s = await journal_drain(nc, f"sqlite:///{root / 'journal.db'}", direct_project, n)
@@ -124,6 +129,7 @@ async def main(n: int, as_json: bool) -> None:
     rows = [
         ("raw nats-py publish_async, 200 B", raw_s, None),
         ("epibus publish_many, no outbox", direct_s, raw_s),
+        ("epibus publish_many of client.event, no outbox", signed_s, raw_s),
         ("epibus publish_many, outbox", outbox_s, raw_s),
         ("raw pull fetch + ack", raw_drain_s, None),
         ("journal observer (SQLite)", journal_s, raw_drain_s),
@@ -158,5 +164,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", type=int, default=10_000)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--sync", choices=("always", "default"), default="always", help="nats-server sync_interval (default: 2 min)"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.n, args.json))
+    asyncio.run(main(args.n, args.json, sync_always=args.sync == "always"))

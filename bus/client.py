@@ -11,7 +11,8 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -44,10 +45,10 @@ from bus.ids import new_event_id
 from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats, requires_authentication
 from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
 from bus.outbox import Outbox, OutboxRow
-from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_batch, send_one
+from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_chunks, send_one
 from bus.receipts import await_acks, journaled_receipt, wait_indexed, wait_journaled
 from bus.registry import AgentRegistry
-from bus.signing import AgentKey
+from bus.signing import AgentKey, PreparedEvent
 from bus.state import decide
 from bus.subjects import POLICY_PROJECT
 from bus.tasks import cancel_and_wait
@@ -55,6 +56,7 @@ from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)
 TOMBSTONE_CHECK_TIMEOUT_S = 2.0
+SIGN_CHUNK = 256  # events signed per worker-thread call in publish_many, sent while the next chunk is signed
 ENROLLED_CONNECT_S = 10.0  # how long a just-enrolled agent is refused by a cluster node that has not applied it yet
 
 
@@ -108,6 +110,7 @@ class EpibusClient(StateChanges, FleetRequests):
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._signer: ThreadPoolExecutor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -169,6 +172,9 @@ class EpibusClient(StateChanges, FleetRequests):
                 except NATS_UNAVAILABLE as e:  # the connection was already failing; unsent rows stay in the outbox
                     log.info("closing a failing NATS connection: %s %s", type(e).__name__, e)
         finally:
+            if self._signer is not None:
+                self._signer.shutdown(wait=True)  # at most one chunk of signatures in progress
+                self._signer = None
             await self._stack.aclose()
 
     async def _connect(self) -> NatsClient:
@@ -276,7 +282,33 @@ class EpibusClient(StateChanges, FleetRequests):
     ) -> Envelope:
         """A new event by this agent, validated and signed. Raises InvalidEvent naming the field. Passing the
         same event_id and recorded_at again rebuilds the same signed bytes (ed25519 is deterministic)."""
-        draft = draft_event(
+        draft = self.draft(
+            kind,
+            body,
+            project=project,
+            artifact_id=artifact_id,
+            source=source,
+            goal_id=goal_id,
+            event_id=event_id,
+            recorded_at=recorded_at,
+        )
+        return self.key.sign(draft)
+
+    def draft(
+        self,
+        kind: str,
+        body: Body | dict[str, Any],
+        *,
+        project: str,
+        artifact_id: str | None = None,
+        source: EpistemicSource | str | None = None,
+        goal_id: str | None = None,
+        event_id: uuid.UUID | None = None,
+        recorded_at: datetime | None = None,
+    ) -> Envelope:
+        """A new event by this agent, validated, not signed yet: `publish_many` signs drafts in bulk on a
+        worker thread while it sends. Raises InvalidEvent naming the field."""
+        return draft_event(
             kind,
             body,
             project=project,
@@ -288,18 +320,58 @@ class EpibusClient(StateChanges, FleetRequests):
             event_id=event_id,
             recorded_at=recorded_at,
         )
-        return self.key.sign(draft)
 
     def _row(self, event: Envelope) -> OutboxRow:
+        return self._signed_rows([self._item(event)])[0]
+
+    def _item(self, event: Envelope) -> OutboxRow | PreparedEvent:
+        """What publishing `event` sends: a signed event's row, or an unsigned event prepared for signing (its
+        bytes made, so every check that can refuse it has run). Raises InvalidEvent or Forbidden."""
+        item: OutboxRow | PreparedEvent
         if event.signature is None:
-            event = self.key.sign(event)
+            item = self.key.prepare(event)
         elif event.actor != self.key.actor:
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not this client's agent {self.key.agent_id!r}")
+        else:
+            item = OutboxRow.of(event)
         # The reserved project is refused by the authority rule that names it, not here.
         if event.project != POLICY_PROJECT:
             # The broker would refuse it (a timeout to nats-py); an outbox would retry it for ever.
             self.require_member(event.project, "publish in")
-        return OutboxRow.of(event)
+        return item
+
+    def _signed_rows(self, items: Sequence[OutboxRow | PreparedEvent]) -> list[OutboxRow]:
+        """The rows of `items` in order, the prepared ones signed now. Touches only bytes and text, so it may
+        run on the signing thread."""
+        prepared = [item for item in items if isinstance(item, PreparedEvent)]
+        signatures = iter(self.key.sign_prepared(prepared))
+        return [
+            item if isinstance(item, OutboxRow) else OutboxRow.prepared(item, next(signatures), self.key.public_key)
+            for item in items
+        ]
+
+    async def _signed_chunks(self, items: Sequence[OutboxRow | PreparedEvent]) -> AsyncGenerator[list[OutboxRow], None]:
+        """The rows of `items` in order, SIGN_CHUNK at a time. The next chunk is signed on a worker thread while
+        the caller sends this one (PyNaCl releases the GIL: the second core signs)."""
+        if len(items) <= SIGN_CHUNK:  # nothing to overlap: a thread hop would only add latency
+            yield self._signed_rows(items)
+            return
+        if self._signer is None:
+            self._signer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-sign")
+        loop = asyncio.get_running_loop()
+        chunks = [items[start : start + SIGN_CHUNK] for start in range(0, len(items), SIGN_CHUNK)]
+        pending = [loop.run_in_executor(self._signer, self._signed_rows, chunk) for chunk in chunks[:2]]
+        try:
+            for index in range(len(chunks)):
+                rows = await pending[index]
+                if index + 2 < len(chunks):
+                    pending.append(loop.run_in_executor(self._signer, self._signed_rows, chunks[index + 2]))
+                yield rows
+        finally:
+            # Closed early (an error while sending): let the thread finish what it started, never leave it.
+            unfinished = [future for future in pending if not future.done()]
+            if unfinished:
+                await asyncio.wait(unfinished)
 
     def require_member(self, project: str, action: str) -> None:
         """Raise Forbidden unless this agent's enrolment (known once connected) covers `project`: the broker
@@ -342,21 +414,22 @@ class EpibusClient(StateChanges, FleetRequests):
         content was retracted or rolled back before is flagged `previously_retracted` (refused if strict).
         Raises Forbidden for an event in project `epibus`, which holds the nodes' enrolment records."""
         level = self._wait_level(wait_for)
-        rows = [self._row(event) for event in events]
+        items = [self._item(event) for event in events]
         for event in events:
             if event.project == POLICY_PROJECT:  # every store would reject it: only nodes write there
                 authorize(event, 0, lambda _artifact_id: None, NO_RECORDS)
-        if len(rows) > 1 and len({row.event_id for row in rows}) != len(rows):
+        if len(events) > 1 and len({event.event_id for event in events}) != len(events):
             raise InvalidEvent("event_id", "appears twice in one publish_many call")
         guard = await self._check_links(events)
         flags = await self._flags(events, strict=strict)
-        deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(rows) / 2000)
+        deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(events) / 2000)
         if guard is not None:
             receipts = [await self.publish_expecting(events[0], expected_headers=guard, timeout_s=timeout_s)]
         elif self.outbox is not None:
+            rows = self._signed_rows(items)
             receipts = await self._publish_through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
         else:
-            receipts = await self._publish_direct(rows)
+            receipts = await self._publish_direct(items)
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
         if level in (ReceiptLevel.journaled, ReceiptLevel.indexed):
             started = asyncio.get_running_loop().time()
@@ -457,32 +530,37 @@ class EpibusClient(StateChanges, FleetRequests):
                 receipts.append(Receipt(event_id, row.subject, ReceiptLevel.outboxed))
         return receipts
 
-    async def _publish_direct(self, rows: list[OutboxRow]) -> list[Receipt]:
-        """Send straight to JetStream; rows without a PubAck are retried (tenacity, same Nats-Msg-Id)."""
+    async def _publish_direct(self, items: Sequence[OutboxRow | PreparedEvent]) -> list[Receipt]:
+        """Send straight to JetStream, each chunk as soon as it is signed; rows without a PubAck are retried
+        (tenacity, same Nats-Msg-Id)."""
         acks: dict[str, PubAck] = {}
-        try:
-            async for attempt in retrying_unavailable():
-                with attempt:
-                    if not self.connected:
-                        raise Unavailable("nats", "not connected")
-                    await self._prepare_server()
-                    todo = [r for r in rows if r.event_id not in acks]
-                    results = await send_batch(
-                        self.js, todo, max_in_flight=self.max_in_flight, timeout_s=self.publish_timeout_s
-                    )
-                    for event_id, result in results.items():
-                        if isinstance(result, PubAck):
-                            acks[event_id] = result
-                        elif not isinstance(result, Unavailable):
-                            raise result  # Conflict or a refusal: retrying the same bytes cannot help
-                    if len(acks) < len(rows):
-                        raise Unavailable("nats", f"{len(rows) - len(acks)} event(s) got no PubAck")
-        except Unavailable as e:
-            raise Unavailable(
-                "nats",
-                f"{len(rows) - len(acks)} of {len(rows)} events not acknowledged after {MAX_PUBLISH_ATTEMPTS} "
-                f"attempts ({e.cause}); publishing the same events again is safe (ids dedupe)",
-            ) from e
+        rows: list[OutboxRow] = []  # signed so far, in order
+        async with contextlib.aclosing(self._signed_chunks(items)) as chunks:
+            try:
+                async for attempt in retrying_unavailable():
+                    with attempt:
+                        if not self.connected:
+                            raise Unavailable("nats", "not connected")
+                        await self._prepare_server()
+                        results = await send_chunks(
+                            self.js,
+                            _unacknowledged(rows, chunks, acks),
+                            max_in_flight=self.max_in_flight,
+                            timeout_s=self.publish_timeout_s,
+                        )
+                        for event_id, result in results.items():
+                            if isinstance(result, PubAck):
+                                acks[event_id] = result
+                            elif not isinstance(result, Unavailable):
+                                raise result  # Conflict or a refusal: retrying the same bytes cannot help
+                        if len(acks) < len(items):
+                            raise Unavailable("nats", f"{len(items) - len(acks)} event(s) got no PubAck")
+            except Unavailable as e:
+                raise Unavailable(
+                    "nats",
+                    f"{len(items) - len(acks)} of {len(items)} events not acknowledged after {MAX_PUBLISH_ATTEMPTS} "
+                    f"attempts ({e.cause}); publishing the same events again is safe (ids dedupe)",
+                ) from e
         return [
             Receipt(
                 uuid.UUID(r.event_id),
@@ -593,3 +671,15 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
     async def __aexit__(self, *exc_info: object) -> None:
         if self._client is not None:
             await self._client.close()
+
+
+async def _unacknowledged(
+    rows: list[OutboxRow], chunks: AsyncIterator[list[OutboxRow]], acks: dict[str, PubAck]
+) -> AsyncIterator[list[OutboxRow]]:
+    """What an attempt sends: the rows signed before it and not acknowledged, then the chunks still being
+    signed (kept in `rows` for the next attempt)."""
+    if rows:
+        yield [row for row in rows if row.event_id not in acks]
+    async for chunk in chunks:
+        rows.extend(chunk)
+        yield chunk

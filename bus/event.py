@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticSerializationError
 
 from bus.errors import ConfigError, InvalidEvent
 from bus.ids import new_event_id
@@ -282,7 +283,7 @@ def require_kind(kind: str) -> KindSpec:
     return spec
 
 
-for _body in (
+_BUILTIN_BODIES: tuple[type[Body], ...] = (
     FindingBody,
     UnknownBody,
     MistakeBody,
@@ -294,7 +295,8 @@ for _body in (
     ContradictedBody,
     RolledBackBody,
     ForgottenBody,
-):
+)
+for _body in _BUILTIN_BODIES:
     register_kind(_body)
 
 
@@ -365,9 +367,23 @@ class Envelope(Model):
     @model_validator(mode="after")
     def _no_nul_characters(self) -> Envelope:
         # PostgreSQL cannot store NUL in text: one such event would stop every PostgreSQL journal for good.
-        if _holds_nul(self.model_dump()):
+        if envelope_holds_nul(self):
             raise ValueError("a text holds a NUL character (\\u0000); remove it")
         return self
+
+
+def envelope_holds_nul(event: Envelope) -> bool:
+    """Whether any text of the event (a key or a value) holds NUL. JSON escapes NUL as \\u0000 wherever it is,
+    so its absence from the compact encoding (pydantic's, in Rust) proves there is none; only a hit pays for the
+    exact walk. Custom bodies may serialise differently to JSON, so they always take the walk."""
+    if type(event.body) in _BUILTIN_BODIES:
+        try:
+            encoded = event.__pydantic_serializer__.to_json(event)
+        except PydanticSerializationError:  # e.g. a lone surrogate: the walk decides
+            return _holds_nul(event.model_dump())
+        if b"\\u0000" not in encoded:
+            return False
+    return _holds_nul(event.model_dump())
 
 
 def _holds_nul(value: Any) -> bool:
@@ -380,9 +396,13 @@ def _holds_nul(value: Any) -> bool:
     return False
 
 
+# json.dumps with these arguments builds this very encoder on every call; one instance gives the same bytes.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8: the same object always gives the same bytes."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return _CANONICAL.encode(value).encode()
 
 
 def event_digest(event: Envelope) -> str:

@@ -21,7 +21,7 @@ from bus.errors import Unavailable
 from bus.event import Envelope
 from bus.home import private_sqlite
 from bus.outbox_schema import PARKED, PARKED_SQL, TABLE, WAITING_SQL
-from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, event_headers, wire_message
+from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, PreparedEvent, event_headers, wire_message
 from bus.subjects import parse_event_subject
 
 T = TypeVar("T")
@@ -75,13 +75,17 @@ class OutboxRow:
             message.headers.get(EVENT_KEY_HEADER),
         )
 
+    @classmethod
+    def prepared(cls, prepared: PreparedEvent, signature: str, signer_key: str) -> OutboxRow:
+        """The row of a prepared event signed in bulk: what `of` gives for the event sealed with `signature`."""
+        return cls(str(prepared.event.event_id), prepared.subject, prepared.data, signature, signer_key)
+
     def headers(self) -> dict[str, str]:
         """A fresh dict per publish (nats-py writes into it): the event id for JetStream's deduplication, and
         the signature headers when the event has them."""
-        headers = {MSG_ID_HEADER: self.event_id}
         if self.signature is not None and self.signer_key is not None:
-            headers |= event_headers(self.signature, self.signer_key)
-        return headers
+            return {MSG_ID_HEADER: self.event_id, **event_headers(self.signature, self.signer_key)}
+        return {MSG_ID_HEADER: self.event_id}
 
 
 class Outbox:

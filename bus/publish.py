@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,25 +66,49 @@ async def send_batch(
 
     No future outlives `timeout_s` after the last send: unanswered ones are cancelled and reported as
     Unavailable, so a caller can retry them with the same Nats-Msg-Id."""
+    return await send_chunks(js, _one_chunk(rows), max_in_flight=max_in_flight, timeout_s=timeout_s)
+
+
+async def _one_chunk(rows: Sequence[OutboxRow]) -> AsyncIterator[Sequence[OutboxRow]]:
+    yield rows
+
+
+async def send_chunks(
+    js: JetStreamContext,
+    chunks: AsyncIterable[Sequence[OutboxRow]],
+    *,
+    max_in_flight: int = 512,
+    timeout_s: float = 10.0,
+) -> dict[str, SendResult]:
+    """`send_batch` of rows that arrive in chunks (e.g. signed on a worker thread meanwhile): each chunk is sent
+    as soon as it comes, and every row of every chunk gets a result."""
     results: dict[str, SendResult] = {}
     slots = asyncio.Semaphore(max_in_flight)
     in_flight: dict[asyncio.Future[PubAck], OutboxRow] = {}
-    for index, row in enumerate(rows):
-        try:
-            async with asyncio.timeout(timeout_s):
-                await slots.acquire()
-        except TimeoutError:
-            for unsent in rows[index:]:
-                results[unsent.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
-            break
-        try:
-            future = await js.publish_async(row.subject, row.payload, headers=row.headers())
-        except SEND_ERRORS as e:
-            slots.release()
-            results[row.event_id] = translate_publish_error(e, row.subject)
-            continue
-        future.add_done_callback(lambda _: slots.release())
-        in_flight[future] = row
+    starved = False
+    async for chunk in chunks:
+        for row in chunk:
+            if starved:
+                results[row.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
+                continue
+            try:
+                if slots.locked():  # only a wait needs a deadline (asyncio.timeout costs more than a publish)
+                    async with asyncio.timeout(timeout_s):
+                        await slots.acquire()
+                else:
+                    await slots.acquire()
+            except TimeoutError:
+                starved = True  # the rest, in this chunk and the next, is reported unsent
+                results[row.event_id] = Unavailable("nats", f"no PubAck freed a slot within {timeout_s}s")
+                continue
+            try:
+                future = await js.publish_async(row.subject, row.payload, headers=row.headers())
+            except SEND_ERRORS as e:
+                slots.release()
+                results[row.event_id] = translate_publish_error(e, row.subject)
+                continue
+            future.add_done_callback(lambda _: slots.release())
+            in_flight[future] = row
     if in_flight:
         done, late = await asyncio.wait(in_flight, timeout=timeout_s)
         for future in late:

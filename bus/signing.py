@@ -16,7 +16,7 @@ import hashlib
 import os
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,7 +71,7 @@ class AgentKey:
         self._pair = nkeys.from_seed(seed)
         self.public_key: str = self._pair.public_key.decode()
 
-    @property
+    @functools.cached_property
     def actor(self) -> Actor:
         return Actor(agent_id=self.agent_id, public_key=self.public_key)
 
@@ -128,13 +128,28 @@ class AgentKey:
         """The event (schema_version 2) signed by this key over its subject and body bytes: the signature is
         kept on the returned envelope, and `wire_message` sends it in the headers with the very bytes signed.
         Raises InvalidEvent if the event names another actor."""
+        prepared = self.prepare(event)
+        return self.seal(prepared, self.sign_prepared([prepared])[0])
+
+    def prepare(self, event: Envelope) -> PreparedEvent:
+        """The event as schema_version 2, unsigned, with the one serialisation of it: the bytes signed and sent.
+        Raises InvalidEvent if it names another actor or is larger than the limit."""
         self._require_actor(event)
-        unsigned = event.model_copy(update={"schema_version": SCHEMA_VERSION, "signature": None})
-        data = encode_event(unsigned)  # the one serialisation: these bytes are signed and sent
-        subject = event_subject(event.project, event.kind, event.artifact_id)
-        signature = _b64(self._pair.sign(event_signed_bytes(subject, data)))
-        signed = unsigned.model_copy(update={"signature": signature})
-        _remember(WireMessage(subject, data, event_headers(signature, self.public_key)), signed)
+        unsigned = event
+        if event.schema_version != SCHEMA_VERSION or event.signature is not None:
+            unsigned = event.model_copy(update={"schema_version": SCHEMA_VERSION, "signature": None})
+        data = encode_event(unsigned)
+        return PreparedEvent(unsigned, event_subject(event.project, event.kind, event.artifact_id), data)
+
+    def sign_prepared(self, prepared: Sequence[PreparedEvent]) -> list[str]:
+        """The signatures of prepared events, in order. Bytes in, text out: safe on a worker thread, where
+        PyNaCl releases the GIL while it signs."""
+        return [_b64(self._pair.sign(event_signed_bytes(p.subject, p.data))) for p in prepared]
+
+    def seal(self, prepared: PreparedEvent, signature: str) -> Envelope:
+        """The signed envelope; sending it later reuses the prepared bytes."""
+        signed = prepared.event.model_copy(update={"signature": signature})
+        _remember(WireMessage(prepared.subject, prepared.data, event_headers(signature, self.public_key)), signed)
         return signed
 
     def sign_v1(self, event: Envelope) -> Envelope:
@@ -147,7 +162,7 @@ class AgentKey:
         return legacy.model_copy(update={"signature": _b64(signature)})
 
     def _require_actor(self, event: Envelope) -> None:
-        if event.actor != self.actor:
+        if event.actor is not self.actor and event.actor != self.actor:  # a draft holds this very instance
             raise InvalidEvent("actor", f"{event.actor.agent_id!r} is not the signing agent {self.agent_id!r}")
 
 
@@ -255,6 +270,15 @@ def event_signed_bytes(subject: str, data: bytes) -> bytes:
 def event_headers(signature: str, public_key: str) -> dict[str, str]:
     """A fresh dict per publish: nats-py writes into the dict it is given."""
     return {EVENT_SIGNATURE_HEADER: signature, EVENT_KEY_HEADER: public_key}
+
+
+@dataclass(frozen=True)
+class PreparedEvent:
+    """An unsigned schema_version 2 event and what its signature will cover: `event_signed_bytes(subject, data)`."""
+
+    event: Envelope
+    subject: str
+    data: bytes
 
 
 @dataclass(frozen=True)
