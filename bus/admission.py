@@ -24,7 +24,7 @@ from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
-from bus.event import LEGACY_SCHEMA_VERSION, Envelope, decode_event, event_digest
+from bus.event import LEGACY_SCHEMA_VERSION, Envelope, canonical_digest, canonical_event, decode_event
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, message_format, verify_message, verify_signature
@@ -55,8 +55,13 @@ class Delivery:
     authority: Authority = field(default=NO_RECORDS, compare=False)
 
     @cached_property
+    def canonical(self) -> bytes:
+        """The event as canonical JSON, made once: its digest and a journal's envelope column share it."""
+        return canonical_event(self.event)
+
+    @cached_property
     def digest(self) -> str:
-        return event_digest(self.event)
+        return canonical_digest(self.canonical)
 
 
 def batch_authority(deliveries: Sequence[Delivery]) -> Authority:

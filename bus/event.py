@@ -365,19 +365,20 @@ class Envelope(Model):
     @model_validator(mode="after")
     def _no_nul_characters(self) -> Envelope:
         # PostgreSQL cannot store NUL in text: one such event would stop every PostgreSQL journal for good.
-        if _holds_nul(self.model_dump()):
+        if _holds_nul(self.model_dump_json()):
             raise ValueError("a text holds a NUL character (\\u0000); remove it")
         return self
 
 
-def _holds_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_holds_nul(v) for v in value)
-    return False
+# In JSON a NUL is always written as the escape \u0000; one preceded by an odd number of backslashes is a
+# backslash written as \\ and then the letters u0000, not a NUL.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _holds_nul(encoded: str) -> bool:
+    """Whether JSON text (keys included) holds a NUL character: scanning the encoded event is one pass in
+    the serialiser, not a walk of every value in Python."""
+    return "\\u0000" in encoded and _NUL_ESCAPE.search(encoded) is not None
 
 
 def canonical_json(value: Any) -> bytes:
@@ -385,9 +386,19 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def canonical_event(event: Envelope) -> bytes:
+    """The whole signed event as canonical JSON: what its digest covers, and what a journal keeps."""
+    return canonical_json(event.model_dump(mode="json"))
+
+
 def event_digest(event: Envelope) -> str:
     """sha256 of the whole signed event: two events under one event id are the same event only if equal."""
-    return hashlib.sha256(canonical_json(event.model_dump(mode="json"))).hexdigest()
+    return canonical_digest(canonical_event(event))
+
+
+def canonical_digest(canonical: bytes) -> str:
+    """`event_digest` of the event whose `canonical_event` these bytes are."""
+    return hashlib.sha256(canonical).hexdigest()
 
 
 def signing_payload(event: Envelope) -> bytes:
