@@ -66,10 +66,10 @@ async def load_project(js: JetStreamContext, project: str, registry: AgentRegist
     view = ProjectView(project)
     read: list[tuple[int, EventAddress | None, Delivery | None]] = []
     async for messages in read_stream(js, STREAM, filter_subject=events_filter(project)):
-        for msg in messages:
+        for msg, checked in zip(messages, await admission.check_msgs(messages), strict=True):
             seq = msg.metadata.sequence.stream
             try:
-                delivery: Delivery | None = await admission.admit_msg(msg)
+                delivery: Delivery | None = await admission.admit_checked(msg, checked)
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
             read.append((seq, parse_event_subject(msg.subject), delivery))
