@@ -55,7 +55,12 @@ def make_events(author: AgentKey, reviewer: AgentKey, project: str, n: int) -> l
         if i % VERIFY_EVERY == VERIFY_EVERY - 1:
             target = made[i - 1].artifact_id
             draft = draft_event(
-                "verified", {"note": "checked"}, project=project, actor=reviewer.actor, session_id="s", artifact_id=target
+                "verified",
+                {"note": "checked"},
+                project=project,
+                actor=reviewer.actor,
+                session_id="s",
+                artifact_id=target,
             )
             made.append(reviewer.sign(draft))
             continue
