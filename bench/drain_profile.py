@@ -45,6 +45,7 @@ from bus.subjects import STREAM, events_filter  # noqa: E402
 from observers.journal import Journal, JournalObserver  # noqa: E402
 
 BATCH = 256
+CPU: dict[str, float] = {}  # CPU seconds of this process (every thread) in the last drain of each kind
 MAX_IN_FLIGHT = 512
 VERIFY_EVERY = 10  # one event in ten verifies an earlier finding (a transition: the projection has work)
 
@@ -99,7 +100,7 @@ async def bare_drain(js: JetStreamContext, db: sqlite3.Connection, project: str,
     """fetch + json + sqlite executemany + ack: what a user would write without any checks."""
     sub = await js.pull_subscribe(events_filter(project), durable=f"bare-{uuid.uuid4().hex[:8]}", stream=STREAM)
     seen = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while seen < n:
         try:
             messages = await sub.fetch(BATCH, timeout=1)
@@ -127,6 +128,7 @@ async def bare_drain(js: JetStreamContext, db: sqlite3.Connection, project: str,
             await msg.ack()
         seen += len(messages)
     elapsed = time.perf_counter() - start
+    CPU["bare"] = time.process_time() - cpu
     await sub.unsubscribe()
     return elapsed
 
@@ -134,10 +136,11 @@ async def bare_drain(js: JetStreamContext, db: sqlite3.Connection, project: str,
 async def epibus_drain(nc: nats.NATS, journal: Journal, project: str, n: int) -> float:
     observer = JournalObserver(journal, name=f"bench-{uuid.uuid4().hex[:8]}")
     runner = ConsumerRunner(nc, observer, filter_subject=events_filter(project), batch_size=BATCH)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while runner.stats.handled + sum(runner.stats.dead_lettered.values()) < n:
         await runner.step()
     elapsed = time.perf_counter() - start
+    CPU["epibus"] = time.process_time() - cpu
     if runner.stats.dead_lettered:
         raise SystemExit(f"benchmark invalid: dead letters {runner.stats.dead_lettered}")
     return elapsed
@@ -188,6 +191,9 @@ async def drain_round(url: str, root: Path, n: int, profile: bool) -> dict[str, 
         "bare_per_s": round(n / bare_s),
         "epibus_per_s": round(n / epibus_s),
         "ratio": round(bare_s / epibus_s, 3),
+        "bare_cpu_us": round(CPU["bare"] / n * 1e6, 1),
+        "epibus_cpu_us": round(CPU["epibus"] / n * 1e6, 1),
+        "cpu_ratio": round(CPU["bare"] / CPU["epibus"], 3),
     }
     if profiler is not None:
         result["profile_us_per_event"] = stages(profiler, n)
@@ -277,7 +283,10 @@ async def main(n: int, repeat: int, profile: bool, live: bool, as_json: bool) ->
         print(json.dumps(results, indent=2))
         return
     for r in results["drain"]:
-        print(f"drain: bare {r['bare_per_s']:,}/s  epibus {r['epibus_per_s']:,}/s  ratio {r['ratio']:.3f}")
+        print(
+            f"drain: bare {r['bare_per_s']:,}/s  epibus {r['epibus_per_s']:,}/s  ratio {r['ratio']:.3f}  "
+            f"(CPU µs/event: bare {r['bare_cpu_us']}, epibus {r['epibus_cpu_us']}, ratio {r['cpu_ratio']:.3f})"
+        )
         for label, us in r.get("profile_us_per_event", {}).items():
             print(f"    {label:34} {us:8.1f} µs/event (cProfile, inflated)")
     for r in results["live"]:
