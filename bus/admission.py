@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from typing import ParamSpec, TypeVar
 
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -24,7 +26,7 @@ from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
-from bus.event import LEGACY_SCHEMA_VERSION, Envelope, decode_event, event_digest
+from bus.event import LEGACY_SCHEMA_VERSION, Envelope, canonical_digest, canonical_event, decode_event
 from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, message_format, verify_message, verify_signature
@@ -38,6 +40,8 @@ DEFAULT_FUTURE_SKEW_S = 300.0
 DEFAULT_MAX_DELAY_S = 30 * 86_400.0
 FUTURE_SKEW_ENV = "EPIBUS_MAX_CLOCK_SKEW_S"
 MAX_DELAY_ENV = "EPIBUS_MAX_PUBLISH_DELAY_S"
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,13 @@ class Delivery:
     authority: Authority = field(default=NO_RECORDS, compare=False)
 
     @cached_property
+    def canonical(self) -> bytes:
+        """The event as canonical JSON, made once: its digest and a journal's envelope column share it."""
+        return canonical_event(self.event)
+
+    @cached_property
     def digest(self) -> str:
-        return event_digest(self.event)
+        return canonical_digest(self.canonical)
 
 
 def batch_authority(deliveries: Sequence[Delivery]) -> Authority:
@@ -174,17 +183,33 @@ def check_message(
     """Everything admission checks that needs no server: format, decoding, subject, time and signature.
     Whatever the bytes are, the answer is the event or Rejected: nothing a publisher sends escapes as another
     exception."""
+    return _refusing(_check_signature, _refusing(_check_unsigned, subject, data, stream_time, bounds, headers or {}))
+
+
+def _refusing(check: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """`check`'s answer; any failure other than Rejected becomes one, with its type."""
     try:
-        return _check_message(subject, data, stream_time, bounds, headers or {})
+        return check(*args, **kwargs)
     except Rejected:
         raise
     except Exception as e:  # hostile bytes found a failure no check names: refuse it, with its type
         raise Rejected(DeadLetterReason.invalid_event, f"undecodable: {type(e).__name__}: {e}"[:1024]) from e
 
 
-def _check_message(
+@dataclass(frozen=True)
+class _Unverified:
+    """A message whose every check but its signature passed."""
+
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    event: Envelope
+    legacy: bool
+
+
+def _check_unsigned(
     subject: str, data: bytes, stream_time: datetime, bounds: TimeBounds, headers: Mapping[str, str]
-) -> Envelope:
+) -> _Unverified:
     legacy = message_format(headers) == LEGACY_SCHEMA_VERSION
     try:
         event = decode_event(data, legacy=legacy)
@@ -197,13 +222,65 @@ def _check_message(
     problem = bounds.problem(event.recorded_at, stream_time)
     if problem is not None:
         raise Rejected(DeadLetterReason.implausible_time, problem, event)
+    return _Unverified(subject, data, headers, event, legacy)
+
+
+def _check_signature(message: _Unverified) -> Envelope:
     try:
-        if legacy:
-            verify_signature(event)
-            return event
-        return verify_message(subject, data, headers, event)
+        if message.legacy:
+            verify_signature(message.event)
+            return message.event
+        return verify_message(message.subject, message.data, message.headers, message.event)
     except InvalidEvent as e:
-        raise Rejected(DeadLetterReason.bad_signature, str(e), event) from e
+        raise Rejected(DeadLetterReason.bad_signature, str(e), message.event) from e
+
+
+# A batch's signatures are verified in chunks on these threads while the event loop checks the rest of the
+# batch: PyNaCl releases the GIL, so verifying uses another core.
+VERIFY_THREADS = 2
+VERIFY_CHUNK = 32
+_verifiers = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="epibus-verify")
+
+Checked = Envelope | Rejected
+
+
+def _verify_all(messages: Sequence[_Unverified]) -> list[Checked]:
+    found: list[Checked] = []
+    for message in messages:
+        try:
+            found.append(_refusing(_check_signature, message))
+        except Rejected as rejected:
+            found.append(rejected)
+    return found
+
+
+async def check_messages(
+    messages: Sequence[tuple[str, bytes, datetime, Mapping[str, str] | None]], bounds: TimeBounds
+) -> list[Checked]:
+    """`check_message` of each (subject, data, stream_time, headers), in order: the event, or the Rejected it
+    raises. The same two checks in the same order decide, so it admits and refuses exactly what
+    `check_message` does; only the signatures are verified on threads, a chunk at a time."""
+    loop = asyncio.get_running_loop()
+    found: list[Checked | None] = [None] * len(messages)
+    chunks: list[tuple[list[int], asyncio.Future[list[Checked]]]] = []
+    indexes: list[int] = []
+    chunk: list[_Unverified] = []
+    for index, (subject, data, stream_time, headers) in enumerate(messages):
+        try:
+            chunk.append(_refusing(_check_unsigned, subject, data, stream_time, bounds, headers or {}))
+            indexes.append(index)
+        except Rejected as rejected:
+            found[index] = rejected
+        if len(chunk) == VERIFY_CHUNK:
+            chunks.append((indexes, loop.run_in_executor(_verifiers, _verify_all, chunk)))
+            indexes, chunk = [], []
+    # The last chunk here: the loop would only wait for the threads.
+    for index, checked in zip(indexes, _verify_all(chunk), strict=True):
+        found[index] = checked
+    for chunk_indexes, verified in chunks:
+        for index, checked in zip(chunk_indexes, await verified, strict=True):
+            found[index] = checked
+    return [checked for checked in found if checked is not None]
 
 
 def _check_format(event: Envelope, legacy: bool) -> None:
@@ -242,7 +319,10 @@ class Admission:
     ) -> Envelope:
         """The event, or Rejected (never admit it) or Unavailable (the registry did not answer: retry).
         `headers`: the message's, which carry a schema_version 2 event's signature."""
-        event = check_message(subject, data, stream_time, self.bounds, headers)
+        return await self._bind(check_message(subject, data, stream_time, self.bounds, headers))
+
+    async def _bind(self, event: Envelope) -> Envelope:
+        """The last check, the only one that asks a server: the actor's key is the one registered for it."""
         try:
             await self.registry.bind(event.actor)
         except Conflict as e:
@@ -253,6 +333,37 @@ class Admission:
         """Admit a message read from a JetStream consumer (its metadata carries the stream's sequence and time)."""
         metadata = msg.metadata
         event = await self.admit(msg.subject, msg.data, metadata.timestamp, msg.headers)
+        return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
+
+    async def check_msgs(self, msgs: Sequence[Msg]) -> list[Checked | None]:
+        """Every check `admit_msg` makes that needs no server, for a batch read from a JetStream consumer, with
+        the signatures verified on threads (`check_messages`). Hand each answer, in order, to `admit_checked`.
+        None: the message's metadata does not parse, and `admit_checked` raises what `admit_msg` would."""
+        readable: list[int] = []
+        for index, msg in enumerate(msgs):
+            try:
+                msg.metadata  # noqa: B018 - parsed and kept on the message, or it raises
+            except Exception:  # noqa: BLE001 - raised again by admit_checked for this message alone
+                continue
+            readable.append(index)
+        found: list[Checked | None] = [None] * len(msgs)
+        checked = await check_messages(
+            [(msgs[i].subject, msgs[i].data, msgs[i].metadata.timestamp, msgs[i].headers) for i in readable],
+            self.bounds,
+        )
+        for index, answer in zip(readable, checked, strict=True):
+            found[index] = answer
+        return found
+
+    async def admit_checked(self, msg: Msg, checked: Checked | None) -> Delivery:
+        """What `admit_msg` answers for `msg`, given what `check_msgs` found: Rejected, Unavailable or the
+        delivery. Call it in stream order: the first event of an agent binds its key."""
+        if checked is None:
+            return await self.admit_msg(msg)
+        if isinstance(checked, Rejected):
+            raise checked
+        metadata = msg.metadata
+        event = await self._bind(checked)
         return Delivery(event, msg.subject, metadata.sequence.stream, metadata.num_delivered, metadata.timestamp)
 
 

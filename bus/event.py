@@ -405,9 +405,19 @@ def canonical_json(value: Any) -> bytes:
     return _CANONICAL.encode(value).encode()
 
 
+def canonical_event(event: Envelope) -> bytes:
+    """The whole signed event as canonical JSON: what its digest covers, and what a journal keeps."""
+    return canonical_json(event.model_dump(mode="json"))
+
+
 def event_digest(event: Envelope) -> str:
     """sha256 of the whole signed event: two events under one event id are the same event only if equal."""
-    return hashlib.sha256(canonical_json(event.model_dump(mode="json"))).hexdigest()
+    return canonical_digest(canonical_event(event))
+
+
+def canonical_digest(canonical: bytes) -> str:
+    """`event_digest` of the event whose `canonical_event` these bytes are."""
+    return hashlib.sha256(canonical).hexdigest()
 
 
 def signing_payload(event: Envelope) -> bytes:

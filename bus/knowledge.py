@@ -69,9 +69,9 @@ async def _read_admitted(js: JetStreamContext, admission: Admission, filter_subj
     dead-letters (invalid, wrongly signed, a key not bound to its agent) comes back as None."""
     read: Read = []
     async for messages in read_stream(js, STREAM, filter_subject=filter_subject):
-        for msg in messages:
+        for msg, checked in zip(messages, await admission.check_msgs(messages), strict=True):
             try:
-                delivery: Delivery | None = await admission.admit_msg(msg)
+                delivery: Delivery | None = await admission.admit_checked(msg, checked)
             except Rejected:
                 delivery = None  # the live consumer dead-letters it; it changes no state here either
             read.append((msg.metadata.sequence.stream, parse_event_subject(msg.subject), delivery))

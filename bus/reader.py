@@ -252,9 +252,9 @@ async def replay(
     end = await last_sequence(js, STREAM)
     async for messages in read_stream(js, STREAM, start_seq=start_seq, batch_size=batch_size):
         deliveries: list[Delivery] = []
-        for msg in messages:
+        for msg, checked in zip(messages, await admission.check_msgs(messages), strict=True):
             try:
-                deliveries.append(await admission.admit_msg(msg))
+                deliveries.append(await admission.admit_checked(msg, checked))
             except Rejected as rejection:
                 report.rejected.append((msg.metadata.sequence.stream, rejection.reason.value, rejection.error))
         if deliveries:

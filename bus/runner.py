@@ -306,9 +306,11 @@ class ConsumerRunner:
     async def _admit_in_order(
         self, messages: Sequence[Msg], admitted: list[tuple[Msg, Delivery]], rejected: list[tuple[Msg, Rejected]]
     ) -> None:
-        for index, msg in enumerate(messages):
+        # Checked together (signatures on threads), then admitted one by one in stream order.
+        checks = await self.admission.check_msgs(messages)
+        for index, (msg, checked) in enumerate(zip(messages, checks, strict=True)):
             try:
-                admitted.append((msg, await self.admit(msg)))
+                admitted.append((msg, await self.admission.admit_checked(msg, checked)))
             except Rejected as rejection:
                 rejected.append((msg, rejection))
             except Unavailable as e:  # the key registry did not answer: this one and the rest, later
@@ -382,10 +384,6 @@ class ConsumerRunner:
     def _delay(self, msg: Msg) -> float:
         attempt = msg.metadata.num_delivered
         return self.redelivery_delays_s[min(attempt, len(self.redelivery_delays_s)) - 1]
-
-    async def admit(self, msg: Msg) -> Delivery:
-        """Validate one message. Raises Rejected (dead-letter it) or Unavailable (retry it)."""
-        return await self.admission.admit_msg(msg)
 
     async def dead_letter(self, msg: Msg, reason: DeadLetterReason, error: str) -> bool:
         """Keep the message in EPI_DLQ with the reason, then ack it. If the DLQ does not answer, the message

@@ -7,6 +7,7 @@ runs it at apply time in stream order, the mirror on its payloads, and `bus.fold
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -52,6 +53,7 @@ FLAG_UNEARNED = "unearned_confidence"
 FLAG_PREVIOUSLY_RETRACTED = "previously_retracted"
 
 
+@functools.lru_cache(maxsize=512)  # a batch asks it of each claim up to three times (load, decide, flags)
 def content_hash(text: str) -> str:
     """The tombstone key of a claim: sha256 of its words, lowercased, punctuation and spacing ignored."""
     words = re.findall(r"\w+", text.lower())

@@ -102,7 +102,7 @@ def _row(d: Delivery, received_at: datetime) -> dict[str, Any]:
         "received_at": received_at,
         "stream_time": d.stream_time,
         "signature_status": "verified",  # admission dead-letters everything else
-        "envelope": json.dumps(d.event.model_dump(mode="json"), sort_keys=True),
+        "envelope": d.canonical.decode(),  # the bytes its digest covers: serialised once
         "digest": d.digest,
     }
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, func, inspect, select, tuple_, update
+from sqlalchemy import and_, bindparam, delete, func, inspect, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -21,7 +21,7 @@ from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.event import Envelope, validate_event
-from bus.state import REFUSED, ArtifactState, Change, decide, event_references
+from bus.state import REFUSED, ArtifactState, Change, content_hash, decide, event_references
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import (
     artifacts,
@@ -97,31 +97,64 @@ def row_to_state(m: Any) -> ArtifactState:
 
 
 class BatchState:
-    """Artifact states and tombstones a batch touches, loaded once and written back once."""
+    """Artifact states and tombstones a batch touches, loaded once (by primary key, per project) and written
+    back once: the artifacts with one upsert, verifications and tombstones with one insert each."""
 
     def __init__(self, conn: Connection, batch: Sequence[Envelope]) -> None:
         self.conn = conn
         self.states: dict[tuple[str, str], ArtifactState | None] = {}
         self.dirty: set[tuple[str, str]] = set()
         self.tombstoned: dict[str, set[str]] = {}
-        keys = {(e.project, ref) for e in batch for ref in event_references(e)}
-        self._load(keys)
-        for project in {e.project for e in batch}:
-            self.tombstoned[project] = set(
-                conn.execute(select(tombstones.c.content_hash).where(tombstones.c.project == project)).scalars()
-            )
+        self._hashes_read: dict[str, set[str]] = {}  # per project, the content hashes asked of the table so far
+        self._verifications: list[dict[str, Any]] = []
+        self._tombstones: list[dict[str, Any]] = []
+        self._load({(e.project, ref) for e in batch for ref in event_references(e)})
+        claims: dict[str, set[str]] = {}
+        for e in batch:
+            self.tombstoned.setdefault(e.project, set())
+            self._hashes_read.setdefault(e.project, set())
+            if not e.body.transition:
+                claims.setdefault(e.project, set()).add(content_hash(e.body.content_text()))
+        for project, hashes in claims.items():
+            self._read_tombstones(project, hashes)
 
     def _load(self, keys: set[tuple[str, str]]) -> None:
-        wanted = [k for k in keys if k not in self.states]
+        # project = ? AND artifact_id IN (…) is a primary key search; a row-value IN is a scan in SQLite.
+        wanted: dict[str, list[str]] = {}
+        for project, artifact_id in sorted(k for k in keys if k not in self.states):
+            wanted.setdefault(project, []).append(artifact_id)
+        for project, ids in wanted.items():
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                found = self.conn.execute(
+                    select(artifacts).where(artifacts.c.project == project, artifacts.c.artifact_id.in_(chunk))
+                )
+                for row in found:
+                    self.states[(row.project, row.artifact_id)] = row_to_state(row._mapping)
+                for artifact_id in chunk:
+                    self.states.setdefault((project, artifact_id), None)
+
+    def _read_tombstones(self, project: str, hashes: set[str]) -> None:
+        """Which of these content hashes the table holds for the project (the batch's own are in memory)."""
+        wanted = sorted(hashes - self._hashes_read[project])
         for start in range(0, len(wanted), 500):
             chunk = wanted[start : start + 500]
-            found = self.conn.execute(
-                select(artifacts).where(tuple_(artifacts.c.project, artifacts.c.artifact_id).in_(chunk))
+            self.tombstoned[project].update(
+                self.conn.execute(
+                    select(tombstones.c.content_hash).where(
+                        tombstones.c.project == project, tombstones.c.content_hash.in_(chunk)
+                    )
+                ).scalars()
             )
-            for row in found:
-                self.states[(row.project, row.artifact_id)] = row_to_state(row._mapping)
-            for key in chunk:
-                self.states.setdefault(key, None)
+        self._hashes_read[project].update(wanted)
+
+    def is_tombstoned(self, project: str) -> Callable[[str], bool]:
+        def check(digest: str) -> bool:
+            if digest not in self._hashes_read[project]:
+                self._read_tombstones(project, {digest})
+            return digest in self.tombstoned[project]
+
+        return check
 
     def lookup(self, project: str) -> Any:
         def get(artifact_id: str) -> ArtifactState | None:
@@ -141,30 +174,39 @@ class BatchState:
             self.dirty.add(key)
         if change.verification is not None:
             v = change.verification
-            self.conn.execute(
-                verifications.insert().values(
-                    event_id=v.event_id,
-                    project=project,
-                    artifact_id=v.artifact_id,
-                    verifier=v.verifier,
-                    recorded_at=v.recorded_at,
-                    stream_seq=v.stream_seq,
-                    note=v.note,
-                    human_review=v.human_review,
-                )
+            self._verifications.append(
+                {
+                    "event_id": v.event_id,
+                    "project": project,
+                    "artifact_id": v.artifact_id,
+                    "verifier": v.verifier,
+                    "recorded_at": v.recorded_at,
+                    "stream_seq": v.stream_seq,
+                    "note": v.note,
+                    "human_review": v.human_review,
+                }
             )
-        if change.tombstone is not None and change.tombstone.content_hash not in self.tombstoned[project]:
+        if change.tombstone is not None and not self.is_tombstoned(project)(change.tombstone.content_hash):
             t = change.tombstone
             self.tombstoned[project].add(t.content_hash)
-            self.conn.execute(
-                tombstones.insert().values(
-                    project=project,
-                    content_hash=t.content_hash,
-                    artifact_id=t.artifact_id,
-                    event_id=t.event_id,
-                    reason=t.reason,
-                )
+            self._tombstones.append(
+                {
+                    "project": project,
+                    "content_hash": t.content_hash,
+                    "artifact_id": t.artifact_id,
+                    "event_id": t.event_id,
+                    "reason": t.reason,
+                }
             )
+
+    def _insert_pending(self) -> None:
+        """The verifications and tombstones absorbed so far, one executemany per table."""
+        if self._verifications:
+            self.conn.execute(verifications.insert(), self._verifications)
+            self._verifications = []
+        if self._tombstones:
+            self.conn.execute(tombstones.insert(), self._tombstones)
+            self._tombstones = []
 
     def forget(self, project: str, artifact_id: str, forgotten_by: str, forgotten_seq: int) -> None:
         """A privacy delete: the artifact leaves the projection, its events keep an audit row each (who, when,
@@ -172,6 +214,7 @@ class BatchState:
         key = (project, artifact_id)
         self.states[key] = None
         self.dirty.discard(key)
+        self._insert_pending()  # its verification notes go too, those of this batch included
         self.conn.execute(
             delete(artifacts).where(artifacts.c.project == project, artifacts.c.artifact_id == artifact_id)
         )
@@ -204,6 +247,7 @@ class BatchState:
             )
 
     def flush(self) -> None:
+        self._insert_pending()
         rows = [state_to_row(s) for k in sorted(self.dirty) if (s := self.states[k]) is not None]
         if not rows:
             return
@@ -238,7 +282,7 @@ def apply_events(
     for event, seq in ordered:
         lookup = with_erased(state.lookup(event.project), erased, event.project, seq)
         try:
-            change = decide(event, seq, lookup, state.tombstoned[event.project].__contains__, authority)
+            change = decide(event, seq, lookup, state.is_tombstoned(event.project), authority)
         except REFUSED as e:
             rejected[str(event.event_id)] = str(e)
             outcomes.append({"b_id": str(event.event_id), "b_status": "rejected", "b_reason": str(e), "b_flags": None})

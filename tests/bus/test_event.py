@@ -270,6 +270,30 @@ def test_a_nul_character_in_any_text_is_refused_with_a_clear_error():
         )
 
 
+# Texts made of what confuses a scan of the encoded event: NULs, backslashes and the letters of \u0000.
+nul_prone = st.lists(
+    st.sampled_from(["\x00", "\\", "u0000", "\\u0000", "a", "\n", "\u00e9"]), min_size=1, max_size=8
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=nul_prone, subject=nul_prone, excerpt=nul_prone)
+def test_an_event_is_refused_for_a_nul_exactly_when_one_of_its_texts_holds_one(text: str, subject: str, excerpt: str):
+    key = AgentKey.generate("alice")
+    body = {
+        "text": text,
+        "impact": 0.1,
+        "confidence": 0.1,
+        "subject": subject,
+        "evidence": [{"kind": "file", "ref": "r", "excerpt": excerpt}],
+    }
+    if any("\x00" in t for t in (text, subject, excerpt)):
+        with pytest.raises(InvalidEvent, match="NUL"):
+            draft_event("finding", body, project="p", actor=key.actor, session_id="s")
+    else:
+        assert draft_event("finding", body, project="p", actor=key.actor, session_id="s").body.text == text
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
