@@ -21,7 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
-from bench.harness import SIZES, Line, failed, machine, markdown, results, scratch, table
+from bench.harness import SERVER_SYNC, SIZES, Line, failed, machine, markdown, results, scratch, table
 from bench.rows import ROWS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
@@ -64,6 +64,9 @@ def main() -> None:
         metavar="ROW",
         help=f"run only this row (repeatable): {', '.join(ROWS)}",
     )
+    parser.add_argument(
+        "--sync", choices=["default", "always"], default="default", help="the servers' sync (default: the server's)"
+    )
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown (the README's)")
     parser.add_argument("--from", dest="source", type=Path, help="render an earlier results.json; run nothing")
@@ -77,6 +80,7 @@ def main() -> None:
     names = [name for name in ROWS if not args.only or name in args.only]
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 160)
+    SERVER_SYNC["mode"] = args.sync
     info = machine()
     started = time.perf_counter()
     lines = asyncio.run(run(names, mode, console))
