@@ -103,6 +103,7 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
                     remote.append(time.perf_counter() - t0)
                     partial += getattr(answer, "partial", False)  # an older RecallAnswer has none
                     assert answer.nodes == ["bench"], answer.as_dict()
+                presence = await _presence_read(client, rounds)
         finally:
             server.stop()
     client_stats, local_stats = _percentiles(remote), _percentiles(local)
@@ -113,8 +114,23 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
         "in_process_recall": local_stats,
         "client_over_in_process_p50": round(client_stats["p50_ms"] / local_stats["p50_ms"], 2),
         "partial_answers": partial,
+        "live_nodes_read": presence,
         "load_average": os.getloadavg(),
     }
+
+
+async def _presence_read(client: Any, rounds: int) -> dict[str, float] | None:
+    """What reading the live set costs a fan-out (it overlaps the nodes' work); None before there was one."""
+    try:
+        from bus.presence import live_nodes
+    except ImportError:
+        return None
+    samples: list[float] = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await live_nodes(client.nc.jetstream())
+        samples.append(time.perf_counter() - t0)
+    return _percentiles(samples)
 
 
 def main() -> None:
@@ -137,6 +153,10 @@ def main() -> None:
         f"{result['client_over_in_process_p50']}, partial answers {result['partial_answers']}, "
         f"load {', '.join(f'{x:.2f}' for x in result['load_average'])}"
     )
+    if result["live_nodes_read"]:
+        print(
+            f"live-set read p50 {result['live_nodes_read']['p50_ms']} ms p99 {result['live_nodes_read']['p99_ms']} ms"
+        )
 
 
 if __name__ == "__main__":
