@@ -28,6 +28,7 @@ sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
 from bus.client import connect  # noqa: E402
 from bus.recall import recall_request  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
+from bus.subjects import RECALL  # noqa: E402
 from epibus.node import Node, NodeConfig  # noqa: E402
 
 PROJECT = "bench-recall"
@@ -92,6 +93,8 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
                     await client.recall(request.query, PROJECT, k=10)
                 local: list[float] = []
                 remote: list[float] = []
+                served = node.services[RECALL].latency
+                served_before = (served.sum, served.count)
                 partial = 0
                 for i in range(rounds):
                     request = requests[i % len(requests)]
@@ -103,6 +106,8 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
                     remote.append(time.perf_counter() - t0)
                     partial += getattr(answer, "partial", False)  # an older RecallAnswer has none
                     assert answer.nodes == ["bench"], answer.as_dict()
+                # The node's own time per request (arrival to reply: signature check, rule, recall, reply).
+                node_s = (served.sum - served_before[0]) / max(1, served.count - served_before[1])
                 presence = await _presence_read(client, rounds)
         finally:
             server.stop()
@@ -113,6 +118,7 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
         "client_recall": client_stats,
         "in_process_recall": local_stats,
         "client_over_in_process_p50": round(client_stats["p50_ms"] / local_stats["p50_ms"], 2),
+        "node_handling_mean_ms": round(node_s * 1000, 2),
         "partial_answers": partial,
         "live_nodes_read": presence,
         "load_average": os.getloadavg(),
