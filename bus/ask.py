@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from bus.auth import inbox_prefix
 from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
 from bus.jetstream import NATS_UNAVAILABLE
+from bus.presence import LiveNodes, live_nodes
 from bus.requests import ErrorReply, Malformed, read_reply
 from bus.signing import AgentKey
 
-SETTLE_S = 0.3  # after the first answer, how long to wait for the other nodes
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -39,6 +39,14 @@ class Replies(Generic[R]):
 
     answers: list[R | ErrorReply] = field(default_factory=list)
     malformed: dict[str, str] = field(default_factory=dict)
+    # Live nodes serving the subject that had not answered when the time was up, and why the live set is
+    # unknown when it is (then the fan-out collected until its timeout).
+    missing: list[str] = field(default_factory=list)
+    live: LiveNodes | None = None
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing)
 
     def add_malformed(self, reply: Malformed, arrived: int) -> None:
         origin = reply.origin or f"reply {arrived}"
@@ -57,10 +65,12 @@ async def fan_out(
     timeout_s: float,
     one: bool = False,
 ) -> Replies[R]:
-    """Publish one request, signed by `signer`, that every node answers; collect the answers until timeout_s, or
-    SETTLE_S after the last one came in. Each reply is read with `reply_model`: one that does not fit (not JSON,
-    the wrong shape, too big) is recorded as malformed, never taken as an answer. No answers means no node
-    answered. `one`: stop at the first answer (a service answered by one node of a queue group).
+    """Publish one request, signed by `signer`, that every node answers; collect the answers until every live
+    node serving `subject` (bus.presence) has answered, else until timeout_s, and name the live nodes that did
+    not (`missing`). When no live set can be read (no node announces itself), collect until timeout_s. Replies
+    that arrived meanwhile and are no node's answer (not JSON, the wrong shape, too big) are recorded as
+    malformed, never taken as an answer. `one`: stop at the first answer (a service answered by one node of a
+    queue group).
 
     The connection must receive on the signer's inboxes (`AgentKey.nats_credentials`): nodes answer only there.
     Raises ConfigError when it does not, Unavailable when NATS does."""
@@ -78,40 +88,71 @@ async def fan_out(
 
     subscription = await nc.subscribe(inbox, cb=collect)
     replies: Replies[R] = Replies()
-    arrived = 0
-    first_s = 0.0
+    answered: set[str] = set()
+    expected: set[str] | None = None  # the live nodes serving `subject`, once read
+    reading: asyncio.Future[LiveNodes] | None = None
+    getting: asyncio.Future[Msg] | None = None
     try:
         data = request.model_dump_json().encode()
         headers = signer.sign_request(subject, inbox, data, signed_at=datetime.now(UTC))
         await nc.publish(subject, data, reply=inbox, headers=headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        if not one:  # read who is live while the nodes work on the request
+            reading = asyncio.ensure_future(live_nodes(nc.jetstream(), timeout_s=timeout_s))
         while loop.time() < deadline:
-            # After the first answer the others get SETTLE_S more (slow work: as long as the first took).
-            wait_s = deadline - loop.time() if not arrived else min(max(SETTLE_S, first_s), deadline - loop.time())
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=max(0.0, wait_s))
-            except TimeoutError:
+            if reading is not None and reading.done():
+                replies.live = reading.result()
+                reading = None
+                if replies.live.known:
+                    expected = replies.live.answering(subject)
+            if expected is not None and expected <= answered:
                 break
-            if not msg.data:  # a status message (503: no responders), not an answer
-                if (msg.headers or {}).get("Status") == "503" and not arrived:
-                    break
+            if getting is None:
+                getting = asyncio.ensure_future(queue.get())
+            waiting: set[asyncio.Future[Any]] = {getting} if reading is None else {getting, reading}
+            done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()))
+            if getting not in done:
                 continue
-            if not arrived:
-                first_s = timeout_s - (deadline - loop.time())
-            arrived += 1
-            reply = read_reply(msg.data, reply_model, max_bytes=nc.max_payload)
-            if isinstance(reply, Malformed):
-                replies.add_malformed(reply, arrived)
-            else:
-                replies.answers.append(reply)
-            if one:
+            msg, getting = getting.result(), None
+            no_one = _read(msg, reply_model, nc.max_payload, replies, answered) == _NO_ONE
+            got = bool(replies.answers or replies.malformed)
+            if (no_one and not got) or (one and got):  # nobody listens on the subject, or one answer is enough
                 break
+        # Replies that came in with the last answer are listed too, never dropped unseen.
+        while not one and not queue.empty():
+            _read(queue.get_nowait(), reply_model, nc.max_payload, replies, answered)
     except NATS_UNAVAILABLE as e:
         raise Unavailable("nats", f"request on {subject}: {type(e).__name__} {e}") from e
     finally:
+        leftover = [f for f in (getting, reading) if f is not None and not f.done()]
+        for future in leftover:
+            future.cancel()
+        if leftover:
+            await asyncio.wait(leftover)
         await subscription.unsubscribe()
+    if expected is not None:
+        replies.missing = sorted(expected - answered)
     return replies
+
+
+_NO_ONE = "no responders"
+
+
+def _read(msg: Msg, reply_model: type[R], max_bytes: int, replies: Replies[R], answered: set[str]) -> str:
+    """Add one message to `replies` (an answer, or a malformed reply) and its node to `answered`. Returns
+    _NO_ONE for the server's "no responders" status, "" for anything else."""
+    if not msg.data:  # a status message (503: no responders), not an answer
+        return _NO_ONE if (msg.headers or {}).get("Status") == "503" else ""
+    reply = read_reply(msg.data, reply_model, max_bytes=max_bytes)
+    if isinstance(reply, Malformed):
+        replies.add_malformed(reply, len(replies.answers) + len(replies.malformed) + 1)
+    else:
+        replies.answers.append(reply)
+        node = getattr(reply, "node", None)  # every reply model names its node
+        if isinstance(node, str):
+            answered.add(node)
+    return ""
 
 
 async def ask_one(

@@ -5,7 +5,7 @@ decides broker permissions.
 An agent authenticates with the nkey it signs events with. The node's own service identity has every
 permission; an enrolled agent publishes events only under its projects, asks node services, reads through the
 JetStream calls its commands need and may never delete, purge or reconfigure a stream, delete a message, or
-write the buckets that decide things (agent registry, tombstones, the mesh)."""
+write the buckets that decide things (agent registry, tombstones, the mesh, node heartbeats)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from bus.event import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     MESH_BUCKET,
+    NODES_BUCKET,
+    NODES_STREAM,
     POLICY_PROJECT,
     PROJECT_PATTERN,
     STREAM,
@@ -168,6 +170,9 @@ def _agent_api(projects: Sequence[str]) -> list[str]:
         f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
         f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
         f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
+        # Node heartbeats: read before every fan-out, to know whose answers to wait for; written only by nodes.
+        f"$JS.API.STREAM.INFO.{NODES_STREAM}",
+        f"$JS.API.STREAM.MSG.GET.{NODES_STREAM}",
     ]
 
 
@@ -184,6 +189,7 @@ _AGENT_DENY = [
     "$JS.API.CONSUMER.DURABLE.CREATE.>",
     f"$KV.{AGENT_KEYS_BUCKET}.>",
     f"$KV.{TOMBSTONES_BUCKET}.>",
+    f"$KV.{NODES_BUCKET}.>",  # node heartbeats: an agent announcing itself would be waited for
     f"$KV.{MESH_BUCKET}.>",  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
     f"epi.{POLICY_PROJECT}.>",  # enrolment records: published by nodes only
     "epidlq.>",

@@ -144,9 +144,10 @@ def automatic(difference: Difference) -> bool:
 KV_DUPLICATE_WINDOW_S = 120.0
 
 
-def kv_stream_config(bucket: str, description: str, *, history: int, replicas: int) -> StreamConfig:
-    """The stream behind a KV bucket as nats-py's create_key_value makes it for epibus (which sets no TTL, no
-    size limits and no direct gets): compared against, never used to create the bucket."""
+def kv_stream_config(bucket: str, description: str, *, history: int, replicas: int, ttl_s: float = 0.0) -> StreamConfig:
+    """The stream behind a KV bucket as nats-py's create_key_value makes it for epibus (no size limits, no
+    direct gets; a TTL, `ttl_s`, only on the nodes bucket): compared against, never used to create the
+    bucket."""
     return StreamConfig(
         name=f"KV_{bucket}",
         description=description,
@@ -154,12 +155,12 @@ def kv_stream_config(bucket: str, description: str, *, history: int, replicas: i
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         num_replicas=replicas,
-        duplicate_window=KV_DUPLICATE_WINDOW_S,
+        duplicate_window=min(KV_DUPLICATE_WINDOW_S, ttl_s) if ttl_s else KV_DUPLICATE_WINDOW_S,
         discard=DiscardPolicy.NEW,
         allow_direct=False,
         allow_rollup_hdrs=True,
         deny_delete=True,
-        max_age=0,
+        max_age=ttl_s,
         max_msgs=-1,
         max_bytes=-1,
         max_msg_size=-1,

@@ -216,6 +216,7 @@ async def ask_forget_proof(
     if refused is not None:
         raise refused
     nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
+    nodes |= {n: {"node": n, "error": _no_answer(timeout_s)} for n in replies.missing}  # a live node proves nothing
     return ForgetProof(report, erased, nodes, replies.malformed)
 
 
@@ -223,8 +224,9 @@ async def ask_verify(
     nc: NatsClient, signer: AgentKey, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
 ) -> list[dict[str, Any]]:
     """Every node's reconciliation of the stream, its journal and its mirror (repaired when asked: admins; every
-    project, project None: admins). A reply that is no node's answer is listed as a failed answer (`error`:
-    malformed reply, and why). Raises Unavailable when no node answered."""
+    project, project None: admins). A reply that is no node's answer, and a live node that did not answer, are
+    listed as failed answers (`error`: malformed reply and why, or no answer). Raises Unavailable when no node
+    answered."""
     request = build_request(VerifyRequest, project=project, repair=repair)
     replies = await fan_out(nc, VERIFY, request, VerifyReply, signer=signer, timeout_s=timeout_s)
     return _answers_of("verify", replies, timeout_s, signer, VERIFY)
@@ -275,7 +277,12 @@ def _answers_of(
             service, f"no node answered within {timeout_s}s; is `epibus up` running?" + (f" ({bad})" if bad else "")
         )
     answers = [a.model_dump(mode="json") for a in replies.answers]
-    return answers + [{"node": origin, "error": why} for origin, why in replies.malformed.items()]
+    missing = [{"node": node, "error": _no_answer(timeout_s)} for node in replies.missing]
+    return answers + missing + [{"node": origin, "error": why} for origin, why in replies.malformed.items()]
+
+
+def _no_answer(timeout_s: float) -> str:
+    return f"live node did not answer within {timeout_s}s"
 
 
 async def _artifact_messages(js: JetStreamContext, project: str, artifact_id: str) -> dict[int, Msg]:

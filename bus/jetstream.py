@@ -50,6 +50,7 @@ from bus.subjects import (
     DLQ_STREAM,
     DLQ_SUBJECTS,
     MESH_BUCKET,
+    NODES_BUCKET,
     STREAM,
     STREAM_SUBJECTS,
     TOMBSTONES_BUCKET,
@@ -123,6 +124,11 @@ class BucketSpec:
     name: str
     history: int
     description: str
+    ttl_s: float = 0.0  # a record older than this is dropped by the server (0: kept)
+
+
+# A node's heartbeat is dropped this long after its last write: a node that died leaves the live set by itself.
+HEARTBEAT_TTL_S = 4.0
 
 
 # Every KV bucket epibus keeps, in one table: created with the configured replicas, like the streams.
@@ -132,6 +138,7 @@ BUCKETS: dict[str, BucketSpec] = {
         BucketSpec(AGENT_KEYS_BUCKET, 5, "epibus agent keys and roles"),
         BucketSpec(TOMBSTONES_BUCKET, 1, "epibus tombstones of retracted and rolled-back claims"),
         BucketSpec(MESH_BUCKET, 64, "epibus mesh: tasks, coordinators, capabilities"),
+        BucketSpec(NODES_BUCKET, 1, "epibus nodes: each live node's signed heartbeat", ttl_s=HEARTBEAT_TTL_S),
     )
 }
 
@@ -141,7 +148,7 @@ def managed_streams(replicas: int = 1) -> list[ManagedStream]:
     events = [ManagedStream(config, EVENT_STREAM_FIELDS) for config in stream_configs(replicas)]
     buckets = [
         ManagedStream(
-            kv_stream_config(spec.name, spec.description, history=spec.history, replicas=replicas),
+            kv_stream_config(spec.name, spec.description, history=spec.history, replicas=replicas, ttl_s=spec.ttl_s),
             MANAGED_FIELDS,
             bucket=spec.name,
         )
@@ -240,6 +247,7 @@ async def open_bucket(js: JetStreamContext, name: str, *, replicas: int | None =
             storage=StorageType.FILE,
             replicas=replicas or 1,
             description=spec.description,
+            ttl=spec.ttl_s or None,
         )
     if replicas is not None:
         info = await js.stream_info(f"KV_{name}")

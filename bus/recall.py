@@ -26,6 +26,11 @@ class RecallAnswer:
     hits: list[dict[str, Any]] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
     failed_nodes: dict[str, str] = field(default_factory=dict)
+    missing_nodes: list[str] = field(default_factory=list)  # live nodes with a mirror that did not answer in time
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing_nodes)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -34,6 +39,8 @@ class RecallAnswer:
             "hits": self.hits,
             "nodes": self.nodes,
             "failed_nodes": self.failed_nodes,
+            "missing_nodes": self.missing_nodes,
+            "partial": self.partial,
         }
 
 
@@ -178,7 +185,8 @@ def recall_request(
 
 async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, timeout_s: float = 3.0) -> RecallAnswer:
     """Fan out (signed by `signer`, see fan_out), merge by event id (best score kept), rank. Nodes that answered
-    with an error and replies that were malformed are named in failed_nodes. Raises Unavailable when no node
+    with an error and replies that were malformed are named in failed_nodes, live nodes with a mirror that did
+    not answer within timeout_s in missing_nodes (the answer is then partial). Raises Unavailable when no node
     answered with hits, Forbidden when every node that answered refused the signer."""
     answer = RecallAnswer(request.query, request.project)
     merged: dict[str, dict[str, Any]] = {}
@@ -193,11 +201,13 @@ async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, t
             if best is None or hit.score > best["score"]:
                 merged[hit.event_id] = hit.model_dump(mode="json") | {"answered_by": reply.node}
     answer.failed_nodes |= replies.malformed
+    answer.missing_nodes = replies.missing
     refused = refused_by_all(replies, signer, RECALL)
     if refused is not None:
         raise refused
     if not answer.nodes:
-        why = "; ".join(f"{n}: {e}" for n, e in answer.failed_nodes.items()) or "no node with a mirror answered"
+        failures = answer.failed_nodes | {n: "no answer" for n in answer.missing_nodes}
+        why = "; ".join(f"{n}: {e}" for n, e in failures.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")
     answer.hits = sorted(merged.values(), key=lambda h: -h["score"])[: request.k]
     return answer

@@ -48,6 +48,11 @@ MESH_ROSTER = "epibus.mesh.roster"
 MESH_ADVERTISE = "epibus.mesh.advertise"
 MESH_QUEUE = "epibus-mesh"
 
+# Node presence: each node's signed heartbeat, kept only a few seconds after its last write (a fan-out waits for
+# exactly the live nodes). Written by nodes only: the broker refuses agents' writes.
+NODES_BUCKET = "epibus_nodes"
+NODES_STREAM = f"KV_{NODES_BUCKET}"
+
 # Mesh state: one KV bucket; keys are built only by the functions below.
 MESH_BUCKET = "epibus_mesh"
 MESH_STREAM = f"KV_{MESH_BUCKET}"
@@ -148,6 +153,20 @@ def capabilities_key(agent_id: str) -> str:
 def node_key_record(public_key: str) -> str:
     """The agent registry key recording that `public_key` is a node's own identity (its operator's key)."""
     return f"node.{public_key}"
+
+
+def heartbeat_key(public_key: str) -> str:
+    """The nodes bucket key of the heartbeat signed by `public_key`: the key names its signer."""
+    return f"node.{public_key}"
+
+
+def heartbeat_subject(key: str) -> str:
+    """The KV stream subject of a nodes bucket key (`$KV.<bucket>.<key>`)."""
+    return f"$KV.{NODES_BUCKET}.{key}"
+
+
+def heartbeats_filter() -> str:
+    return heartbeat_subject(">")
 
 
 def kv_subject_key(subject: str) -> str:

@@ -35,6 +35,7 @@ from bus.home import (
 from bus.jetstream import DRIFT_CHECK_EVERY_S, NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
 from bus.knowledge import TombstoneRegistry
 from bus.outbox import Outbox
+from bus.presence import Presence
 from bus.requests import (
     EraseReply,
     EraseRequest,
@@ -209,6 +210,7 @@ class Node:
         self.dashboard: Dashboard | None = None
         self.status: StatusWriter | None = None
         self.metrics: MetricsServer | None = None
+        self.presence: Presence | None = None
 
     @property
     def authenticated(self) -> bool:
@@ -324,6 +326,10 @@ class Node:
         if self.config.mirror != "off":
             await self._start_mirror()
 
+        # Announced once every service is subscribed; withdrawn when the node stops, before its services do.
+        self.presence = Presence(self._require_js, self.key, self.name, lambda: self.services)
+        await self.presence.beat()
+        self._stack.push_async_callback(self.presence.withdraw)
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         # Every loop runs supervised: one that fails is logged, counted and restarted, and never takes the
         # task group (and with it every other service of the node) down.
@@ -333,6 +339,7 @@ class Node:
             group.create_task(supervised("outbox forwarder", self.forwarder.run), name="outbox forwarder"),
             group.create_task(supervised("health report", self._report_health), name="health report"),
             group.create_task(supervised("authorization", enrolments.keep_in_step), name="authorization"),
+            group.create_task(supervised("heartbeat", self.presence.run), name="heartbeat"),
         ]
         self._group = group
         if self.mirror_runner is not None:

@@ -68,6 +68,8 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
     )
     for node, error in answer.failed_nodes.items():
         err_console.print(shown(("warning:", "yellow"), f" node {node} did not answer: {error}"), soft_wrap=True)
+    for node in answer.missing_nodes:  # live, with a mirror, and silent: these hits may lack its part
+        err_console.print(shown(("warning:", "yellow"), f" live node {node} did not answer in time"), soft_wrap=True)
 
 
 @handles_errors

@@ -4,10 +4,12 @@ on the bus is reported, never taken for a node's answer. Real nats-server, real 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -115,19 +117,46 @@ async def test_a_request_without_a_reply_subject_is_counted_and_ignored(node: No
     assert node.services[VERIFY].counts.answered == 0
 
 
-async def answer_with_garbage(nc: NatsClient, subject: str) -> None:
-    """A process that answers every request on `subject` with each of GARBAGE_REPLIES."""
+async def answer_with_garbage(nc: NatsClient, subject: str) -> asyncio.Event:
+    """A process that answers every request on `subject` with each of GARBAGE_REPLIES. The event is set once
+    the server has them all: a reply a node sends after that reaches the asker after them."""
+    sent = asyncio.Event()
 
     async def answer(msg: Msg) -> None:
         for garbage in GARBAGE_REPLIES:
             await nc.publish(msg.reply, garbage)
+        await reached_server(nc)
+        sent.set()
 
     await nc.subscribe(subject, cb=answer)
-    await nc.flush()  # the server knows the subscription before anyone asks
+    await reached_server(nc)  # the server knows the subscription before anyone asks
+    return sent
+
+
+async def reached_server(nc: NatsClient) -> None:
+    """Everything `nc` has sent so far has reached the server. nats-py's flush writes its PING ahead of the
+    commands still buffered, so one PONG proves nothing about them (a SUB sent just before could land after
+    the request it was meant to catch); the second PING goes out after the first round trip let them out."""
+    await nc.flush()
+    await nc.flush()
+
+
+def answer_after(node: Node, subject: str, sent: asyncio.Event) -> None:
+    """The node answers `subject` only once the garbage is sent. An asker stops listening when every live node
+    has answered, so only garbage that came before is its to report; here that is all of it, whatever the
+    scheduling."""
+    service = node.services[subject]
+    handle = service.handle
+
+    async def after_the_garbage(request: Any) -> dict[str, Any]:
+        await asyncio.wait_for(sent.wait(), timeout=5)
+        return await handle(request)
+
+    service.handle = after_the_garbage
 
 
 async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_failed(node: Node, raw, client, project):
-    await answer_with_garbage(raw, VERIFY)
+    answer_after(node, VERIFY, await answer_with_garbage(raw, VERIFY))
     answers = await client.verify_nodes(project, timeout_s=5)
     real = [a for a in answers if "error" not in a]
     failed = [a for a in answers if "error" in a]
@@ -151,7 +180,7 @@ async def test_recall_uses_the_real_answer_and_reports_the_garbage_in_failed_nod
         await alice.publish(event)
         assert mirrored_node.mirror is not None
         await eventually(lambda: mirrored_node.mirror.indexed >= 1, timeout_s=30)
-        await answer_with_garbage(raw, RECALL)
+        answer_after(mirrored_node, RECALL, await answer_with_garbage(raw, RECALL))
         answer = await alice.recall("deploys empty the cache", project, k=3)
     assert answer.nodes == ["node-a"]
     assert [h["artifact_id"] for h in answer.hits] == [event.artifact_id]

@@ -22,9 +22,18 @@ from bus.client import connect
 from bus.errors import Forbidden
 from bus.follow import StreamFollower
 from bus.jetstream import open_nats
+from bus.presence import live_nodes, signed_heartbeat
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key
-from bus.subjects import AGENT_KEYS_BUCKET, STREAM, TOMBSTONES_BUCKET, event_subject
+from bus.subjects import (
+    AGENT_KEYS_BUCKET,
+    RECALL,
+    STREAM,
+    TOMBSTONES_BUCKET,
+    event_subject,
+    heartbeat_key,
+    heartbeat_subject,
+)
 from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
@@ -115,6 +124,27 @@ async def test_an_enrolled_agent_cannot_delete_purge_or_reconfigure_the_stream_n
         await eventually(lambda s=subject: violations.about(s), timeout_s=5)
     await nc.close()
     assert await _stream_state(node, home) == before
+
+
+async def test_an_agent_reads_the_live_nodes_but_cannot_announce_itself_as_one(secured, project) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    violations = Violations()
+    nc = await _as(node, mallory, violations)
+    live = await live_nodes(nc.jetstream(timeout=REFUSED_WITHIN_S))
+    assert live.known, live.why  # what every fan-out of an agent reads first
+    assert set(live.nodes) == {node.name}
+    forged = signed_heartbeat(mallory, "mallory-node", [RECALL], at=datetime.now(UTC)).model_dump_json().encode()
+    subject = heartbeat_subject(heartbeat_key(mallory.public_key))
+    with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):  # the broker drops it: error_cb hears
+        await nc.jetstream(timeout=REFUSED_WITHIN_S).publish(subject, forged)
+    await eventually(lambda: violations.about(subject), timeout_s=5)
+    await nc.close()
+    assert node.nc is not None
+    after = await live_nodes(node.nc.jetstream())
+    assert set(after.nodes) == {node.name}
+    assert after.ignored == {}  # the forged record never reached the bucket
 
 
 async def test_an_agent_publishes_only_in_its_own_projects(secured, project) -> None:
