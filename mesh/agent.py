@@ -21,7 +21,7 @@ from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, Not
 from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
-from bus.subjects import MESH_STEP, task_key
+from bus.subjects import MESH_STEP
 from bus.vocab import ActionCategory, TaskAction
 from mesh.events import opening_record, step_event, unsigned_step_event
 from mesh.protocol import NO_COORDINATORS, advance, awaits_acknowledgement, child_task_id, counter_record
@@ -129,11 +129,9 @@ class MeshAgent(RosterChanges):
         request = self.signed_request(record, message, entry.revision if entry is not None else 0, roster.version, at)
         revision = await self.ask_node(MESH_STEP, request)
         signed = request.signed(record)
-        data = signed.model_dump_json().encode()
-        key = task_key(message.project, message.task_id)
-        # What the node wrote, verified like any read: the next message on the task decides on it unread.
-        written = await self.store.task_entry(data, key=key, revision=revision)
-        return await self._follow_up(written, len(signed.steps) - 1, duplicate=False)
+        # What the node wrote (it made the same record): the next message on the task decides on it unread.
+        self.store.made(signed, signed.model_dump_json().encode(), revision=revision, roster=roster)
+        return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
 
     async def _replay(self, entry: TaskEntry, step: Step, message: Message) -> Outcome:
         same = (step.action, step.actor) == (message.action, message.sender)

@@ -198,7 +198,7 @@ class MeshService:
         except (InvalidEvent, Conflict) as e:
             rule = f"its signature does not cover the step the node made of the message ({e})"
             raise Forbidden(message.sender, message.action.value, f"task {message.task_id}", rule) from e
-        written = await self.store.write_verified_task(record, last=revision)
+        written = await self.store.write_made_task(record, roster, last=revision)
         if step.action is TaskAction.change:
             await ensure_counter_task(self.store, step)
         return written

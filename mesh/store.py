@@ -36,7 +36,7 @@ from bus.subjects import (
 from bus.vocab import TaskState
 from mesh.protocol import counter_record
 from mesh.task import AgentCapabilities, Roster, Step, TaskRecord
-from mesh.trust import UntrustedRecord, verify_capabilities, verify_roster, verify_task
+from mesh.trust import UntrustedRecord, extends, verify_capabilities, verify_roster, verify_task
 from mesh.verified import Verified, VerifiedTasks, roster_used
 
 __all__ = ["AgentCapabilities", "MeshStore", "Roster", "RosterEntry", "TaskEntry"]
@@ -266,14 +266,30 @@ class MeshStore:
         key = task_key(record.proposal.project, record.task_id)
         return await self._write(key, record.model_dump_json().encode(), last=last)
 
-    async def write_verified_task(self, record: TaskRecord, *, last: int) -> int:
-        """`write_task`, then what was written is verified like any read (raises MalformedRecord if it is not
-        trustworthy), so the next step on the task has its basis without reading it back."""
+    async def write_made_task(self, record: TaskRecord, roster: Roster, *, last: int) -> int:
+        """`write_task` for a record `made` by this process (see `made`), remembered as verified."""
         key = task_key(record.proposal.project, record.task_id)
         data = record.model_dump_json().encode()
         revision = await self._write(key, data, last=last)
-        await self.task_entry(data, key=key, revision=revision)
+        self.made(record, data, revision=revision, roster=roster)
         return revision
+
+    def made(self, record: TaskRecord, data: bytes, *, revision: int, roster: Roster) -> None:
+        """Remember as verified a record this process made: `advance` applied to the revision it holds verified
+        (judged by `roster`, which the new step was judged by too) and the new step signed by its sender's
+        registered key (the agent signed it; the node checked that signature). Such a record passes
+        mesh.trust.verify_task by construction, so the next step decides on it without reading it back. Made
+        from anything else (no verified basis, another roster), it is not remembered: read, it is verified."""
+        key = task_key(record.proposal.project, record.task_id)
+        if len(record.steps) > 1:
+            basis = self.verified.get(key)
+            if basis is None or len(basis.record.steps) != len(record.steps) - 1 or not extends(record, basis.record):
+                return
+            if not basis.judged_by(roster):
+                return
+        if record.last_step.roster_version != roster.version:
+            return
+        self.verified.add(key, Verified(revision, data, record, roster_used(record, roster)))
 
     async def find_task(self, task_id: str) -> TaskEntry | None:
         """A task by id in whatever project holds it. Raises Conflict when several projects hold that id

@@ -258,3 +258,34 @@ def test_the_verified_tasks_forget_the_least_recently_used_first() -> None:
 def test_a_forged_step_is_refused_whatever_the_reader_verified_before(nats_server: NatsServer, kind: str) -> None:
     for known in range(5):
         asyncio.run(compare(nats_server.url, PATHS[0], known, Forgery(kind, 2)))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: "-".join(a.value for a, _ in p))
+def test_what_a_writer_made_and_remembers_unread_is_what_a_full_verification_trusts(
+    nats_server: NatsServer, path: list[tuple[TaskAction, str]]
+) -> None:
+    async def run() -> None:
+        project = f"p-{uuid.uuid4().hex[:10]}"
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            writer = await bound(MeshStore(js))
+            the_roster = roster(project)
+            await writer.write_roster(the_roster, last=0)
+            revisions = history(project, path)
+            key = task_key(project, revisions[0].task_id)
+            for number, record in enumerate(revisions, start=1):
+                data = record.model_dump_json().encode()
+                writer.made(record, data, revision=number, roster=the_roster)
+                known = writer.verified.get(key)
+                assert known is not None
+                assert (known.revision, known.data) == (number, data)  # remembered: the next step needs no read
+                assert await verdict(MeshStore(js), record, key=key, revision=number) == "trusted"
+            # Made on a basis it does not hold verified (a revision skipped): not remembered, so read and verified.
+            other = MeshStore(js)
+            other.made(revisions[-1], revisions[-1].model_dump_json().encode(), revision=9, roster=the_roster)
+            assert other.verified.get(key) is None
+        finally:
+            await nc.close()
+
+    asyncio.run(run())
