@@ -91,11 +91,14 @@ class MeshAgent(RosterChanges):
                 basis = self._known_basis(message)
                 if basis is not None:
                     try:
-                        return await self._decide(message, *basis)
+                        decided = await self._decide(message, *basis)
                     except STALE_BASIS as e:  # the basis may be stale: decided again on what the bucket holds
                         log.debug("task %s: deciding again on a fresh read (%s)", message.task_id, e)
+                    else:
+                        return await self._apply(decided, basis[1])
             entry = await self.store.get_task(message.project, message.task_id)
-            return await self._decide(message, entry, (await self.store.get_roster(message.project)).roster)
+            roster = (await self.store.get_roster(message.project)).roster
+            return await self._apply(await self._decide(message, entry, roster), roster)
 
         return await retry_on_conflict(attempt, what=f"task {message.task_id}")
 
@@ -110,8 +113,11 @@ class MeshAgent(RosterChanges):
             return None
         return entry, known.roster
 
-    async def _decide(self, message: Message, entry: TaskEntry | None, roster: Roster) -> Outcome:
-        """Apply `message` to the task at `entry` (None: absent) against `roster`, through the node."""
+    async def _decide(
+        self, message: Message, entry: TaskEntry | None, roster: Roster
+    ) -> Outcome | tuple[StepRequest, TaskRecord]:
+        """What `message` does to the task at `entry` (None: absent) against `roster`, decided here, nothing
+        asked yet: the recorded outcome of a replay, or the signed request for the node and the record it makes."""
         if entry is not None and (step := entry.record.step_for(message.message_id)) is not None:
             return await self._replay(entry, step, message)
         if entry is None and message.action is not TaskAction.propose:
@@ -127,8 +133,15 @@ class MeshAgent(RosterChanges):
             roster_version=roster.version,
         )
         request = self.signed_request(record, message, entry.revision if entry is not None else 0, roster.version, at)
+        return request, request.signed(record)
+
+    async def _apply(self, decided: Outcome | tuple[StepRequest, TaskRecord], roster: Roster) -> Outcome:
+        """Ask the node to write the decided step. Its refusals are raised as they are: decided on a revision or a
+        roster the node no longer holds, the refusal is a lost race, which is decided again on a fresh read."""
+        if isinstance(decided, Outcome):
+            return decided
+        request, signed = decided
         revision = await self.ask_node(MESH_STEP, request)
-        signed = request.signed(record)
         # What the node wrote (it made the same record): the next message on the task decides on it unread.
         self.store.made(signed, signed.model_dump_json().encode(), revision=revision, roster=roster)
         return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
