@@ -6,6 +6,7 @@ that is not there."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -61,7 +62,10 @@ class Responder(Generic[Req, Rep]):
         node: str,
         authorize: Authorizer[Req] | None = None,
         queue: str = "",
+        concurrency: int = 1,
     ) -> None:
+        if concurrency < 1:
+            raise ConfigError("concurrency", f"{concurrency} is not a number of requests; at least 1")
         self.nc = nc
         self.authorize = authorize
         self.queue = queue
@@ -77,11 +81,31 @@ class Responder(Generic[Req, Rep]):
         self.counts = ServiceCounts()
         self.latency = LatencyHistogram()  # seconds from a request's arrival to its reply, answered or not
         self.subscription: Subscription | None = None
+        # Requests answered at once: nats-py hands a subscription's messages over one at a time, so a handler
+        # that waits on the server (a write) would hold up every request behind it.
+        self.concurrency = concurrency
+        self._slots = asyncio.Semaphore(concurrency)
+        self._answering: set[asyncio.Task[None]] = set()
 
     async def serve(self) -> Subscription:
         """Subscribe (no queue group: every process answering this subject answers every request)."""
-        self.subscription = await self.nc.subscribe(self.subject, queue=self.queue, cb=self.answer)
+        cb = self.answer if self.concurrency == 1 else self._answer_concurrently
+        self.subscription = await self.nc.subscribe(self.subject, queue=self.queue, cb=cb)
         return self.subscription
+
+    async def _answer_concurrently(self, msg: Msg) -> None:
+        """Answer in a task of its own, at most `concurrency` at a time (the next message waits for a slot)."""
+        await self._slots.acquire()
+        task = asyncio.create_task(self.answer(msg), name=f"answer {self.subject}")
+        self._answering.add(task)
+        task.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        self._answering.discard(task)
+        self._slots.release()
+        if not task.cancelled() and (error := task.exception()) is not None:  # answer() replies to every error
+            self.counts.failed += 1
+            log.error("%s request failed outside its handler: %s", self.subject, error_summary(error))
 
     async def answer(self, msg: Msg) -> None:
         if not msg.reply:
@@ -193,9 +217,20 @@ async def serve(
     node: str,
     authorize: Authorizer[Req] | None = None,
     queue: str = "",
+    concurrency: int = 1,
 ) -> Responder[Req, Rep]:
-    """Answer `subject` with `handle` from now on (with `queue`, one process of the group answers each request);
-    the returned responder holds the service's counts."""
-    responder = Responder(nc, subject, request_model, reply_model, handle, node=node, authorize=authorize, queue=queue)
+    """Answer `subject` with `handle` from now on (with `queue`, one process of the group answers each request;
+    with `concurrency`, up to that many at once); the returned responder holds the service's counts."""
+    responder = Responder(
+        nc,
+        subject,
+        request_model,
+        reply_model,
+        handle,
+        node=node,
+        authorize=authorize,
+        queue=queue,
+        concurrency=concurrency,
+    )
     await responder.serve()
     return responder

@@ -9,6 +9,7 @@ outcome and re-sends the same event id (deduplicated by the stream and the journ
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from bus.client import EpibusClient
-from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
+from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
@@ -26,8 +27,13 @@ from mesh.events import opening_record, step_event, unsigned_step_event
 from mesh.protocol import NO_COORDINATORS, advance, awaits_acknowledgement, child_task_id, counter_record
 from mesh.roster import RosterChanges
 from mesh.store import MeshStore, TaskEntry, retry_on_conflict, utc_now
-from mesh.task import Message, Step, Targets, TaskRecord, message_digest, parse_message
+from mesh.task import Message, Roster, Step, Targets, TaskRecord, message_digest, parse_message
 from mesh.wire import StepRequest
+
+log = logging.getLogger(__name__)
+# What deciding on a stale basis can raise: the message is decided again on a fresh read, which raises it anew
+# if it still holds.
+STALE_BASIS = (IllegalTransition, Forbidden, NotFound, InvalidEvent, Conflict)
 
 
 @dataclass(frozen=True)
@@ -76,33 +82,69 @@ class MeshAgent(RosterChanges):
         if message.sender != self.agent:
             raise Forbidden(self.agent, f"send {message.action}", f"as {message.sender}", "an agent sends as itself")
 
+        fresh = False
+
         async def attempt() -> Outcome:
+            nonlocal fresh
+            if not fresh:  # the first attempt decides on what this agent verified already, if it has it
+                fresh = True
+                basis = self._known_basis(message)
+                if basis is not None:
+                    try:
+                        decided = await self._decide(message, *basis)
+                    except STALE_BASIS as e:  # the basis may be stale: decided again on what the bucket holds
+                        log.debug("task %s: deciding again on a fresh read (%s)", message.task_id, e)
+                    else:
+                        return await self._apply(decided, basis[1])
             entry = await self.store.get_task(message.project, message.task_id)
-            if entry is not None and (step := entry.record.step_for(message.message_id)) is not None:
-                return await self._replay(entry, step, message)
-            if entry is None and message.action is not TaskAction.propose:
-                raise NotFound("task", message.task_id, f"project {message.project} has no such task")
             roster = (await self.store.get_roster(message.project)).roster
-            if message.action is TaskAction.propose and not roster.coordinators:
-                raise NotFound(
-                    "project", message.project, f"task {message.task_id} cannot be proposed: {NO_COORDINATORS}"
-                )
-            at = self.clock()
-            record = advance(
-                entry.record if entry is not None else None,
-                message,
-                coordinators=frozenset(roster.coordinators),
-                now=at,
-                roster_version=roster.version,
-            )
-            request = self.signed_request(
-                record, message, entry.revision if entry is not None else 0, roster.version, at
-            )
-            revision = await self.ask_node(MESH_STEP, request)
-            signed = request.signed(record)
-            return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
+            return await self._apply(await self._decide(message, entry, roster), roster)
 
         return await retry_on_conflict(attempt, what=f"task {message.task_id}")
+
+    def _known_basis(self, message: Message) -> tuple[TaskEntry | None, Roster] | None:
+        """The task and roster this agent's store verified moments ago (its inbox keeps them current), or None
+        when it has not: then the basis is read."""
+        known = self.store.known_roster(message.project)
+        if known is None:
+            return None
+        entry = self.store.known_task(message.project, message.task_id, known.roster)
+        if entry is None and message.action is not TaskAction.propose:
+            return None
+        return entry, known.roster
+
+    async def _decide(
+        self, message: Message, entry: TaskEntry | None, roster: Roster
+    ) -> Outcome | tuple[StepRequest, TaskRecord]:
+        """What `message` does to the task at `entry` (None: absent) against `roster`, decided here, nothing
+        asked yet: the recorded outcome of a replay, or the signed request for the node and the record it makes."""
+        if entry is not None and (step := entry.record.step_for(message.message_id)) is not None:
+            return await self._replay(entry, step, message)
+        if entry is None and message.action is not TaskAction.propose:
+            raise NotFound("task", message.task_id, f"project {message.project} has no such task")
+        if message.action is TaskAction.propose and not roster.coordinators:
+            raise NotFound("project", message.project, f"task {message.task_id} cannot be proposed: {NO_COORDINATORS}")
+        at = self.clock()
+        record = advance(
+            entry.record if entry is not None else None,
+            message,
+            coordinators=frozenset(roster.coordinators),
+            now=at,
+            roster_version=roster.version,
+        )
+        request = self.signed_request(record, message, entry.revision if entry is not None else 0, roster.version, at)
+        return request, request.signed(record)
+
+    async def _apply(self, decided: Outcome | tuple[StepRequest, TaskRecord], roster: Roster) -> Outcome:
+        """Ask the node to write the decided step. Its refusals are raised as they are: decided on a revision or a
+        roster the node no longer holds, the refusal is a lost race, which is decided again on a fresh read."""
+        if isinstance(decided, Outcome):
+            return decided
+        request, signed = decided
+        revision = await self.ask_node(MESH_STEP, request)
+        # What the node wrote (it made the same record): the next message on the task decides on it unread.
+        self.store.made(signed, signed.model_dump_json().encode(), revision=revision, roster=roster)
+        return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
 
     async def _replay(self, entry: TaskEntry, step: Step, message: Message) -> Outcome:
         same = (step.action, step.actor) == (message.action, message.sender)

@@ -163,6 +163,7 @@ class Coordinator:
             lambda: mesh.client.js,
             self._on_revision,
             closed=lambda: mesh.client.closed,
+            store=lambda: mesh.store,
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,

@@ -154,6 +154,7 @@ class Inbox:
             lambda: mesh.client.js,
             self._handle,
             closed=lambda: mesh.client.closed,
+            store=lambda: mesh.store,
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,

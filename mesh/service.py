@@ -10,6 +10,7 @@ compare-and-set. Refusals come back as the error the node raised."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -23,7 +24,7 @@ from bus.auth import Enrolment, inbox_owner
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.event import Actor, raise_for_validation
 from bus.responder import Responder, serve
-from bus.service_rules import Asker, Authorizer
+from bus.service_rules import ENROLMENT_CACHE_S, Asker, Authorizer
 from bus.signing import (
     NODE_IDENTITY,
     REQUEST_MAX_AGE_S,
@@ -52,6 +53,10 @@ from mesh.wire import (
 )
 
 log = logging.getLogger(__name__)
+# Requests a node answers at once: each waits on the server (reads, a compare-and-set write); two on one task
+# are ordered by that compare-and-set, never by arrival.
+MESH_CONCURRENCY = 64
+MAX_STANDINGS = 4096  # signers whose standing is remembered (all forgotten at once past it)
 
 
 class MeshService:
@@ -73,6 +78,7 @@ class MeshService:
         self.max_skew_s = max_skew_s
         self.store = MeshStore(js, replicas=replicas)
         self.registry = self.store.registry
+        self._standings: dict[tuple[str, str], tuple[float, Enrolment | None]] = {}
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
         """Record this node's key (what it signs as operator is then verifiable) and answer the mesh subjects."""
@@ -93,6 +99,7 @@ class MeshService:
                 node=self.node,
                 authorize=self._authorizer(model),
                 queue=MESH_QUEUE,
+                concurrency=MESH_CONCURRENCY,
             )
         return services
 
@@ -116,7 +123,20 @@ class MeshService:
 
     async def _standing(self, signer: RequestSigner, subject: str) -> Enrolment | None:
         """The signer's enrolment; None for a node (its operator) and on a registry without enrolment, where the
-        key is bound on first use. Raises Forbidden for a key that is not the one enrolled, or revoked."""
+        key is bound on first use. Raises Forbidden for a key that is not the one enrolled, or revoked. A
+        standing found is reused for ENROLMENT_CACHE_S, as every node service does (a revocation takes effect
+        within it)."""
+        now = time.monotonic()
+        cached = self._standings.get((signer.agent_id, signer.public_key))
+        if cached is not None and now - cached[0] < ENROLMENT_CACHE_S:
+            return cached[1]
+        standing = await self._read_standing(signer, subject)
+        if len(self._standings) >= MAX_STANDINGS:
+            self._standings.clear()
+        self._standings[(signer.agent_id, signer.public_key)] = (now, standing)
+        return standing
+
+    async def _read_standing(self, signer: RequestSigner, subject: str) -> Enrolment | None:
         if signer.agent_id == NODE_IDENTITY and await self.registry.is_node_key(signer.public_key):
             return None
         try:
@@ -145,7 +165,12 @@ class MeshService:
         message = request.message
         where = f"task {message.task_id} {message.action}"
         require_fresh(request.at, self.clock(), self.max_skew_s, field=f"{where}.at")
-        entry = await self.store.get_task(message.project, message.task_id)
+        roster = (await self.store.get_roster(message.project)).roster
+        # The revision the agent decided on, verified here before (the node wrote it, or read it) against this
+        # roster: no read. The compare-and-set below refuses it if it is no longer current.
+        entry = self.store.known_task(message.project, message.task_id, roster)
+        if entry is None or entry.revision != request.revision:
+            entry = await self.store.get_task(message.project, message.task_id)
         revision = entry.revision if entry is not None else 0
         if revision != request.revision:
             raise Conflict(
@@ -153,7 +178,6 @@ class MeshService:
             )
         if entry is None and message.action is not TaskAction.propose:
             raise NotFound("task", message.task_id, f"project {message.project} has no such task")
-        roster = (await self.store.get_roster(message.project)).roster
         if roster.version != request.roster_version:
             raise Conflict(f"coordinators of {message.project}", "they changed meanwhile", lost_race=True)
         if message.action is TaskAction.propose and not roster.coordinators:
@@ -174,7 +198,7 @@ class MeshService:
         except (InvalidEvent, Conflict) as e:
             rule = f"its signature does not cover the step the node made of the message ({e})"
             raise Forbidden(message.sender, message.action.value, f"task {message.task_id}", rule) from e
-        written = await self.store.write_task(record, last=revision)
+        written = await self.store.write_made_task(record, roster, last=revision)
         if step.action is TaskAction.change:
             await ensure_counter_task(self.store, step)
         return written

@@ -36,7 +36,8 @@ from bus.subjects import (
 from bus.vocab import TaskState
 from mesh.protocol import counter_record
 from mesh.task import AgentCapabilities, Roster, Step, TaskRecord
-from mesh.trust import UntrustedRecord, verify_capabilities, verify_roster, verify_task
+from mesh.trust import UntrustedRecord, extends, verify_capabilities, verify_roster, verify_task
+from mesh.verified import Verified, VerifiedTasks, roster_used
 
 __all__ = ["AgentCapabilities", "MeshStore", "Roster", "RosterEntry", "TaskEntry"]
 
@@ -44,6 +45,9 @@ T = TypeVar("T")
 # KV keeps this many revisions per key: every step of a task stays readable by a watcher that was away.
 KV_OPERATION = "KV-Operation"
 ROSTER_FRESH_S = 2.0  # a verified roster judges the tasks read this soon after it (they need no newer one)
+# A roster read again unchanged is verified again this long after it last was (the registry it is judged by,
+# an admin's enrolment or a registry closed to first use, can change without the roster changing).
+ROSTER_REVERIFY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,14 @@ class TaskEntry:
 class RosterEntry:
     roster: Roster
     revision: int  # 0: no roster written yet
+
+
+@dataclass(frozen=True)
+class _KnownRoster:
+    entry: RosterEntry
+    data: bytes
+    read_at: float  # monotonic
+    verified_at: float
 
 
 def decode_task(data: bytes, *, key: str, revision: int | None) -> TaskRecord:
@@ -142,7 +154,8 @@ class MeshStore:
         self.quarantine = Quarantine("mesh store")
         self.registry = AgentRegistry(js)
         self._kv: KeyValue | None = None
-        self._rosters: dict[str, tuple[RosterEntry, float]] = {}
+        self._rosters: dict[str, _KnownRoster] = {}
+        self.verified = VerifiedTasks()
 
     @asynccontextmanager
     async def _answering(self, what: str) -> AsyncIterator[None]:
@@ -203,19 +216,44 @@ class MeshStore:
 
     async def verified_task(self, data: bytes, *, key: str, revision: int) -> TaskEntry:
         """A task record as the bucket holds it, decoded and verified. Raises MalformedRecord or
-        UntrustedRecord."""
-        record = decode_task(data, key=key, revision=revision)
+        UntrustedRecord. Only what this store has not verified yet is checked (mesh.verified)."""
+        known = self.verified.get(key)
+        same = known is not None and known.data == data
+        record = known.record if known is not None and same else decode_task(data, key=key, revision=revision)
         needed = max(step.roster_version for step in record.steps)
         roster = await self._roster_for(record.proposal.project, needed, key=key, revision=revision)
-        await verify_task(record, roster, self.registry, key=key, revision=revision)
+        basis = known.record if known is not None and known.judged_by(roster) else None
+        if not (same and basis is not None):
+            await verify_task(record, roster, self.registry, key=key, revision=revision, verified=basis)
+        self.verified.add(key, Verified(revision, data, record, roster_used(record, roster)))
         return TaskEntry(record, revision)
+
+    def known_task(self, project: str, task_id: str, roster: Roster | None = None) -> TaskEntry | None:
+        """The newest revision of the task this store has verified, without reading the bucket: a basis to
+        decide on, which the node's compare-and-set refuses if it is no longer current. With `roster`, only
+        if it was verified against that roster's changes."""
+        known = self.verified.get(task_key(project, task_id))
+        if known is None or (roster is not None and not known.judged_by(roster)):
+            return None
+        return TaskEntry(known.record, known.revision)
+
+    def known_roster(self, project: str) -> RosterEntry | None:
+        """The project's verified roster if it was read moments ago (ROSTER_FRESH_S), without reading."""
+        known = self._rosters.get(project)
+        if known is None or time.monotonic() - known.read_at >= ROSTER_FRESH_S:
+            return None
+        return known.entry
 
     async def _roster_for(self, project: str, needed: int, *, key: str, revision: int) -> Roster:
         """The verified roster to judge a task by: one read moments ago will do unless the task needs a newer
         version. A roster that is not trustworthy makes every task judged by it untrustworthy."""
         cached = self._rosters.get(project)
-        if cached is not None and cached[0].roster.version >= needed and time.monotonic() - cached[1] < ROSTER_FRESH_S:
-            return cached[0].roster
+        if (
+            cached is not None
+            and cached.entry.roster.version >= needed
+            and time.monotonic() - cached.read_at < ROSTER_FRESH_S
+        ):
+            return cached.entry.roster
         try:
             return (await self.get_roster(project)).roster
         except MalformedRecord as e:
@@ -227,6 +265,31 @@ class MeshStore:
         """Node services only (the broker refuses agents' writes)."""
         key = task_key(record.proposal.project, record.task_id)
         return await self._write(key, record.model_dump_json().encode(), last=last)
+
+    async def write_made_task(self, record: TaskRecord, roster: Roster, *, last: int) -> int:
+        """`write_task` for a record `made` by this process (see `made`), remembered as verified."""
+        key = task_key(record.proposal.project, record.task_id)
+        data = record.model_dump_json().encode()
+        revision = await self._write(key, data, last=last)
+        self.made(record, data, revision=revision, roster=roster)
+        return revision
+
+    def made(self, record: TaskRecord, data: bytes, *, revision: int, roster: Roster) -> None:
+        """Remember as verified a record this process made: `advance` applied to the revision it holds verified
+        (judged by `roster`, which the new step was judged by too) and the new step signed by its sender's
+        registered key (the agent signed it; the node checked that signature). Such a record passes
+        mesh.trust.verify_task by construction, so the next step decides on it without reading it back. Made
+        from anything else (no verified basis, another roster), it is not remembered: read, it is verified."""
+        key = task_key(record.proposal.project, record.task_id)
+        if len(record.steps) > 1:
+            basis = self.verified.get(key)
+            if basis is None or len(basis.record.steps) != len(record.steps) - 1 or not extends(record, basis.record):
+                return
+            if not basis.judged_by(roster):
+                return
+        if record.last_step.roster_version != roster.version:
+            return
+        self.verified.add(key, Verified(revision, data, record, roster_used(record, roster)))
 
     async def find_task(self, task_id: str) -> TaskEntry | None:
         """A task by id in whatever project holds it. Raises Conflict when several projects hold that id
@@ -281,18 +344,28 @@ class MeshStore:
         UntrustedRecord (quarantined): never read as "no coordinators", which would let anyone seat the first."""
         key = roster_key(project)
         found = await self._get(key)
+        now = time.monotonic()
+        known = self._rosters.get(project)
+        verified_at = now
         if found is None:
-            entry = RosterEntry(Roster(project=project), 0)
+            entry, data = RosterEntry(Roster(project=project), 0), b""
+        elif (
+            known is not None
+            and (known.entry.revision, known.data) == (found[1], found[0])
+            and now - known.verified_at < ROSTER_REVERIFY_S
+        ):
+            entry, data, verified_at = known.entry, known.data, known.verified_at
         else:
+            data = found[0]
             try:
-                roster = decode_roster(found[0], key=key, revision=found[1])
+                roster = decode_roster(data, key=key, revision=found[1])
                 await verify_roster(roster, self.registry, key=key, revision=found[1])
             except MalformedRecord as e:
                 self.quarantine.add(e)
                 self._rosters.pop(project, None)  # nothing is judged by a roster read before it was replaced
                 raise
             entry = RosterEntry(roster, found[1])
-        self._rosters[project] = (entry, time.monotonic())
+        self._rosters[project] = _KnownRoster(entry, data, now, verified_at)
         return entry
 
     async def write_roster(self, roster: Roster, *, last: int) -> int:

@@ -89,12 +89,25 @@ async def verify_capabilities(
 
 
 async def verify_task(
-    record: TaskRecord, roster: Roster, registry: AgentRegistry, *, key: str, revision: int | None
+    record: TaskRecord,
+    roster: Roster,
+    registry: AgentRegistry,
+    *,
+    key: str,
+    revision: int | None,
+    verified: TaskRecord | None = None,
 ) -> None:
     """Raise UntrustedRecord unless every step is signed by its actor and is what the protocol makes of it
-    against the roster at the step's `roster_version`, and the record is what its steps make."""
+    against the roster at the step's `roster_version`, and the record is what its steps make.
+
+    `verified`: an earlier revision of the task that passed this check against a roster whose first changes
+    (as far as its steps use them) are `roster`'s. When `record` holds its proposal and its steps unchanged, only
+    the steps after them are checked: each step is judged by what precedes it, so the verdict is the same."""
     rebuilt: TaskRecord | None = None
-    for index, step in enumerate(record.steps):
+    start = 0
+    if verified is not None and extends(record, verified):
+        rebuilt, start = verified, len(verified.steps)
+    for index, step in enumerate(record.steps[start:], start=start):
         where = f"step {index + 1} ({step.action} by {step.actor})"
         try:
             await verify_step(record, index, registry)
@@ -122,6 +135,12 @@ async def verify_task(
         rebuilt = expected.model_copy(update={"steps": record.steps[: index + 1]})
     if rebuilt != record:
         raise UntrustedRecord(MESH_BUCKET, key, revision, "holds fields its signed steps do not make")
+
+
+def extends(record: TaskRecord, earlier: TaskRecord) -> bool:
+    """Whether `record` holds `earlier`'s proposal and all its steps, unchanged and in order."""
+    count = len(earlier.steps)
+    return len(record.steps) >= count and record.steps[:count] == earlier.steps and record.proposal == earlier.proposal
 
 
 def _message_of(record: TaskRecord, step: Step) -> Message:

@@ -106,6 +106,7 @@ class TaskWatcher(ResumingSubscription):
         poll_timeout_s: float = 1.0,
         name: str = "mesh-watch",
         closed: Callable[[], bool] | None = None,
+        store: Callable[[], MeshStore] | None = None,
     ) -> None:
         super().__init__()
         self._js = js
@@ -121,8 +122,11 @@ class TaskWatcher(ResumingSubscription):
         self.quarantine = Quarantine(name)
         self.label = name
         self._store: MeshStore | None = None
+        self._shared_store = store  # an agent's own store: what the watcher verifies, the agent decides on
 
     def _store_for(self, js: JetStreamContext) -> MeshStore:
+        if self._shared_store is not None:
+            return self._shared_store()
         if self._store is None or self._store.js is not js:
             self._store = MeshStore(js)
         return self._store

@@ -3,6 +3,7 @@ a message, and the service counts what happened. Real nats-server; the handlers 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -106,3 +107,37 @@ async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc):
 
     with pytest.raises(ConfigError, match="cannot name a reply"):
         await serve(nc, SUBJECT, VerifyRequest, VerifyReply, handle, node="")
+
+
+async def _two_requests_where_the_first_waits_for_the_second(nc: NatsClient, concurrency: int) -> list[Any]:
+    second_seen = asyncio.Event()
+
+    async def handle(request: VerifyRequest) -> dict[str, Any]:
+        if request.project == "second":
+            second_seen.set()
+        else:
+            await asyncio.wait_for(second_seen.wait(), timeout=1.0)
+        raise RuntimeError(f"answered {request.project}")
+
+    await serve(nc, SUBJECT, VerifyRequest, VerifyReply, handle, node="node-t", concurrency=concurrency)
+    first = asyncio.create_task(ask(nc, b'{"project": "first"}'))
+    await asyncio.sleep(0.1)  # the first is being answered before the second is sent
+    second = await ask(nc, b'{"project": "second"}')
+    return [await first, second]
+
+
+async def test_a_concurrent_responder_answers_a_request_while_another_waits(nc):
+    first, second = await _two_requests_where_the_first_waits_for_the_second(nc, concurrency=2)
+    assert first["error"] == "RuntimeError: answered first"
+    assert second["error"] == "RuntimeError: answered second"
+
+
+async def test_a_responder_answers_one_request_at_a_time_by_default(nc):
+    first, second = await _two_requests_where_the_first_waits_for_the_second(nc, concurrency=1)
+    assert first["error"].startswith("TimeoutError")  # the second waited behind it
+    assert second["error"] == "RuntimeError: answered second"
+
+
+def test_a_responder_needs_room_for_one_request_at_least(nc):
+    with pytest.raises(ConfigError, match="concurrency"):
+        Responder(nc, SUBJECT, VerifyRequest, VerifyReply, lambda r: r, node="node-t", concurrency=0)
