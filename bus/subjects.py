@@ -114,6 +114,11 @@ def stream_info_subject(stream: str) -> str:
     return f"$JS.API.STREAM.INFO.{stream}"
 
 
+def stream_leader_stepdown_subject(stream: str) -> str:
+    """The JetStream API request that makes a stream's leader step down (a placement may prefer a server)."""
+    return f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}"
+
+
 def dlq_subject(consumer: str, reason: str) -> str:
     return f"epidlq.{consumer}.{reason}"
 

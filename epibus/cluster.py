@@ -109,9 +109,12 @@ def read_cluster(home: Path) -> dict[str, Any] | None:
     return data
 
 
-def plan_members(home: Path, size: int) -> list[Member]:
-    """The cluster's nodes: as kept in the cluster file, or new ones on free ports. Raises ConfigError."""
-    if not MIN_NODES <= size <= MAX_NODES:
+def plan_members(home: Path, size: int, *, standalone: bool = False) -> list[Member]:
+    """The cluster's nodes: as kept in the cluster file, or new ones on free ports. `standalone` plans the one
+    node of a supervised single node (no routes). Raises ConfigError."""
+    if standalone and size != 1:
+        raise ConfigError("SIZE", f"{size} nodes; a standalone node is one")
+    if not standalone and not MIN_NODES <= size <= MAX_NODES:
         raise ConfigError("SIZE", f"{size} nodes; a cluster runs {MIN_NODES} to {MAX_NODES}")
     root = cluster_root(home)
     kept = read_cluster(home)
@@ -157,11 +160,17 @@ class Supervisor:
     """`with Supervisor(home, 3) as cluster:` runs the cluster until the block exits; `watch(stop)` keeps every
     node running (a node that exits is started again, the wait doubling with each failure in a row)."""
 
-    def __init__(self, home: Path, size: int = 3, *, mirror: str = "edge") -> None:
+    def __init__(
+        self, home: Path, size: int = 3, *, mirror: str = "edge", node_args: tuple[str, ...] = ()
+    ) -> None:
         self.home = home
         self.root = cluster_root(home)
         self.mirror = mirror
-        self.members = plan_members(home, size)
+        # One supervised node runs alone (R1, no routes): `epibus chaos` restarts it the way a cluster's are.
+        self.standalone = size == 1
+        self.replicas = 1 if self.standalone else CLUSTER_REPLICAS
+        self.node_args = node_args  # more `epibus up` options for every node (e.g. --failpoints)
+        self.members = plan_members(home, size, standalone=self.standalone)
         self.children: dict[str, Child] = {}
 
     def __enter__(self) -> Supervisor:
@@ -207,10 +216,13 @@ class Supervisor:
         argv = [
             sys.executable, "-m", "epibus", "up", "--json", "--home", member.home, "--name", member.name,
             "--port", str(member.client), "--monitor-port", str(member.monitor),
-            "--replicas", str(CLUSTER_REPLICAS), "--mirror", self.mirror,
-            "--cluster-port", str(member.route), "--routes", ",".join(str(m.route) for m in self.members),
-            "--route-secret-file", str(self.root / ROUTE_SECRET_FILE),
+            "--replicas", str(self.replicas), "--mirror", self.mirror, *self.node_args,
         ]  # fmt: skip
+        if not self.standalone:
+            argv += [
+                "--cluster-port", str(member.route), "--routes", ",".join(str(m.route) for m in self.members),
+                "--route-secret-file", str(self.root / ROUTE_SECRET_FILE),
+            ]  # fmt: skip
         log_path = Path(member.home) / "node.log"
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
         with os.fdopen(log_fd, "ab") as log_out:
@@ -276,7 +288,7 @@ class Supervisor:
             )
         info = {
             "name": "epibus",
-            "replicas": CLUSTER_REPLICAS,
+            "replicas": self.replicas,
             "supervisor_pid": os.getpid(),
             "route_secret_file": str(self.root / ROUTE_SECRET_FILE),
             "nats_urls": ",".join(m.nats_url for m in self.members),

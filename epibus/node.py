@@ -53,7 +53,7 @@ from bus.requests import (
 )
 from bus.responder import Handler, Req, Responder, serve
 from bus.routes import ClusterRoutes
-from bus.runner import ConsumerRunner
+from bus.runner import ConsumerRunner, Observer
 from bus.server import AUTHORIZATION_FILE, NatsServer
 from bus.service_rules import (
     Rule,
@@ -81,6 +81,7 @@ from epibus.dashboard import Dashboard
 from epibus.dashboard.security import check_bind_host
 from epibus.enrolment import Enrolments, initial_authorization
 from epibus.erase import erase_forgotten
+from epibus.failpoints import KilledMidBatch, UnavailableWhenArmed
 from epibus.health import REPORT_EVERY_S, node_health, write_health
 from epibus.metrics_http import MetricsServer, MetricsSettings, start_metrics
 from epibus.status import MeshView, StatusWriter
@@ -139,6 +140,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_remote: bool = False
     cluster: ClusterRoutes | None = None  # the embedded server's routes to the other servers of a cluster
+    failpoints: bool = False  # honour the failpoints `epibus chaos` arms under home/failpoints (epibus/failpoints.py)
 
 
 # How often each supervised service failed since the process started (each failure is also logged).
@@ -318,7 +320,7 @@ class Node:
         lookups = enrolments.guard.authorizer(enrolled_rule)
         self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(self.nc, authorize=lookups)
         await self._serve(MIRROR_LOOKUP, LookupRequest, IndexedReply, self._answer_indexed, enrolled_rule)
-        self.runner = ConsumerRunner(self.nc, self.observer, batch_size=self.config.batch_size)
+        self.runner = ConsumerRunner(self.nc, self._observed(self.observer), batch_size=self.config.batch_size)
         outbox = await Outbox(outbox_path(home)).open()
         self._stack.push_async_callback(outbox.close)
         self.forwarder = Forwarder(outbox, self._jetstream_if_connected, before_send=self._ensure_streams)
@@ -447,14 +449,20 @@ class Node:
         else:
             raise ConfigError("mirror", "'server' needs QDRANT_URL (or --qdrant-url)")
         self.store = await open_store(self.config.mirror, location, self.embedder.model_id, self.embedder.dimension)
+        if self.config.failpoints:
+            self.store = UnavailableWhenArmed(self.store, home)
         self._stack.push_async_callback(self._close_store)
         info = await self.store.describe()
         assert self.journal is not None
         self.mirror = MirrorObserver(
             self.store, self.embedder, name=f"mirror-{info.store_id[:8]}", journal=self.journal, node=self.name
         )
-        self.mirror_runner = ConsumerRunner(self.nc, self.mirror, batch_size=64)
+        self.mirror_runner = ConsumerRunner(self.nc, self._observed(self.mirror), batch_size=64)
         await self._serve(RECALL, RecallRequest, RecallReply, self._answer_recall, recall_rule)
+
+    def _observed(self, observer: Observer) -> Observer:
+        """What a runner feeds: the observer, wrapped by the observer-kill failpoint when the node honours them."""
+        return KilledMidBatch(observer, self.config.home) if self.config.failpoints else observer
 
     async def _close_store(self) -> None:
         if self.store is not None:

@@ -12,6 +12,7 @@ import typer
 from epibus.cli import (
     agents,
     certs,
+    chaos,
     cluster,
     commands,
     dlq,
@@ -73,6 +74,7 @@ app.command("mcp")(mcp.mcp)
 app.command()(ops.status)
 app.command()(ops.doctor)
 app.command()(ops.down)
+app.command("chaos")(chaos.chaos)
 app.command()(ops.version)
 app.command()(ops.completion)
 

@@ -153,6 +153,10 @@ def up(
         Path | None,
         typer.Option("--route-secret-file", help="The cluster's route secret (0600); routes must present it."),
     ] = None,
+    failpoints: Annotated[
+        bool,
+        typer.Option("--failpoints", hidden=True, help="Honour failpoints armed in <home>/failpoints."),
+    ] = False,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
@@ -193,6 +197,7 @@ def up(
         metrics_host=metrics_host,
         metrics_remote=metrics_remote,
         cluster=cluster_routes(cluster_port, routes, route_secret_file),
+        failpoints=failpoints,
     )
     run(_up(config, as_json))
 

@@ -1,0 +1,185 @@
+"""The nodes `epibus chaos` runs and breaks: one supervised node on its embedded server, or the one-machine
+cluster (optionally in network namespaces), with the process handles each fault needs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from bus.errors import Unavailable
+from bus.server_guard import StoreLock, alive
+from bus.signing import AgentKey, node_key
+from bus.subjects import STREAM
+from epibus.cluster import Member, Supervisor, cluster_root
+
+log = logging.getLogger(__name__)
+HEALTHY_S = 240.0  # a node restarted by a fault loads its model and, in a cluster, waits for its peers
+POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Processes:
+    node: int | None
+    server: int | None
+
+
+class Topology:
+    """`async with Topology(run_dir, size) as nodes:` runs `size` supervised nodes (1: alone at R1; 3 to 5: the
+    cluster at R3) with failpoints on, until the block exits. A node that dies is started again."""
+
+    def __init__(self, run_dir: Path, size: int, *, network: Any = None) -> None:
+        self.run_dir = run_dir
+        self.size = size
+        self.network = network  # epibus.netns.Namespaces, or None: every server on loopback
+        self.supervisor: Supervisor | None = None
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.operator: NatsClient | None = None
+
+    @property
+    def members(self) -> list[Member]:
+        assert self.supervisor is not None
+        return self.supervisor.members
+
+    @property
+    def clustered(self) -> bool:
+        return self.size > 1
+
+    @property
+    def nats_urls(self) -> list[str]:
+        return [m.nats_url for m in self.members]
+
+    @property
+    def admin(self) -> AgentKey:
+        """The nodes' shared key: chaos enrols its publishers and reads the stream as the nodes' operator."""
+        return node_key(cluster_root(self.run_dir))
+
+    async def __aenter__(self) -> Topology:
+        options: dict[str, Any] = {"network": self.network} if self.network is not None else {}
+        self.supervisor = Supervisor(self.run_dir, self.size, node_args=("--failpoints",), **options)
+        await asyncio.to_thread(self.supervisor.start)
+        self._watcher = threading.Thread(target=self.supervisor.watch, args=(self._stopping,), daemon=True)
+        self._watcher.start()
+        try:
+            self.operator = await nats.connect(
+                self.nats_urls, connect_timeout=5, max_reconnect_attempts=-1, **self.admin.nats_credentials
+            )
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop every node (SIGTERM, in order); idempotent. Continues any node a fault left paused."""
+        if self.operator is not None and not self.operator.is_closed:
+            await self.operator.close()
+        self._stopping.set()
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.join, 30)
+        if self.supervisor is not None:
+            for member in self.members:
+                self.signal(member, signal.SIGCONT)
+            await asyncio.to_thread(self.supervisor.stop)
+
+    def processes(self, member: Member) -> Processes:
+        """The node's pid and its nats-server's (from the store lock), None for what does not run now."""
+        assert self.supervisor is not None
+        child = self.supervisor.children.get(member.name)
+        node = child.process.pid if child is not None and child.process.poll() is None else None
+        holder = StoreLock(Path(member.home) / "nats").holder()
+        server = holder.server_pid if holder is not None and holder.server_alive() else None
+        return Processes(node, server)
+
+    def signal(self, member: Member, signum: int, *, server: bool = False, group: bool = False) -> int | None:
+        """Send a signal to a node (its process group with `group`) or to its server; the pid signalled."""
+        found = self.processes(member)
+        pid = found.server if server else found.node
+        if pid is None or not alive(pid):
+            return None
+        try:
+            if group:
+                os.killpg(pid, signum)  # each node leads its own session (see Supervisor._spawn)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def member(self, name: str) -> Member:
+        return next(m for m in self.members if m.name == name)
+
+    async def stream_leader(self) -> Member:
+        """The member whose server leads the event stream. Raises Unavailable when none does."""
+        if not self.clustered:
+            return self.members[0]
+        assert self.operator is not None
+        try:
+            info = await self.operator.jetstream().stream_info(STREAM)
+        except (nats.errors.Error, TimeoutError) as e:
+            raise Unavailable("nats", f"no stream info ({type(e).__name__}): the stream has no leader now") from e
+        leader = info.cluster.leader if info.cluster else None
+        if leader is None:
+            raise Unavailable("nats", "the event stream has no leader now")
+        return self.member(leader)
+
+    async def await_healthy(self, timeout_s: float = HEALTHY_S) -> float:
+        """Wait until every node and server runs and the stream answers, current on every replica. Returns the
+        seconds waited. Raises Unavailable after timeout_s."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            problem = await self._health_problem()
+            if problem is None:
+                return round(time.monotonic() - started, 2)
+            if time.monotonic() > deadline:
+                raise Unavailable("cluster", f"not healthy after {timeout_s:.0f}s: {problem}")
+            await asyncio.sleep(POLL_S)
+
+    async def _health_problem(self) -> str | None:
+        assert self.supervisor is not None
+        assert self.operator is not None
+        for member in self.members:
+            child = self.supervisor.children.get(member.name)
+            if child is None or child.status is None or child.process.poll() is not None:
+                return f"{member.name} is not running"
+            if self.processes(member).server is None:
+                return f"{member.name}'s nats-server is not running"
+        try:
+            info = await self.operator.jetstream().stream_info(
+                STREAM,
+            )
+        except (nats.errors.Error, TimeoutError) as e:
+            return f"the event stream does not answer ({type(e).__name__})"
+        if self.clustered:
+            replicas = info.cluster.replicas if info.cluster and info.cluster.replicas else []
+            behind = [str(r.name) for r in replicas if not r.current]
+            if info.cluster is None or info.cluster.leader is None or len(replicas) < 2 or behind:
+                return f"the event stream's replicas are not current ({', '.join(behind) or 'no leader'})"
+        return None
+
+    @asynccontextmanager
+    async def connection_to(self, member: Member) -> AsyncIterator[NatsClient]:
+        """A connection of the nodes' operator to this member's server only."""
+        nc = await nats.connect(
+            member.nats_url, connect_timeout=5, allow_reconnect=False, **self.admin.nats_credentials
+        )
+        try:
+            yield nc
+        finally:
+            await nc.close()
