@@ -7,7 +7,7 @@ from bus.errors import ConfigError
 FAULTS: dict[str, str] = {
     "leader": "SIGKILL the event stream leader's nats-server (its node starts it again)",
     "follower": "SIGKILL a nats-server that holds a replica but does not lead (cluster only)",
-    "node": "SIGKILL a whole node: its process group and its nats-server (the supervisor starts it again)",
+    "node": "SIGKILL a whole node's process group; its nats-server must die with it (the supervisor restarts it)",
     "pause": "SIGSTOP the stream leader's nats-server for the fault's duration, then SIGCONT",
     "nats-down": "every nats-server down for the fault's duration (nodes paused so none restarts): outboxes hold",
     "observer": "kill a node in the middle of an observer batch: half of it written, none of it acknowledged",

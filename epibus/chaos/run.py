@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -31,6 +32,7 @@ from epibus.chaos.workload import Workload
 from epibus.cluster import Member
 
 log = logging.getLogger(__name__)
+ORPHAN_S = 10.0  # a killed node's server must be gone by then (parent-death signal)
 TRIGGER_S = 60.0  # how long an armed one-shot failpoint may wait for a batch to fire on
 SETTLE_POLL_S = 0.5
 
@@ -40,6 +42,7 @@ class ChaosSettings:
     run_dir: Path
     size: int = 1  # 1: one node on its embedded server; 3 to 5: the one-machine cluster
     faults: tuple[str, ...] = tuple(FAULTS)
+    rounds: int = 1  # the faults run one after another, this many times over
     publishers: int = 3
     projects: int = 3
     rate: float = 40.0  # events per second, all publishers together
@@ -122,6 +125,7 @@ async def run_chaos(settings: ChaosSettings, say: Say = log.info) -> ChaosReport
         settings={
             "nodes": settings.size,
             "faults": list(settings.faults),
+            "rounds": settings.rounds,
             "publishers": settings.publishers,
             "projects": projects,
             "rate": settings.rate,
@@ -151,7 +155,7 @@ async def _publish_through_faults(
     async with asyncio.TaskGroup() as group:
         publishing = group.create_task(workload.run(stop, settings.max_events))
         try:
-            for name in settings.faults:
+            for name in settings.faults * settings.rounds:
                 await asyncio.sleep(1.0)  # some traffic between two faults
                 record = FaultRecord(name, at_s=round(loop.time() - started, 1))
                 say(f"fault {name}: {FAULTS[name]}")
@@ -203,8 +207,13 @@ async def _kill_node(topology: Topology, settings: ChaosSettings, record: FaultR
     record.target = victim.name
     server = topology.processes(victim).server
     _require_signalled(topology.signal(victim, signal.SIGKILL, group=True), victim, "node")
-    if server is not None:  # all at once, as a power cut: the server does not wait for its parent-death signal
-        topology.signal(victim, signal.SIGKILL, server=True)
+    # The server leads a session of its own: only its parent-death signal takes it down with the node.
+    deadline = time.monotonic() + ORPHAN_S
+    while server is not None and alive(server):
+        if time.monotonic() > deadline:
+            os.kill(server, signal.SIGKILL)
+            raise Unavailable(victim.name, f"its nats-server (pid {server}) outlived the node by {ORPHAN_S:.0f}s")
+        await asyncio.sleep(0.05)
 
 
 async def _pause(topology: Topology, settings: ChaosSettings, record: FaultRecord) -> None:

@@ -30,6 +30,7 @@ def chaos(
     faults: Annotated[
         str, typer.Option("--faults", help=f"all, none, or a comma-separated list of: {FAULTS_HELP}.")
     ] = "all",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, max=1000, help="Run the faults this many times over.")] = 1,
     rate: Annotated[float, typer.Option("--rate", min=1.0, max=5000.0, help="Events per second, in all.")] = 40.0,
     publishers: Annotated[int, typer.Option("--publishers", min=1, max=32, help="Publishing agents.")] = 3,
     projects: Annotated[int, typer.Option("--projects", min=1, max=32, help="Projects they publish in.")] = 3,
@@ -61,7 +62,7 @@ def chaos(
     where = run_dir or epibus_home(home) / "chaos" / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     network, why_not = _namespaces(nodes, chosen)
     settings = ChaosSettings(
-        run_dir=where, size=nodes, faults=chosen, publishers=publishers, projects=projects, rate=rate,
+        run_dir=where, size=nodes, faults=chosen, rounds=rounds, publishers=publishers, projects=projects, rate=rate,
         max_events=max_events, hold_s=hold_s, min_run_s=min_run_s, settle_s=settle_s, network=network,
         network_unavailable=why_not,
     )  # fmt: skip
