@@ -331,7 +331,15 @@ class Node:
 
         # Announced once every service is subscribed; withdrawn when the node stops, before its services do.
         self.presence = Presence(self._require_js, self.key, self.name, lambda: self.services)
-        await self.presence.beat()
+        # The nodes bucket may have no leader yet when a peer has just made it: the same bounded wait.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_delay(CLUSTER_START_S if self.config.cluster else 0),
+            wait=wait_fixed(1.0),
+            reraise=True,
+        ):
+            with attempt:
+                await self.presence.beat()
         self._stack.push_async_callback(self.presence.withdraw)
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         # Every loop runs supervised: one that fails is logged, counted and restarted, and never takes the
