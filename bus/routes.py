@@ -4,6 +4,7 @@ cluster's JetStream meta group to elect a leader."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import secrets
@@ -19,6 +20,16 @@ from bus.home import write_private
 ROUTE_USER = "route"
 CLUSTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 SECRET_PATTERN = re.compile(r"[0-9a-f]{64}")
+ROUTE_PING_INTERVAL_S, ROUTE_PING_MAX = 2, 3
+
+
+def require_ipv4(host: str, setting: str) -> str:
+    """`host` when it is an IPv4 address (what goes into the server's configuration). Raises ConfigError."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError as e:
+        raise ConfigError(setting, f"{host!r} is not an IPv4 address; give one such as 127.0.0.1") from e
+    return host
 
 
 def make_route_secret(path: Path) -> str:
@@ -43,11 +54,11 @@ def read_route_secret(path: Path) -> str:
 
 @dataclass(frozen=True)
 class ClusterRoutes:
-    """Where this server listens for routes and which routes it dials (every server of the cluster may be
-    listed, itself included: nats-server drops the route to itself)."""
+    """Where this server listens for routes (`host`:`port`) and which routes it dials, as (host, port) pairs
+    (every server of the cluster may be listed, itself included: nats-server drops the route to itself)."""
 
     port: int
-    routes: tuple[int, ...]
+    routes: tuple[tuple[str, int], ...]
     secret: str
     name: str = "epibus"
     host: str = "127.0.0.1"
@@ -57,14 +68,20 @@ class ClusterRoutes:
             raise ConfigError("cluster name", f"{self.name!r} must match {CLUSTER_NAME_PATTERN.pattern}")
         if not SECRET_PATTERN.fullmatch(self.secret):
             raise ConfigError("route secret", "must be 64 hex digits (see make_route_secret)")
+        for host in (self.host, *(h for h, _ in self.routes)):
+            require_ipv4(host, "--routes")
 
     def config_block(self) -> str:
         """nats-server's `cluster` block: a route must present the secret, and presents it when it dials."""
-        routes = "\n".join(f"    nats-route://{ROUTE_USER}:{self.secret}@{self.host}:{port}" for port in self.routes)
+        routes = "\n".join(f"    nats-route://{ROUTE_USER}:{self.secret}@{host}:{port}" for host, port in self.routes)
         return (
             "cluster {\n"
             f'  name: "{self.name}"\n'
             f'  listen: "{self.host}:{self.port}"\n'
+            # A peer cut off by the network is dropped within seconds (the default waits minutes), so the
+            # cluster's view of its routes follows a partition.
+            f'  ping_interval: "{ROUTE_PING_INTERVAL_S}s"\n'
+            f"  ping_max: {ROUTE_PING_MAX}\n"
             f'  authorization {{\n    user: "{ROUTE_USER}"\n    password: "{self.secret}"\n    timeout: 2\n  }}\n'
             f"  routes: [\n{routes}\n  ]\n"
             "}\n"

@@ -20,18 +20,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError, Unavailable
 from bus.home import PRIVATE_FILE, node_name, private_dir, write_private
 from bus.ports import port_taken
-from bus.routes import ClusterRoutes, make_route_secret, read_route_secret
+from bus.routes import ClusterRoutes, make_route_secret, read_route_secret, require_ipv4
 from bus.server_guard import SPAWNER, alive, die_with_parent
 from bus.signing import NODE_KEY_FILE, node_key
 
+if TYPE_CHECKING:
+    from epibus.netns import Namespaces
+
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
 CLUSTER_DIR = "cluster"
 CLUSTER_FILE = "cluster.json"
 ROUTE_SECRET_FILE = "route.secret"
@@ -44,38 +48,51 @@ RESTART_AFTER_S, MAX_RESTART_AFTER_S = 2.0, 60.0
 _NODE_ENV_DROPPED = ("EPIBUS_HOME", "EPIBUS_NATS_URL", "EPIBUS_JOURNAL_URL", "EPIBUS_NODE_NAME", "EPIBUS_REPLICAS")
 
 
-def cluster_routes(cluster_port: int | None, routes: str | None, secret_file: Path | None) -> ClusterRoutes | None:
-    """`epibus up`'s route options as ClusterRoutes, None when none is given. Raises ConfigError."""
+def cluster_routes(
+    cluster_port: int | None, routes: str | None, secret_file: Path | None, *, host: str = LOOPBACK
+) -> ClusterRoutes | None:
+    """`epibus up`'s route options as ClusterRoutes listening on `host`, None when none is given. A route is
+    PORT (on loopback) or HOST:PORT. Raises ConfigError."""
     if cluster_port is None and routes is None and secret_file is None:
         return None
     if cluster_port is None or routes is None or secret_file is None:
         raise ConfigError("--cluster-port", "a cluster node needs --cluster-port, --routes and --route-secret-file")
+    dialled = tuple(_route(part.strip(), routes) for part in routes.split(",") if part.strip())
+    if not dialled:
+        raise ConfigError("--routes", f"{routes!r} must list route ports, e.g. 6222,6223,6224")
+    return ClusterRoutes(port=cluster_port, routes=dialled, secret=read_route_secret(secret_file), host=host)
+
+
+def _route(part: str, routes: str) -> tuple[str, int]:
+    host, _, port = part.rpartition(":")
     try:
-        ports = tuple(int(part) for part in routes.split(",") if part.strip())
+        number = int(port)
     except ValueError as e:
-        raise ConfigError("--routes", f"{routes!r} must be loopback route ports, e.g. 6222,6223,6224") from e
-    if not ports or not all(0 < p < 65536 for p in ports):
-        raise ConfigError("--routes", f"{routes!r} must be loopback route ports, e.g. 6222,6223,6224")
-    return ClusterRoutes(port=cluster_port, routes=ports, secret=read_route_secret(secret_file))
+        raise ConfigError("--routes", f"{routes!r} must be PORT or HOST:PORT items, e.g. 6222,6223,6224") from e
+    if not 0 < number < 65536:
+        raise ConfigError("--routes", f"{number} in {routes!r} is no port; give 1 to 65535")
+    return require_ipv4(host or LOOPBACK, "--routes"), number
 
 
 @dataclass(frozen=True)
 class Member:
-    """One node of the cluster: its name, home and the ports it keeps."""
+    """One node of the cluster: its name, home, the ports it keeps and the address its server listens on
+    (loopback, or its network namespace's address)."""
 
     name: str
     home: str
     client: int
     monitor: int
     route: int
+    host: str = LOOPBACK
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.client}"
+        return f"nats://{self.host}:{self.client}"
 
     @property
     def monitor_url(self) -> str:
-        return f"http://127.0.0.1:{self.monitor}"
+        return f"http://{self.host}:{self.monitor}"
 
 
 def cluster_root(home: Path) -> Path:
@@ -129,7 +146,10 @@ def plan_members(home: Path, size: int, *, standalone: bool = False) -> list[Mem
             raise ConfigError("SIZE", f"the cluster under {root} has {len(members)} nodes, not {size}; start it so")
         return members
     ports = _free_ports(3 * size)
-    return [Member(f"node-{i + 1}", str(root / f"node-{i + 1}"), *ports[3 * i : 3 * i + 3]) for i in range(size)]
+    return [
+        Member(f"node-{i + 1}", str(root / f"node-{i + 1}"), ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
+        for i in range(size)
+    ]
 
 
 def share_node_key(root: Path, member_home: Path) -> None:
@@ -158,19 +178,30 @@ class Child:
 
 class Supervisor:
     """`with Supervisor(home, 3) as cluster:` runs the cluster until the block exits; `watch(stop)` keeps every
-    node running (a node that exits is started again, the wait doubling with each failure in a row)."""
+    node running (a node that exits is started again, the wait doubling with each failure in a row).
 
     def __init__(
-        self, home: Path, size: int = 3, *, mirror: str = "edge", node_args: tuple[str, ...] = ()
+        self,
+        home: Path,
+        size: int = 3,
+        *,
+        mirror: str = "edge",
+        network: Namespaces | None = None,
+        node_args: tuple[str, ...] = (),
     ) -> None:
         self.home = home
         self.root = cluster_root(home)
         self.mirror = mirror
+        self.network = network
         # One supervised node runs alone (R1, no routes): `epibus chaos` restarts it the way a cluster's are.
         self.standalone = size == 1
         self.replicas = 1 if self.standalone else CLUSTER_REPLICAS
         self.node_args = node_args  # more `epibus up` options for every node (e.g. --failpoints)
         self.members = plan_members(home, size, standalone=self.standalone)
+        if network is not None:
+            if network.size < len(self.members):
+                raise ConfigError("network", f"{network.size} namespaces for {len(self.members)} nodes; make one each")
+            self.members = [replace(m, host=network.hosts[i]) for i, m in enumerate(self.members)]
         self.children: dict[str, Child] = {}
 
     def __enter__(self) -> Supervisor:
@@ -205,7 +236,9 @@ class Supervisor:
         self.write_info()
 
     def _spawn(self, member: Member) -> subprocess.Popen[bytes]:
-        taken = [p for p in (member.client, member.monitor, member.route) if port_taken("127.0.0.1", p)]
+        # In a namespace of its own a node's ports are its own: the root namespace's say nothing of them.
+        ports = (member.client, member.monitor, member.route) if self.network is None else ()
+        taken = [p for p in ports if port_taken(LOOPBACK, p)]
         if taken:
             raise ConfigError(
                 "cluster",
@@ -213,6 +246,7 @@ class Supervisor:
                 f"{self.root / CLUSTER_FILE})",
             )
         env = {k: v for k, v in os.environ.items() if k not in _NODE_ENV_DROPPED}
+        routes = ",".join(str(m.route) if self.network is None else f"{m.host}:{m.route}" for m in self.members)
         argv = [
             sys.executable, "-m", "epibus", "up", "--json", "--home", member.home, "--name", member.name,
             "--port", str(member.client), "--monitor-port", str(member.monitor),
@@ -220,9 +254,11 @@ class Supervisor:
         ]  # fmt: skip
         if not self.standalone:
             argv += [
-                "--cluster-port", str(member.route), "--routes", ",".join(str(m.route) for m in self.members),
+                "--cluster-port", str(member.route), "--routes", routes,
                 "--route-secret-file", str(self.root / ROUTE_SECRET_FILE),
             ]  # fmt: skip
+        if self.network is not None:
+            argv = [*self.network.exec_prefix(self.members.index(member)), *argv, "--host", member.host]
         log_path = Path(member.home) / "node.log"
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
         with os.fdopen(log_fd, "ab") as log_out:

@@ -112,7 +112,8 @@ CLUSTER_START_S = 120.0
 class NodeConfig:
     home: Path
     nats_url: str | None = None  # None: run the embedded nats-server under home/nats
-    # The embedded server's ports; None: the ports kept from an earlier start (free ones at the first)
+    # The embedded server's address and ports; None: the ports kept from an earlier start (free ones at the first)
+    host: str = "127.0.0.1"
     port: int | None = None
     monitor_port: int | None = None
     journal_url: str | None = None  # None: SQLite file under home
@@ -252,8 +253,9 @@ class Node:
 
     async def _start(self) -> None:
         home = self.config.home
-        if self.config.nats_url is not None and (self.config.port or self.config.monitor_port or self.config.cluster):
-            raise ConfigError("--port", "only the embedded nats-server has ports and routes; drop them or --nats")
+        own_server = (self.config.port, self.config.monitor_port, self.config.cluster, self.config.host != "127.0.0.1")
+        if self.config.nats_url is not None and any(own_server):
+            raise ConfigError("--port", "only the embedded server has a host, ports and routes; drop them, or --nats")
         if self.config.ui_port is not None:  # a refused address stops the start before anything runs
             check_bind_host(self.config.ui_host, allow_remote=self.config.ui_remote)
         if (was := private_dir(home)) is not None:
@@ -263,6 +265,7 @@ class Node:
         if self.config.nats_url is None:
             self.server = NatsServer(
                 home / "nats",
+                host=self.config.host,
                 port=self.config.port or -1,
                 monitor_port=self.config.monitor_port or -1,
                 keep_ports=True,  # clients following this node find it where it was before a restart
@@ -330,7 +333,15 @@ class Node:
 
         # Announced once every service is subscribed; withdrawn when the node stops, before its services do.
         self.presence = Presence(self._require_js, self.key, self.name, lambda: self.services)
-        await self.presence.beat()
+        # The nodes bucket may have no leader yet when a peer has just made it: the same bounded wait.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_delay(CLUSTER_START_S if self.config.cluster else 0),
+            wait=wait_fixed(1.0),
+            reraise=True,
+        ):
+            with attempt:
+                await self.presence.beat()
         self._stack.push_async_callback(self.presence.withdraw)
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
         # Every loop runs supervised: one that fails is logged, counted and restarted, and never takes the

@@ -95,7 +95,7 @@ def _namespaces(nodes: int, chosen: tuple[str, ...]) -> tuple[Any, str | None]:
     reason = netns_unavailable()
     if reason is not None:
         return None, reason
-    return Namespaces(nodes, tag=secrets.token_hex(2)), None
+    return Namespaces(nodes), None
 
 
 def _print(report: ChaosReport) -> None:

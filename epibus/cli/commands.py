@@ -18,6 +18,7 @@ from bus.home import default_agent, epibus_home, outbox_path, read_node_info, re
 from bus.outbox import Outbox
 from bus.reader import replay, stream_figures
 from bus.registry import AgentRegistry
+from bus.routes import require_ipv4
 from bus.server import MIN_SERVER_VERSION
 from bus.subjects import STREAM, events_filter
 from epibus.cli import ids, inputs
@@ -141,13 +142,23 @@ def up(
         bool,
         typer.Option("--metrics-remote", help="Allow a --metrics-host that is not loopback (the token still applies)."),
     ] = False,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host",
+            help="The embedded server's IPv4 address (clients, monitoring, routes). Beyond loopback it is open to "
+            "that network: nkeys and the route secret still apply.",
+        ),
+    ] = "127.0.0.1",
     cluster_port: Annotated[
         int | None,
-        typer.Option("--cluster-port", min=1, max=65535, help="Listen for cluster routes here (loopback)."),
+        typer.Option("--cluster-port", min=1, max=65535, help="Listen for cluster routes here (on --host)."),
     ] = None,
     routes: Annotated[
         str | None,
-        typer.Option("--routes", help="PORT,PORT,...: the cluster's route ports on loopback (with --cluster-port)."),
+        typer.Option(
+            "--routes", help="PORT,... (on loopback) or HOST:PORT,...: the cluster's route ports (with --cluster-port)."
+        ),
     ] = None,
     route_secret_file: Annotated[
         Path | None,
@@ -196,7 +207,8 @@ def up(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         metrics_remote=metrics_remote,
-        cluster=cluster_routes(cluster_port, routes, route_secret_file),
+        host=require_ipv4(host, "--host"),
+        cluster=cluster_routes(cluster_port, routes, route_secret_file, host=host),
         failpoints=failpoints,
     )
     run(_up(config, as_json))

@@ -43,13 +43,20 @@ def test_route_options_come_together_or_not_at_all(tmp_path: Path) -> None:
         cluster_routes(6222, None, secret_file)
     with pytest.raises(ConfigError, match="--routes"):
         cluster_routes(6222, "6222,six", secret_file)
+    with pytest.raises(ConfigError, match="not an IPv4 address"):
+        cluster_routes(6222, "6222,example.org:6223", secret_file)
     routes = cluster_routes(6222, "6222,6223,6224", secret_file)
-    assert routes == ClusterRoutes(port=6222, routes=(6222, 6223, 6224), secret=secret)
+    loopback = (("127.0.0.1", 6222), ("127.0.0.1", 6223), ("127.0.0.1", 6224))
+    assert routes == ClusterRoutes(port=6222, routes=loopback, secret=secret)
+    hosts = cluster_routes(6222, "10.213.0.1:6222,10.213.0.2:6223", secret_file, host="10.213.0.1")
+    assert hosts == ClusterRoutes(
+        port=6222, routes=(("10.213.0.1", 6222), ("10.213.0.2", 6223)), secret=secret, host="10.213.0.1"
+    )
 
 
 def test_the_cluster_block_listens_on_loopback_and_dials_with_the_secret(tmp_path: Path) -> None:
     secret = make_route_secret(tmp_path / "route.secret")
-    block = ClusterRoutes(port=6222, routes=(6222, 6223), secret=secret).config_block()
+    block = ClusterRoutes(port=6222, routes=(("127.0.0.1", 6222), ("127.0.0.1", 6223)), secret=secret).config_block()
     assert 'listen: "127.0.0.1:6222"' in block
     assert f'password: "{secret}"' in block
     assert f"nats-route://route:{secret}@127.0.0.1:6223" in block
@@ -62,6 +69,11 @@ def test_the_plan_keeps_its_ports_and_size(tmp_path: Path) -> None:
     supervisor.write_info()
     kept = json.loads((tmp_path / "cluster" / CLUSTER_FILE).read_text())
     assert [n["name"] for n in kept["nodes"]] == ["node-1", "node-2", "node-3"]
+    assert plan_members(tmp_path, 3) == supervisor.members
+    assert all(n["host"] == "127.0.0.1" for n in kept["nodes"])
+    for node in kept["nodes"]:  # a cluster file written before nodes had a host
+        del node["host"]
+    (tmp_path / "cluster" / CLUSTER_FILE).write_text(json.dumps(kept))
     assert plan_members(tmp_path, 3) == supervisor.members
     ports = [p for m in supervisor.members for p in (m.client, m.monitor, m.route)]
     assert len(set(ports)) == 9
