@@ -180,6 +180,9 @@ class Supervisor:
     """`with Supervisor(home, 3) as cluster:` runs the cluster until the block exits; `watch(stop)` keeps every
     node running (a node that exits is started again, the wait doubling with each failure in a row).
 
+    With a `network`, node i runs in network namespace i and its server listens (clients, monitoring, routes)
+    on that namespace's address, which the cluster file then names; the ports are kept as without one."""
+
     def __init__(
         self,
         home: Path,

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +68,10 @@ def assert_failpoints_fired(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("chaos-cluster") / "run"
     code, report = chaos(run_dir, "--nodes", "3", "--faults", "all", "--rate", "60", "--min-run-s", "20")
-    yield run_dir, code, report
+    return run_dir, code, report
 
 
 def test_the_cluster_loses_duplicates_and_changes_nothing_under_every_fault(
