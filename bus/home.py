@@ -99,13 +99,11 @@ class NodeInfo:
     metrics_url: str | None = None  # the node's Prometheus endpoint (bearer token in <home>/metrics.token)
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True  # exists, owned by someone else
-        return True
+        """True while the node's process runs. A node killed but not reaped yet (a zombie) is not running: a
+        restart right after a `kill -9` must not be refused as "already running"."""
+        from bus.server_guard import alive  # imported here: server_guard builds on this module
+
+        return alive(self.pid)
 
 
 def write_private(path: Path, text: str, *, durable: bool = False) -> None:
