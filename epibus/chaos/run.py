@@ -34,6 +34,7 @@ from epibus.cluster import Member
 log = logging.getLogger(__name__)
 ORPHAN_S = 10.0  # a killed node's server must be gone by then (parent-death signal)
 TRIGGER_S = 60.0  # how long an armed one-shot failpoint may wait for a batch to fire on
+ROUTES_LOST_S = 60.0  # a cut-off server notices after a few missed route pings
 SETTLE_POLL_S = 0.5
 
 
@@ -273,6 +274,12 @@ async def _partition(topology: Topology, settings: ChaosSettings, record: FaultR
     record.target = f"{leader.name} cut off"
     settings.network.partition([index], [i for i in range(len(topology.members)) if i != index])
     try:
+        # The cut is real once the cut-off server has dropped its routes (missed pings): from then on it holds.
+        deadline = time.monotonic() + ROUTES_LOST_S
+        while await topology.routes_of(leader) != 0:
+            if time.monotonic() > deadline:
+                raise Unavailable(leader.name, f"still has routes {ROUTES_LOST_S:.0f}s after it was cut off")
+            await asyncio.sleep(0.25)
         await asyncio.sleep(settings.hold_s)
     finally:
         settings.network.heal()

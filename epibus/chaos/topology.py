@@ -4,13 +4,14 @@ cluster (optionally in network namespaces), with the process handles each fault 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,13 +174,17 @@ class Topology:
                 return f"the event stream's replicas are not current ({', '.join(behind) or 'no leader'})"
         return None
 
-    @asynccontextmanager
-    async def connection_to(self, member: Member) -> AsyncIterator[NatsClient]:
-        """A connection of the nodes' operator to this member's server only."""
-        nc = await nats.connect(
-            member.nats_url, connect_timeout=5, allow_reconnect=False, **self.admin.nats_credentials
-        )
-        try:
-            yield nc
-        finally:
-            await nc.close()
+    async def routes_of(self, member: Member) -> int | None:
+        """How many other servers the member's server has routes to now (from its monitoring port), None when
+        it does not answer."""
+        return await asyncio.to_thread(_routes, member.monitor_url)
+
+
+def _routes(monitor_url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/routez", timeout=2) as response:
+            routes = json.loads(response.read()).get("routes") or []
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        return None
+    # A server may keep a pool of connections to each peer: count the peers.
+    return len({route.get("remote_id") for route in routes if isinstance(route, dict)})

@@ -70,7 +70,7 @@ def assert_failpoints_fired(run_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("chaos-cluster") / "run"
-    code, report = chaos(run_dir, "--nodes", "3", "--faults", "all", "--rate", "60", "--min-run-s", "20")
+    code, report = chaos(run_dir, "--nodes", "3", "--faults", "all", "--rate", "80", "--min-run-s", "20")
     return run_dir, code, report
 
 
@@ -119,7 +119,7 @@ def test_one_node_on_its_embedded_server_loses_nothing_and_says_which_faults_nee
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    code, report = chaos(run_dir, "--faults", "all", "--min-run-s", "5")
+    code, report = chaos(run_dir, "--faults", "all", "--rate", "80", "--min-run-s", "5")
     assert code == 0, report
     assert_every_store_holds_every_acknowledged_event(report, nodes=1)
     outcomes = {fault["fault"]: fault["outcome"] for fault in report["faults"]}
