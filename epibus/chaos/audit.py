@@ -8,7 +8,7 @@ import asyncio
 import json
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import nats.errors
@@ -16,12 +16,15 @@ from nats.aio.client import Client as NatsClient
 from sqlalchemy import bindparam, create_engine, text
 
 from bus.admission import Rejected, TimeBounds, check_message
+from bus.ask import fan_out
 from bus.errors import Unavailable
 from bus.event import event_digest
 from bus.ids import point_id
 from bus.outbox import MSG_ID_HEADER
 from bus.reader import read_stream
-from bus.subjects import STREAM, events_filter, stream_leader_stepdown_subject
+from bus.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupRequest
+from bus.signing import AgentKey
+from bus.subjects import MIRROR_LOOKUP, STREAM, events_filter, stream_leader_stepdown_subject
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL
 from observers.mirror.store import Filter
@@ -29,6 +32,7 @@ from observers.mirror.store import Filter
 Copies = dict[str, list[str | None]]
 LEADER_S = 60.0
 RETRIEVE_CHUNK = 512
+LOOKUP_S = 10.0
 
 
 async def make_leader(nc: NatsClient, server: str, timeout_s: float = LEADER_S) -> None:
@@ -114,3 +118,26 @@ def _point_digest(point: uuid.UUID, event_id: str, digest: object) -> str | None
     except ValueError:
         return None
     return digest if isinstance(digest, str) and point == expected else None
+
+
+async def mirror_lookup_copies(
+    nc: NatsClient, signer: AgentKey, digests: Mapping[str, str], nodes: Sequence[str]
+) -> dict[str, Copies]:
+    """Which of these events each running node's mirror has indexed, asked through its lookup service (a running
+    node's mirror files cannot be opened beside it). Presence only: a found event is taken to hold its digest.
+    Raises Unavailable when a node does not answer or answers with an error."""
+    found: dict[str, Copies] = {node: {} for node in nodes}
+    ids = sorted(digests)
+    for start in range(0, len(ids), LOOKUP_CHUNK):
+        chunk = LookupRequest(ids[start : start + LOOKUP_CHUNK])
+        replies = await fan_out(nc, MIRROR_LOOKUP, chunk, IndexedReply, signer=signer, timeout_s=LOOKUP_S)
+        answered = set()
+        for answer in replies.answers:
+            if isinstance(answer, ErrorReply):
+                raise Unavailable(answer.node, f"its mirror lookup failed: {answer.error}")
+            if answer.node in found and answer.mirror:
+                answered.add(answer.node)
+                found[answer.node] |= {event_id: [digests[event_id]] for event_id in answer.indexed}
+        if missing := sorted(set(nodes) - answered):
+            raise Unavailable(", ".join(missing), "its mirror did not answer the lookup")
+    return found

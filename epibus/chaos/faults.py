@@ -15,6 +15,7 @@ FAULTS: dict[str, str] = {
     "partition": "cut one server off from the others (network namespaces) for the fault's duration (cluster only)",
 }
 CLUSTER_ONLY = frozenset({"follower", "partition"})
+FAILPOINT_FAULTS = frozenset({"observer", "mirror"})  # they need nodes started with failpoints on
 
 
 def parse_faults(text: str) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ class StoreAudit:
     unknown: list[str] = field(default_factory=list)  # not acknowledged, present (allowed)
     wrong: list[str] = field(default_factory=list)  # present with other content, or never published at all
     error: str | None = None  # the store could not be read: nothing about it is known
+    note: str | None = None  # how it was read, when that limits what the audit can see
 
     @property
     def failed(self) -> bool:
@@ -70,6 +71,7 @@ class StoreAudit:
             "unknown": len(self.unknown),
             "wrong": len(self.wrong),
             "error": self.error,
+            "note": self.note,
             "ok": not self.failed,
             "sample_lost": self.lost[:SAMPLE],
             "sample_duplicated": self.duplicated[:SAMPLE],

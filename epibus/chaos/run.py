@@ -24,10 +24,10 @@ from bus.home import private_dir
 from bus.server_guard import alive
 from bus.subjects import STREAM
 from epibus import failpoints
-from epibus.chaos.audit import journal_copies, make_leader, mirror_copies, stream_copies
-from epibus.chaos.faults import CLUSTER_ONLY, FAULTS
+from epibus.chaos.audit import journal_copies, make_leader, mirror_copies, mirror_lookup_copies, stream_copies
+from epibus.chaos.faults import CLUSTER_ONLY, FAILPOINT_FAULTS, FAULTS
 from epibus.chaos.ledger import StoreAudit, audit_store, unreadable, write_attempts
-from epibus.chaos.topology import Topology
+from epibus.chaos.topology import AttachedCluster, Topology
 from epibus.chaos.workload import Workload
 from epibus.cluster import Member
 
@@ -53,6 +53,7 @@ class ChaosSettings:
     settle_s: float = 180.0  # bound on the wait for outboxes to drain and observers to catch up
     network: Any = None  # epibus.netns.Namespaces for the partition fault; None: no partition possible
     network_unavailable: str | None = None  # why there are no namespaces, when there are none
+    attach: Path | None = None  # the home of a running `epibus cluster up` to break instead of starting nodes
 
 
 @dataclass
@@ -96,13 +97,21 @@ Say = Callable[[str], None]
 async def run_chaos(settings: ChaosSettings, say: Say = log.info) -> ChaosReport:
     """Run the workload and faults, settle, audit. The nodes are stopped before this returns, whatever
     happens. Raises ConfigError for impossible settings, Unavailable when the nodes cannot start."""
-    if settings.size != 1 and not 3 <= settings.size <= 5:
+    if settings.attach is None and settings.size != 1 and not 3 <= settings.size <= 5:
         raise ConfigError("--nodes", f"{settings.size}: chaos runs 1 node, or a cluster of 3 to 5")
+    topology = (
+        AttachedCluster(settings.attach)
+        if settings.attach is not None
+        else Topology(settings.run_dir, settings.size, network=settings.network)
+    )
     private_dir(settings.run_dir)
     began = time.monotonic()
     projects = [f"chaos-{uuid.uuid4().hex[:8]}-{i}" for i in range(settings.projects)]
-    say(f"starting {settings.size} node(s) under {settings.run_dir}")
-    async with Topology(settings.run_dir, settings.size, network=settings.network) as topology:
+    if settings.attach is not None:
+        say(f"attaching to the cluster of {len(topology.members)} nodes under {settings.attach}")
+    else:
+        say(f"starting {settings.size} node(s) under {settings.run_dir}")
+    async with topology:
         await topology.await_healthy()
         workload = Workload(
             settings.run_dir, topology.nats_urls, publishers=settings.publishers, projects=projects,
@@ -119,12 +128,17 @@ async def run_chaos(settings: ChaosSettings, say: Say = log.info) -> ChaosReport
         write_attempts(settings.run_dir / "attempts.jsonl", workload.attempts)
         say("auditing the event stream on every server")
         stores = await _audit_streams(topology, projects, workload)
-    say("auditing every node's journal and mirror")
-    stores += await _audit_files(topology.members, projects, workload)
+        if not topology.owns_nodes:
+            say("auditing every node's journal, and its mirror through its lookup service")
+            stores += await _audit_running(topology, projects, workload)
+    if topology.owns_nodes:
+        say("auditing every node's journal and mirror")
+        stores += await _audit_files(topology.members, projects, workload)
     levels = Counter(a.level for a in workload.attempts)
     report = ChaosReport(
         settings={
-            "nodes": settings.size,
+            "nodes": len(topology.members),
+            "attached": str(settings.attach) if settings.attach is not None else None,
             "faults": list(settings.faults),
             "rounds": settings.rounds,
             "publishers": settings.publishers,
@@ -180,6 +194,9 @@ async def _inject(name: str, settings: ChaosSettings, topology: Topology, record
         return
     if name == "partition" and settings.network is None:
         record.outcome = f"not available: {settings.network_unavailable or 'no network namespaces'}"
+        return
+    if name in FAILPOINT_FAULTS and (why := topology.failpoints_unavailable()) is not None:
+        record.outcome = f"not available: {why}"
         return
     began = time.monotonic()
     try:
@@ -346,16 +363,44 @@ async def _audit_streams(topology: Topology, projects: list[str], workload: Work
 async def _audit_files(members: list[Member], projects: list[str], workload: Workload) -> list[StoreAudit]:
     audits = []
     for member in members:
-        home = Path(member.home)
+        audits += await _audit_journal(member, projects, workload)
+        store = f"mirror@{member.name}"
         try:
-            copies = await asyncio.to_thread(journal_copies, home / "journal.db", projects)
-            audits.append(audit_store(f"journal@{member.name}", workload.attempts, copies))
-        except (EpibusError, OSError, SQLAlchemyError) as e:
-            audits.append(unreadable(f"journal@{member.name}", workload.attempts, error_summary(e)))
-        try:
-            audits.append(
-                audit_store(f"mirror@{member.name}", workload.attempts, await mirror_copies(home / "mirror", projects))
-            )
+            copies = await mirror_copies(Path(member.home) / "mirror", projects)
+            audits.append(audit_store(store, workload.attempts, copies))
         except (EpibusError, OSError) as e:
-            audits.append(unreadable(f"mirror@{member.name}", workload.attempts, error_summary(e)))
+            audits.append(unreadable(store, workload.attempts, error_summary(e)))
+    return audits
+
+
+async def _audit_journal(member: Member, projects: list[str], workload: Workload) -> list[StoreAudit]:
+    store = f"journal@{member.name}"
+    try:
+        copies = await asyncio.to_thread(journal_copies, Path(member.home) / "journal.db", projects)
+    except (EpibusError, OSError, SQLAlchemyError) as e:
+        return [unreadable(store, workload.attempts, error_summary(e))]
+    return [audit_store(store, workload.attempts, copies)]
+
+
+async def _audit_running(topology: Topology, projects: list[str], workload: Workload) -> list[StoreAudit]:
+    """The stores of nodes that go on running: each journal by SQL (read-only, beside its node), each mirror
+    through its node's lookup service (presence only: its files cannot be opened beside the node)."""
+    assert topology.operator is not None
+    names = [member.name for member in topology.members]
+    digests = {a.event_id: a.digest for a in workload.attempts}
+    try:
+        mirrors: dict[str, Any] = await mirror_lookup_copies(topology.operator, topology.admin, digests, names)
+        problem = None
+    except (EpibusError, nats.errors.Error, TimeoutError) as e:
+        mirrors, problem = {}, error_summary(e)
+    audits = []
+    for member in topology.members:
+        audits += await _audit_journal(member, projects, workload)
+        store = f"mirror@{member.name}"
+        if problem is not None:
+            audits.append(unreadable(store, workload.attempts, problem))
+            continue
+        audit = audit_store(store, workload.attempts, mirrors[member.name])
+        audit.note = "presence only: asked through the running node's lookup service"
+        audits.append(audit)
     return audits

@@ -20,11 +20,11 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from bus.errors import Unavailable
+from bus.errors import ConfigError, Unavailable
 from bus.server_guard import StoreLock, alive
 from bus.signing import AgentKey, node_key
 from bus.subjects import STREAM
-from epibus.cluster import Member, Supervisor, cluster_root
+from epibus.cluster import Member, Supervisor, cluster_root, plan_members, read_cluster
 
 log = logging.getLogger(__name__)
 HEALTHY_S = 240.0  # a node restarted by a fault loads its model and, in a cluster, waits for its peers
@@ -68,12 +68,19 @@ class Topology:
         """The nodes' shared key: chaos enrols its publishers and reads the stream as the nodes' operator."""
         return node_key(cluster_root(self.run_dir))
 
-    async def __aenter__(self) -> Topology:
-        options: dict[str, Any] = {"network": self.network} if self.network is not None else {}
-        self.supervisor = Supervisor(self.run_dir, self.size, node_args=("--failpoints",), **options)
+    @property
+    def owns_nodes(self) -> bool:
+        """True: chaos started the nodes, and stops them before the audit reads their files."""
+        return True
+
+    async def start(self) -> None:
+        self.supervisor = Supervisor(self.run_dir, self.size, node_args=("--failpoints",), network=self.network)
         await asyncio.to_thread(self.supervisor.start)
         self._watcher = threading.Thread(target=self.supervisor.watch, args=(self._stopping,), daemon=True)
         self._watcher.start()
+
+    async def __aenter__(self) -> Topology:
+        await self.start()
         try:
             self.operator = await nats.connect(
                 self.nats_urls, connect_timeout=5, max_reconnect_attempts=-1, **self.admin.nats_credentials
@@ -100,12 +107,15 @@ class Topology:
 
     def processes(self, member: Member) -> Processes:
         """The node's pid and its nats-server's (from the store lock), None for what does not run now."""
-        assert self.supervisor is not None
-        child = self.supervisor.children.get(member.name)
-        node = child.process.pid if child is not None and child.process.poll() is None else None
+        node = self.node_pid(member)
         holder = StoreLock(Path(member.home) / "nats").holder()
         server = holder.server_pid if holder is not None and holder.server_alive() else None
         return Processes(node, server)
+
+    def node_pid(self, member: Member) -> int | None:
+        assert self.supervisor is not None
+        child = self.supervisor.children.get(member.name)
+        return child.process.pid if child is not None and child.process.poll() is None else None
 
     def signal(self, member: Member, signum: int, *, server: bool = False, group: bool = False) -> int | None:
         """Send a signal to a node (its process group with `group`) or to its server; the pid signalled."""
@@ -153,18 +163,18 @@ class Topology:
             await asyncio.sleep(POLL_S)
 
     async def _health_problem(self) -> str | None:
-        assert self.supervisor is not None
         assert self.operator is not None
         for member in self.members:
-            child = self.supervisor.children.get(member.name)
-            if child is None or child.status is None or child.process.poll() is not None:
+            if not self.node_ready(member):
                 return f"{member.name} is not running"
             if self.processes(member).server is None:
                 return f"{member.name}'s nats-server is not running"
+            if self.clustered:
+                peers = await self.routes_of(member)
+                if peers is None or peers < len(self.members) - 1:
+                    return f"{member.name}'s server has routes to {peers} of {len(self.members) - 1} peers"
         try:
-            info = await self.operator.jetstream().stream_info(
-                STREAM,
-            )
+            info = await self.operator.jetstream().stream_info(STREAM)
         except (nats.errors.Error, TimeoutError) as e:
             return f"the event stream does not answer ({type(e).__name__})"
         if self.clustered:
@@ -172,6 +182,16 @@ class Topology:
             behind = [str(r.name) for r in replicas if not r.current]
             if info.cluster is None or info.cluster.leader is None or len(replicas) < 2 or behind:
                 return f"the event stream's replicas are not current ({', '.join(behind) or 'no leader'})"
+        return None
+
+    def node_ready(self, member: Member) -> bool:
+        """Whether the node runs and said so (its `up --json` status line)."""
+        assert self.supervisor is not None
+        child = self.supervisor.children.get(member.name)
+        return child is not None and child.status is not None and child.process.poll() is None
+
+    def failpoints_unavailable(self) -> str | None:
+        """None: every node honours failpoints (chaos started them so)."""
         return None
 
     async def routes_of(self, member: Member) -> int | None:
@@ -188,3 +208,51 @@ def _routes(monitor_url: str) -> int | None:
         return None
     # A server may keep a pool of connections to each peer: count the peers.
     return len({route.get("remote_id") for route in routes if isinstance(route, dict)})
+
+
+class AttachedCluster(Topology):
+    """The cluster `epibus cluster up` runs under a home, attached to as it runs: its supervisor restarts the
+    nodes faults kill, and chaos leaves them running when it is done."""
+
+    def __init__(self, home: Path) -> None:
+        info = read_cluster(home)
+        if info is None or not isinstance(info.get("supervisor_pid"), int) or not alive(info["supervisor_pid"]):
+            raise ConfigError(
+                "--attach", f"no cluster runs under {cluster_root(home)}; start one with `epibus cluster up`"
+            )
+        super().__init__(home, len(info["nodes"]))
+        self._members = plan_members(home, len(info["nodes"]))
+
+    @property
+    def members(self) -> list[Member]:
+        return self._members
+
+    @property
+    def owns_nodes(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        return None  # it runs already
+
+    async def stop(self) -> None:
+        if self.operator is not None and not self.operator.is_closed:
+            await self.operator.close()
+        for member in self.members:  # a fault interrupted mid-pause must not leave a node stopped
+            self.signal(member, signal.SIGCONT)
+
+    def node_pid(self, member: Member) -> int | None:
+        info = read_cluster(self.run_dir) or {}
+        node = next((n for n in info.get("nodes", []) if isinstance(n, dict) and n.get("name") == member.name), {})
+        pid = node.get("pid")
+        return pid if isinstance(pid, int) and alive(pid) else None
+
+    def node_ready(self, member: Member) -> bool:
+        return self.node_pid(member) is not None  # the supervisor records a pid once the node said it runs
+
+    def failpoints_unavailable(self) -> str | None:
+        for member in self.members:
+            pid = self.node_pid(member)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid is not None else []
+            if b"--failpoints" not in argv:
+                return f"{member.name} runs without failpoints; start the cluster with `epibus cluster up --failpoints`"
+        return None

@@ -46,6 +46,12 @@ def chaos(
     settle_s: Annotated[
         float, typer.Option("--settle-s", min=1.0, max=3600.0, help="Bound on the wait for the stores to catch up.")
     ] = 180.0,
+    attach: Annotated[
+        bool,
+        typer.Option(
+            "--attach", help="Break the cluster `epibus cluster up` runs under --home instead of starting nodes."
+        ),
+    ] = False,
     run_dir: Annotated[
         Path | None,
         typer.Option("--run-dir", help="Where the nodes, ledger and report go (default: <home>/chaos/<run>)."),
@@ -60,11 +66,14 @@ def chaos(
     stop when the run ends; the ledger (attempts.jsonl) and report.json stay in the run directory."""
     chosen = parse_faults(faults)
     where = run_dir or epibus_home(home) / "chaos" / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    network, why_not = _namespaces(nodes, chosen)
+    if attach:  # its servers listen where `epibus cluster up` put them: on loopback, where nothing can be cut
+        network, why_not = None, "the attached cluster's servers share the loopback network; run chaos without --attach"
+    else:
+        network, why_not = _namespaces(nodes, chosen)
     settings = ChaosSettings(
         run_dir=where, size=nodes, faults=chosen, rounds=rounds, publishers=publishers, projects=projects, rate=rate,
         max_events=max_events, hold_s=hold_s, min_run_s=min_run_s, settle_s=settle_s, network=network,
-        network_unavailable=why_not,
+        network_unavailable=why_not, attach=epibus_home(home) if attach else None,
     )  # fmt: skip
     say_to = err_console if as_json else console
     private_dir(where)

@@ -25,6 +25,9 @@ NODE_COLUMNS = ("name", "nats_url", "monitor_url", "route", "pid", "restarts", "
 def cluster_up(
     size: Annotated[int, typer.Argument(help=f"How many nodes ({MIN_NODES} to {MAX_NODES}); kept.")] = 3,
     mirror: Annotated[str, typer.Option("--mirror", help="Each node's mirror: edge | off.")] = "edge",
+    failpoints: Annotated[
+        bool, typer.Option("--failpoints", help="Nodes honour the failpoints `epibus chaos --attach` arms.")
+    ] = False,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -36,7 +39,8 @@ def cluster_up(
     stopping = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())
-    with Supervisor(epibus_home(home), size, mirror=mirror) as cluster:
+    node_args = ("--failpoints",) if failpoints else ()
+    with Supervisor(epibus_home(home), size, mirror=mirror, node_args=node_args) as cluster:
         info = read_cluster(cluster.home) or {}
         if as_json:
             emit_json({"ok": True, "status": "running", "cluster": info})
