@@ -21,6 +21,7 @@ from epibus.netns import netns_unavailable
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 900
+PRESENCE_ONLY = "presence only: asked through the running node's lookup service"
 
 
 def chaos(run_dir: Path, *args: str, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
@@ -137,6 +138,40 @@ def test_an_unknown_fault_is_refused_with_the_allowed_names_before_anything_star
     assert "'meteor'" in done.stderr
     assert "nats-down" in done.stderr
     assert not (tmp_path / "run" / "cluster").exists()
+
+
+def test_an_attached_cluster_is_broken_audited_and_left_running(tmp_path: Path) -> None:
+    """`epibus cluster up --failpoints`, then `epibus chaos --attach`: the cluster's own supervisor restarts the
+    node a fault killed, the running nodes' journals and mirrors are read beside them, and they go on running."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "epibus", "cluster", "up", "3", "--failpoints", "--json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert cluster.stdout is not None
+        assert json.loads(cluster.stdout.readline())["status"] == "running"
+        code, report = chaos(
+            home / "chaos" / "attached", "--attach", "--home", str(home), "--faults", "node,observer,partition",
+            "--min-run-s", "5",
+        )  # fmt: skip
+        assert code == 0, report
+        assert report["settings"]["attached"] == str(home)
+        assert_every_store_holds_every_acknowledged_event(report, nodes=3)
+        mirrors = [store for store in report["stores"] if store["store"].startswith("mirror@")]
+        assert {store["note"] for store in mirrors} == {PRESENCE_ONLY}
+        outcomes = {fault["fault"]: fault["outcome"] for fault in report["faults"]}
+        assert outcomes["node"] == outcomes["observer"] == "injected"
+        assert outcomes["partition"].startswith("not available: the attached cluster's servers share the loopback")
+        assert cluster.poll() is None  # chaos left the cluster running
+        nodes = json.loads((home / "cluster" / "cluster.json").read_text())["nodes"]
+        assert all(isinstance(node["pid"], int) for node in nodes)
+    finally:
+        cluster.terminate()
+        cluster.wait(timeout=120)
+    assert left_running(home) == []
 
 
 @pytest.mark.soak
