@@ -80,8 +80,8 @@ class Topology:
         self._watcher.start()
 
     async def __aenter__(self) -> Topology:
-        await self.start()
         try:
+            await self.start()
             self.operator = await nats.connect(
                 self.nats_urls, connect_timeout=5, max_reconnect_attempts=-1, **self.admin.nats_credentials
             )
