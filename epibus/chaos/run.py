@@ -46,7 +46,7 @@ class ChaosSettings:
     rounds: int = 1  # the faults run one after another, this many times over
     publishers: int = 3
     projects: int = 3
-    rate: float = 40.0  # events per second, all publishers together
+    rate: float = 80.0  # events per second, all publishers together
     max_events: int = 20_000
     hold_s: float = 4.0  # how long a fault with a duration lasts
     min_run_s: float = 10.0  # the workload runs at least this long, and until every fault has run

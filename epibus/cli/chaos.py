@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +20,8 @@ from epibus.cli.display import shown
 
 FAULTS_HELP = "; ".join(f"{name}: {text}" for name, text in FAULTS.items())
 STORE_COLUMNS = ("store", "acked", "present", "lost", "duplicated", "unknown", "wrong", "error")
+# An attached cluster's servers listen where `epibus cluster up` put them: on loopback, where nothing can be cut.
+ATTACHED_ON_LOOPBACK = "the attached cluster's servers share the loopback network; run chaos without --attach"
 FAULT_COLUMNS = ("fault", "target", "outcome", "at_s", "held_s", "recovered_s")
 
 
@@ -31,7 +34,7 @@ def chaos(
         str, typer.Option("--faults", help=f"all, none, or a comma-separated list of: {FAULTS_HELP}.")
     ] = "all",
     rounds: Annotated[int, typer.Option("--rounds", min=1, max=1000, help="Run the faults this many times over.")] = 1,
-    rate: Annotated[float, typer.Option("--rate", min=1.0, max=5000.0, help="Events per second, in all.")] = 40.0,
+    rate: Annotated[float, typer.Option("--rate", min=1.0, max=5000.0, help="Events per second, in all.")] = 80.0,
     publishers: Annotated[int, typer.Option("--publishers", min=1, max=32, help="Publishing agents.")] = 3,
     projects: Annotated[int, typer.Option("--projects", min=1, max=32, help="Projects they publish in.")] = 3,
     hold_s: Annotated[
@@ -66,10 +69,7 @@ def chaos(
     stop when the run ends; the ledger (attempts.jsonl) and report.json stay in the run directory."""
     chosen = parse_faults(faults)
     where = run_dir or epibus_home(home) / "chaos" / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    if attach:  # its servers listen where `epibus cluster up` put them: on loopback, where nothing can be cut
-        network, why_not = None, "the attached cluster's servers share the loopback network; run chaos without --attach"
-    else:
-        network, why_not = _namespaces(nodes, chosen)
+    network, why_not = _namespaces(nodes, chosen) if not attach else (None, ATTACHED_ON_LOOPBACK)
     settings = ChaosSettings(
         run_dir=where, size=nodes, faults=chosen, rounds=rounds, publishers=publishers, projects=projects, rate=rate,
         max_events=max_events, hold_s=hold_s, min_run_s=min_run_s, settle_s=settle_s, network=network,
@@ -81,9 +81,12 @@ def chaos(
     root = logging.getLogger()
     kept_handlers = root.handlers[:]
     root.handlers = [logging.FileHandler(where / "chaos.log")]
+    # SIGTERM unwinds like Ctrl-C: the nodes are stopped and the namespaces removed, not left behind.
+    kept_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
         report = run(run_chaos(settings, lambda line: say_to.log(shown(line))))
     finally:
+        signal.signal(signal.SIGTERM, kept_sigterm)
         root.handlers = kept_handlers
         if network is not None:
             network.close()
@@ -93,6 +96,10 @@ def chaos(
         _print(report)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _namespaces(nodes: int, chosen: tuple[str, ...]) -> tuple[Any, str | None]:

@@ -19,8 +19,9 @@ from epibus.chaos.faults import FAULTS
 from epibus.chaos.ledger import audit_store, read_attempts
 from epibus.netns import netns_unavailable
 
-pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 900
+SOAK_TIMEOUT_S = 3600
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 PRESENCE_ONLY = "presence only: asked through the running node's lookup service"
 
 
@@ -175,11 +176,12 @@ def test_an_attached_cluster_is_broken_audited_and_left_running(tmp_path: Path) 
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_TIMEOUT_S + 60)
 def test_a_long_cluster_run_with_every_fault_three_times_over_loses_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     code, report = chaos(
         run_dir, "--nodes", "3", "--faults", "all", "--rounds", "3", "--rate", "100", "--hold-s", "10",
-        "--min-run-s", "300", timeout_s=3600,
+        "--min-run-s", "300", timeout_s=SOAK_TIMEOUT_S,
     )  # fmt: skip
     assert code == 0, report
     assert_every_store_holds_every_acknowledged_event(report, nodes=3)
