@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,46 @@ def test_an_attached_cluster_is_broken_audited_and_left_running(tmp_path: Path) 
         cluster.terminate()
         cluster.wait(timeout=120)
     assert left_running(home) == []
+
+
+def namespaces_of(pid: int) -> list[str]:
+    """The network namespaces a chaos process made (their names carry its pid in base 36)."""
+    digits, tag, n = "0123456789abcdefghijklmnopqrstuvwxyz", "", pid
+    while n:
+        n, digit = divmod(n, 36)
+        tag = digits[digit] + tag
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"epibus-{tag}-")]
+
+
+def test_a_run_stopped_with_sigterm_leaves_no_node_server_or_namespace_behind(tmp_path: Path) -> None:
+    reason = netns_unavailable()
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epibus", "chaos", "--nodes", "3", "--faults", "partition", "--min-run-s", "600",
+         "--run-dir", str(run_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def publishing() -> bool:
+            return (run_dir / "publishers").is_dir() and (reason is not None or bool(namespaces_of(process.pid)))
+
+        deadline = time.monotonic() + 300
+        while not publishing():
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "the run never started publishing"
+            time.sleep(0.5)
+        assert left_running(run_dir) != []  # nodes and servers run
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert left_running(run_dir) == []
+    assert namespaces_of(process.pid) == []
 
 
 @pytest.mark.soak
