@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bus.errors import ConfigError
 from epibus.chaos.faults import FAULTS, parse_faults
 from epibus.chaos.ledger import Attempt, audit_store
+from epibus.chaos.run import ChaosReport, FaultRecord
 
 LEVELS = ("published", "outboxed", "error")
 
@@ -87,3 +88,14 @@ def test_faults_are_parsed_in_order_and_an_unknown_one_names_the_allowed_values(
         parse_faults("leader,meteor")
     assert "'meteor'" in str(refused.value)
     assert "nats-down" in str(refused.value)
+
+
+def test_a_failed_fault_fails_the_run_even_when_every_store_is_whole() -> None:
+    published = attempt("published", "d")
+    whole = [audit_store("journal@node-1", [published], {published.event_id: ["d"]})]
+    ran = ChaosReport({}, {}, [FaultRecord("node", outcome="injected")], whole)
+    orphan = ChaosReport({}, {}, [FaultRecord("node", outcome="failed: node-1: its nats-server outlived it")], whole)
+    skipped = ChaosReport({}, {}, [FaultRecord("partition", outcome="not applicable: one node has one server")], whole)
+    assert ran.ok
+    assert skipped.ok
+    assert not orphan.ok

@@ -77,7 +77,10 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return not any(store.failed for store in self.stores) and bool(self.stores)
+        """No store lost, duplicated or changed an acknowledged event or went unread, and no fault failed (a
+        fault fails when the system did not behave as it must, e.g. a server outlived its killed node)."""
+        stores_ok = bool(self.stores) and not any(store.failed for store in self.stores)
+        return stores_ok and not any(fault.outcome.startswith("failed") for fault in self.faults)
 
     def as_dict(self) -> dict[str, Any]:
         return {

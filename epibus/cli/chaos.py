@@ -135,5 +135,5 @@ def _print(report: ChaosReport) -> None:
     verdict = ("ok: ", "bold green") if report.ok else ("FAILED: ", "bold red")
     said = "no acknowledged event lost, duplicated or changed"
     if not report.ok:
-        said = "an acknowledged event was lost, duplicated or changed, or a store could not be read"
+        said = "an acknowledged event was lost, duplicated or changed, a store could not be read, or a fault failed"
     console.print(shown(verdict, said))
