@@ -5,6 +5,7 @@ node anything."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -64,13 +65,15 @@ async def fan_out(
     signer: AgentKey,
     timeout_s: float,
     one: bool = False,
+    expect: Collection[str] | None = None,
 ) -> Replies[R]:
     """Publish one request, signed by `signer`, that every node answers; collect the answers until every live
     node serving `subject` (bus.presence) has answered, else until timeout_s, and name the live nodes that did
     not (`missing`). When no live set can be read (no node announces itself), collect until timeout_s. Replies
     that arrived meanwhile and are no node's answer (not JSON, the wrong shape, too big) are recorded as
     malformed, never taken as an answer. `one`: stop at the first answer (a service answered by one node of a
-    queue group).
+    queue group). `expect`: the names of the nodes to wait for instead of the live set (an auditor knows which
+    nodes it asks, and a node just restarted may not be announced yet).
 
     The connection must receive on the signer's inboxes (`AgentKey.nats_credentials`): nodes answer only there.
     Raises ConfigError when it does not, Unavailable when NATS does."""
@@ -89,7 +92,7 @@ async def fan_out(
     subscription = await nc.subscribe(inbox, cb=collect)
     replies: Replies[R] = Replies()
     answered: set[str] = set()
-    expected: set[str] | None = None  # the live nodes serving `subject`, once read
+    expected: set[str] | None = set(expect) if expect is not None else None  # the live nodes serving `subject`
     reading: asyncio.Future[LiveNodes] | None = None
     getting: asyncio.Future[Msg] | None = None
     try:
@@ -98,7 +101,7 @@ async def fan_out(
         await nc.publish(subject, data, reply=inbox, headers=headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        if not one:  # read who is live while the nodes work on the request
+        if not one and expect is None:  # read who is live while the nodes work on the request
             reading = asyncio.ensure_future(live_nodes(nc.jetstream(), timeout_s=timeout_s))
         while loop.time() < deadline:
             if reading is not None and reading.done():

@@ -32,7 +32,8 @@ from observers.mirror.store import Filter
 Copies = dict[str, list[str | None]]
 LEADER_S = 60.0
 RETRIEVE_CHUNK = 512
-LOOKUP_S = 10.0
+LOOKUP_S = 30.0  # one ask: a node that just restarted and is catching up may be slow to answer
+LOOKUP_WAIT_S = 120.0
 
 
 async def make_leader(nc: NatsClient, server: str, timeout_s: float = LEADER_S) -> None:
@@ -122,22 +123,39 @@ def _point_digest(point: uuid.UUID, event_id: str, digest: object) -> str | None
 
 async def mirror_lookup_copies(
     nc: NatsClient, signer: AgentKey, digests: Mapping[str, str], nodes: Sequence[str]
-) -> dict[str, Copies]:
+) -> tuple[dict[str, Copies], dict[str, str]]:
     """Which of these events each running node's mirror has indexed, asked through its lookup service (a running
     node's mirror files cannot be opened beside it). Presence only: a found event is taken to hold its digest.
-    Raises Unavailable when a node does not answer or answers with an error."""
+    A node that has not answered a chunk is asked again (a node just restarted may be slow) until LOOKUP_WAIT_S;
+    returns what each node holds, and why for each node that could not be read."""
     found: dict[str, Copies] = {node: {} for node in nodes}
+    problems: dict[str, str] = {}
     ids = sorted(digests)
+    loop = asyncio.get_running_loop()
     for start in range(0, len(ids), LOOKUP_CHUNK):
         chunk = LookupRequest(ids[start : start + LOOKUP_CHUNK])
-        replies = await fan_out(nc, MIRROR_LOOKUP, chunk, IndexedReply, signer=signer, timeout_s=LOOKUP_S)
-        answered = set()
-        for answer in replies.answers:
-            if isinstance(answer, ErrorReply):
-                raise Unavailable(answer.node, f"its mirror lookup failed: {answer.error}")
-            if answer.node in found and answer.mirror:
-                answered.add(answer.node)
-                found[answer.node] |= {event_id: [digests[event_id]] for event_id in answer.indexed}
-        if missing := sorted(set(nodes) - answered):
-            raise Unavailable(", ".join(missing), "its mirror did not answer the lookup")
-    return found
+        waiting = {node: "did not answer the mirror lookup" for node in nodes if node not in problems}
+        deadline = loop.time() + LOOKUP_WAIT_S
+        while waiting and loop.time() < deadline:
+            try:
+                replies = await fan_out(
+                    nc, MIRROR_LOOKUP, chunk, IndexedReply, signer=signer, timeout_s=LOOKUP_S, expect=list(waiting)
+                )
+            except Unavailable as e:  # NATS itself did not answer: asked again within the wait
+                waiting = dict.fromkeys(waiting, str(e))
+                await asyncio.sleep(1.0)
+                continue
+            for answer in replies.answers:
+                if answer.node not in waiting:
+                    continue
+                if isinstance(answer, ErrorReply):
+                    waiting[answer.node] = f"its mirror lookup failed: {answer.error}"
+                elif not answer.mirror:
+                    waiting[answer.node] = "it runs no mirror"
+                else:
+                    del waiting[answer.node]
+                    found[answer.node] |= {event_id: [digests[event_id]] for event_id in answer.indexed}
+            if waiting:
+                await asyncio.sleep(1.0)
+        problems |= {node: f"{why} (asked for {LOOKUP_WAIT_S:.0f}s)" for node, why in waiting.items()}
+    return found, problems

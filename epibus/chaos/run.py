@@ -391,17 +391,13 @@ async def _audit_running(topology: Topology, projects: list[str], workload: Work
     assert topology.operator is not None
     names = [member.name for member in topology.members]
     digests = {a.event_id: a.digest for a in workload.attempts}
-    try:
-        mirrors: dict[str, Any] = await mirror_lookup_copies(topology.operator, topology.admin, digests, names)
-        problem = None
-    except (EpibusError, nats.errors.Error, TimeoutError) as e:
-        mirrors, problem = {}, error_summary(e)
+    mirrors, problems = await mirror_lookup_copies(topology.operator, topology.admin, digests, names)
     audits = []
     for member in topology.members:
         audits += await _audit_journal(member, projects, workload)
         store = f"mirror@{member.name}"
-        if problem is not None:
-            audits.append(unreadable(store, workload.attempts, problem))
+        if member.name in problems:
+            audits.append(unreadable(store, workload.attempts, f"{member.name}: {problems[member.name]}"))
             continue
         audit = audit_store(store, workload.attempts, mirrors[member.name])
         audit.note = "presence only: asked through the running node's lookup service"
