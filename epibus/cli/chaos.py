@@ -8,15 +8,17 @@ import secrets
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from bus.home import epibus_home, private_dir
 from epibus.chaos.faults import CLUSTER_ONLY, FAULTS, parse_faults
-from epibus.chaos.run import ChaosReport, ChaosSettings, run_chaos
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, err_console, handles_errors, run, table
 from epibus.cli.display import shown
+
+if TYPE_CHECKING:  # the run loads the journal's and the mirror's libraries: only a chaos run needs them
+    from epibus.chaos.run import ChaosReport
 
 FAULTS_HELP = "; ".join(f"{name}: {text}" for name, text in FAULTS.items())
 STORE_COLUMNS = ("store", "acked", "present", "lost", "duplicated", "unknown", "wrong", "error")
@@ -67,6 +69,8 @@ def chaos(
     the stream on every server and every node's journal and mirror. Per store: acknowledged events present,
     lost, duplicated, unknown (present but never acknowledged: allowed) and wrong (other content). The nodes
     stop when the run ends; the ledger (attempts.jsonl) and report.json stay in the run directory."""
+    from epibus.chaos.run import ChaosSettings, run_chaos
+
     chosen = parse_faults(faults)
     where = run_dir or epibus_home(home) / "chaos" / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     network, why_not = _namespaces(nodes, chosen) if not attach else (None, ATTACHED_ON_LOOPBACK)

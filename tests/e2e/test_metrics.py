@@ -6,6 +6,7 @@ and the Grafana dashboard asks only for metrics a node exports."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -220,9 +221,10 @@ async def test_the_endpoint_is_recorded_in_node_json_and_refuses_connections_onc
         assert "later (or the smallest) ones count under project and kind '_other'" in body  # the help says so
         token = node.metrics.token
         answers = [await asyncio.to_thread(raw_http, port, request) for request in hostile_http(token)]
-        assert [a.split(b" ", 2)[1] if a.startswith(b"HTTP/1.1 ") else b"closed" for a in answers] == [
-            b"closed" if a is None else a for a in HOSTILE_ANSWERS
-        ]
+        got = [a.split(b" ", 2)[1] if a.startswith(b"HTTP/1.1 ") else b"closed" for a in answers]
+        assert [answer in allowed for answer, allowed in zip(got, HOSTILE_ANSWERS, strict=True)] == [True] * len(
+            HOSTILE_ANSWERS
+        ), got
         assert (await asyncio.to_thread(scrape, url, token))[0] == 200  # one bad request stops nothing
         lingering = socket.create_connection(("127.0.0.1", port), timeout=10)
         lingering.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never more: the node stops regardless
@@ -252,7 +254,11 @@ async def test_a_non_loopback_host_is_refused_unless_asked_for_and_port_0_turns_
         assert info.metrics_url is None
 
 
-HOSTILE_ANSWERS = [b"400", b"405", b"404", b"401", b"401", b"401", None, b"400"]
+# What each hostile request may get. The 200 KB header is answered 400 and the connection closed while the
+# client may still be sending: its reset can then discard the answer, which is also a refusal.
+HOSTILE_ANSWERS = [
+    {b"400"}, {b"405"}, {b"404"}, {b"401"}, {b"401"}, {b"401"}, {b"closed"}, {b"400", b"closed"}
+]  # fmt: skip
 
 
 def hostile_http(token: str) -> list[bytes]:
@@ -277,6 +283,10 @@ def raw_http(port: int, request: bytes) -> bytes:
             sock.shutdown(socket.SHUT_WR)
             answer = sock.recv(65536)
         except (ConnectionResetError, BrokenPipeError):
+            return b""
+        except OSError as e:  # the server closed before the client had sent it all: no longer connected
+            if e.errno != errno.ENOTCONN:
+                raise
             return b""
     return answer.split(b"\r\n", 1)[0]
 

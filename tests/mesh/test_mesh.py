@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import pytest
 
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
@@ -27,6 +28,8 @@ from mesh.coordinator import Coordinator, parse_policy
 from mesh.peer import require_commit
 from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
+
+HISTORY_ATTEMPTS = 5
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -75,7 +78,14 @@ async def task_events(mesh: MeshAgent, project: str) -> list[dict[str, object]]:
 
 async def revisions_of(mesh: MeshAgent, project: str, task_id: str) -> list[int]:
     kv = await mesh.store.bucket()
-    return [e.revision for e in await kv.history(task_key(project, task_id))]
+    for attempt in range(HISTORY_ATTEMPTS):
+        try:
+            return [e.revision for e in await kv.history(task_key(project, task_id))]
+        except nats.js.errors.NoKeysError:  # nats-py's watch can end before the first entry of a key that exists
+            if attempt == HISTORY_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 async def test_a_full_handshake_lands_every_step_in_the_bucket_the_stream_and_the_journal(
