@@ -36,11 +36,11 @@ import nats  # noqa: E402
 from nats.js import JetStreamContext  # noqa: E402
 
 from bus.event import Envelope, draft_event  # noqa: E402
-from bus.jetstream import ensure_streams  # noqa: E402
 from bus.registry import AgentRegistry  # noqa: E402
 from bus.runner import ConsumerRunner  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
 from bus.signing import AgentKey, wire_message  # noqa: E402
+from bus.streams import ensure_streams  # noqa: E402
 from bus.subjects import STREAM, events_filter  # noqa: E402
 from observers.journal import Journal, JournalObserver  # noqa: E402
 

@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bus.client import connect
+from bus.loops import cancel_and_wait
 from bus.server import NatsServer
-from bus.tasks import cancel_and_wait
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy

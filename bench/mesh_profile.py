@@ -37,10 +37,10 @@ from nats.js.kv import KeyValue  # noqa: E402
 
 import bus.signing  # noqa: E402
 from bus.client import EpibusClient, connect  # noqa: E402
-from bus.jetstream import open_nats  # noqa: E402
+from bus.connection import open_nats  # noqa: E402
+from bus.loops import cancel_and_wait  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
 from bus.signing import AgentKey  # noqa: E402
-from bus.tasks import cancel_and_wait  # noqa: E402
 from mesh import events as mesh_events  # noqa: E402
 from mesh import roster as mesh_roster  # noqa: E402
 from mesh import trust as mesh_trust  # noqa: E402

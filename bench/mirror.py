@@ -26,10 +26,10 @@ from rich.table import Table
 
 from bus.client import connect
 from bus.ids import point_id
-from bus.jetstream import ensure_streams
 from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
+from bus.streams import ensure_streams
 from bus.subjects import events_filter
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver

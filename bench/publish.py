@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bus.client import connect
-from bus.jetstream import ensure_streams
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
+from bus.streams import ensure_streams
 from bus.subjects import events_filter
 from observers.journal import Journal, JournalObserver
 

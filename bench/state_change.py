@@ -24,7 +24,7 @@ from typing import Any
 
 from bus.admission import Admission, EnrolmentLog
 from bus.client import EpibusClient, connect
-from bus.knowledge import _read_admitted
+from bus.project_view import _read_admitted
 from bus.reader import last_matching
 from bus.registry import AgentRegistry
 from bus.server import NatsServer

@@ -24,14 +24,23 @@ from nats.js import JetStreamContext
 
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
+from bus.connection import JS_TIMEOUT_S
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import LEGACY_SCHEMA_VERSION, Envelope, canonical_digest, canonical_event, decode_event
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
-from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, message_format, verify_message, verify_signature
+from bus.signing import message_format, verify_message, verify_signature
 from bus.state import IdUse, id_use
-from bus.subjects import ENROLMENTS_FILTER, STREAM, event_subject, events_filter, parse_event_subject
+from bus.subjects import (
+    ENROLMENTS_FILTER,
+    EVENT_KEY_HEADER,
+    EVENT_SIGNATURE_HEADER,
+    STREAM,
+    event_subject,
+    events_filter,
+    parse_event_subject,
+)
 from bus.vocab import DeadLetterReason
 
 # How far ahead of the stream's clock a publisher's clock may run.

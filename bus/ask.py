@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from bus.auth import inbox_prefix
 from bus.errors import ConfigError, EpibusError, Forbidden, Unavailable
-from bus.jetstream import NATS_UNAVAILABLE
+from bus.nats_errors import NATS_UNAVAILABLE
 from bus.presence import LiveNodes, live_nodes
 from bus.requests import ErrorReply, Malformed, read_reply
 from bus.signing import AgentKey

@@ -20,13 +20,20 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from bus.event import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
+    DLQ_SUBJECTS,
     MESH_BUCKET,
     NODES_BUCKET,
     NODES_STREAM,
     POLICY_PROJECT,
     PROJECT_PATTERN,
+    REQUESTS_WILDCARD,
     STREAM,
+    SYSTEM_WILDCARD,
     TOMBSTONES_BUCKET,
+    js_api,
+    kv_stream,
+    kv_subject,
+    project_subjects,
 )
 from bus.vocab import Role
 
@@ -137,8 +144,8 @@ def inbox_owner(subject: str) -> str | None:
 
 def _event_subjects(projects: Sequence[str]) -> list[str]:
     if ANY_PROJECT in projects:
-        return ["epi.*.>"]
-    return [f"epi.{project}.>" for project in sorted(set(projects))]
+        return [project_subjects(None)]
+    return [project_subjects(project) for project in sorted(set(projects))]
 
 
 # The JetStream API calls an agent's commands make. Reads of events are confined to its projects: consumers
@@ -146,54 +153,60 @@ def _event_subjects(projects: Sequence[str]) -> list[str]:
 # one stream lookup allowed is a direct get with the filter in the subject. Everything else under $JS.API is
 # refused (stream info with a subjects filter, message gets by sequence, unfiltered consumers).
 def _agent_api(projects: Sequence[str]) -> list[str]:
-    scopes = ["epi.*.>"] if ANY_PROJECT in projects else [f"epi.{p}.>" for p in sorted(set(projects))]
+    scopes = _event_subjects(projects)
+    tombstones, agents, mesh = (kv_stream(b) for b in (TOMBSTONES_BUCKET, AGENT_KEYS_BUCKET, MESH_BUCKET))
     return [
-        "$JS.API.INFO",
-        *(f"$JS.API.CONSUMER.CREATE.{STREAM}.*.{scope}" for scope in scopes),
-        *(f"$JS.API.DIRECT.GET.{STREAM}.{scope}" for scope in scopes),
+        js_api("INFO"),
+        *(js_api("CONSUMER.CREATE", STREAM, "*", scope) for scope in scopes),
+        *(js_api("DIRECT.GET", STREAM, scope) for scope in scopes),
         # The enrolment records a fold decides with (published by nodes only; agents may read them).
-        f"$JS.API.CONSUMER.CREATE.{STREAM}.*.epi.{POLICY_PROJECT}.>",
-        f"$JS.API.DIRECT.GET.{STREAM}.epi.{POLICY_PROJECT}.>",
-        f"$JS.API.CONSUMER.INFO.{STREAM}.*",
-        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.*",
+        js_api("CONSUMER.CREATE", STREAM, "*", project_subjects(POLICY_PROJECT)),
+        js_api("DIRECT.GET", STREAM, project_subjects(POLICY_PROJECT)),
+        js_api("CONSUMER.INFO", STREAM, "*"),
+        js_api("CONSUMER.MSG.NEXT", STREAM, "*"),
         # Tombstone keys (content hashes) of any project, read before publishing a claim.
-        f"$JS.API.STREAM.INFO.KV_{TOMBSTONES_BUCKET}",
+        js_api("STREAM.INFO", tombstones),
         # The registry: an agent reads enrolments (public keys, roles) to check the events it folds.
-        f"$JS.API.STREAM.INFO.KV_{AGENT_KEYS_BUCKET}",
-        f"$JS.API.STREAM.MSG.GET.KV_{AGENT_KEYS_BUCKET}",
-        f"$JS.API.DIRECT.GET.KV_{AGENT_KEYS_BUCKET}.>",
+        js_api("STREAM.INFO", agents),
+        js_api("STREAM.MSG.GET", agents),
+        js_api("DIRECT.GET", agents, ">"),
         # Task records, rosters, capabilities: read and watched by agents; written only by a node (epibus.mesh.*).
-        f"$JS.API.STREAM.INFO.KV_{MESH_BUCKET}",
-        f"$JS.API.STREAM.MSG.GET.KV_{MESH_BUCKET}",
-        f"$JS.API.DIRECT.GET.KV_{MESH_BUCKET}.>",
-        f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}",
-        f"$JS.API.CONSUMER.CREATE.KV_{MESH_BUCKET}.>",
-        f"$JS.API.CONSUMER.INFO.KV_{MESH_BUCKET}.*",
-        f"$JS.API.CONSUMER.MSG.NEXT.KV_{MESH_BUCKET}.*",
+        js_api("STREAM.INFO", mesh),
+        js_api("STREAM.MSG.GET", mesh),
+        js_api("DIRECT.GET", mesh, ">"),
+        js_api("CONSUMER.CREATE", mesh),
+        js_api("CONSUMER.CREATE", mesh, ">"),
+        js_api("CONSUMER.INFO", mesh, "*"),
+        js_api("CONSUMER.MSG.NEXT", mesh, "*"),
         # Node heartbeats: read before every fan-out, to know whose answers to wait for; written only by nodes.
-        f"$JS.API.STREAM.INFO.{NODES_STREAM}",
-        f"$JS.API.STREAM.MSG.GET.{NODES_STREAM}",
+        js_api("STREAM.INFO", NODES_STREAM),
+        js_api("STREAM.MSG.GET", NODES_STREAM),
     ]
 
 
 # Refused even where an allow above would match: deny wins in nats-server.
 _AGENT_DENY = [
-    "$JS.API.STREAM.CREATE.>",
-    "$JS.API.STREAM.UPDATE.>",
-    "$JS.API.STREAM.DELETE.>",
-    "$JS.API.STREAM.PURGE.>",
-    "$JS.API.STREAM.MSG.DELETE.>",
-    "$JS.API.STREAM.SNAPSHOT.>",
-    "$JS.API.STREAM.RESTORE.>",
-    "$JS.API.CONSUMER.DELETE.>",
-    "$JS.API.CONSUMER.DURABLE.CREATE.>",
-    f"$KV.{AGENT_KEYS_BUCKET}.>",
-    f"$KV.{TOMBSTONES_BUCKET}.>",
-    f"$KV.{NODES_BUCKET}.>",  # node heartbeats: an agent announcing itself would be waited for
-    f"$KV.{MESH_BUCKET}.>",  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
-    f"epi.{POLICY_PROJECT}.>",  # enrolment records: published by nodes only
-    "epidlq.>",
-    "$SYS.>",
+    *(
+        js_api(call, ">")
+        for call in (
+            "STREAM.CREATE",
+            "STREAM.UPDATE",
+            "STREAM.DELETE",
+            "STREAM.PURGE",
+            "STREAM.MSG.DELETE",
+            "STREAM.SNAPSHOT",
+            "STREAM.RESTORE",
+            "CONSUMER.DELETE",
+            "CONSUMER.DURABLE.CREATE",
+        )
+    ),
+    kv_subject(AGENT_KEYS_BUCKET, ">"),
+    kv_subject(TOMBSTONES_BUCKET, ">"),
+    kv_subject(NODES_BUCKET, ">"),  # node heartbeats: an agent announcing itself would be waited for
+    kv_subject(MESH_BUCKET, ">"),  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
+    project_subjects(POLICY_PROJECT),  # enrolment records: published by nodes only
+    *DLQ_SUBJECTS,
+    SYSTEM_WILDCARD,
 ]
 
 
@@ -201,11 +214,11 @@ def agent_permissions(enrolment: Enrolment, *, node_consumers: Iterable[str] = (
     """The broker permissions of one enrolled agent. `node_consumers` are the durable consumers of node
     services, which no agent may pull from (a pull would hold their messages for an ack wait)."""
     deny = _AGENT_DENY + [
-        f"$JS.API.CONSUMER.{verb}.{STREAM}.{name}" for name in sorted(node_consumers) for verb in ("MSG.NEXT", "INFO")
+        js_api(verb, STREAM, name) for name in sorted(node_consumers) for verb in ("CONSUMER.MSG.NEXT", "CONSUMER.INFO")
     ]
     return {
         "publish": {
-            "allow": [*_event_subjects(enrolment.projects), "epibus.>", *_agent_api(enrolment.projects)],
+            "allow": [*_event_subjects(enrolment.projects), REQUESTS_WILDCARD, *_agent_api(enrolment.projects)],
             "deny": deny,
         },
         "subscribe": {"allow": [f"{inbox_prefix(enrolment.public_key)}.>"]},

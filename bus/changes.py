@@ -9,11 +9,12 @@ from typing import Any, Protocol
 from nats.js import JetStreamContext
 
 from bus.event import Body, Envelope
-from bus.knowledge import ProjectView, cas_headers, load_artifact, load_project
+from bus.project_view import ProjectView, load_artifact, load_project
 from bus.publish import Receipt
 from bus.registry import AgentRegistry
 from bus.rollback import RollbackPlan, plan_rollback
 from bus.state import decide
+from bus.subjects import cas_headers
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class StateChanges:
     async def change_view(self: ChangesCore, event: Envelope) -> ProjectView:
         """What deciding `event` reads: the artifacts it names and those they link to, read from their own
         subjects (a cost that does not grow with the project), or the whole project when the decision reads
-        what only its fold knows (`bus.knowledge.load_artifact`)."""
+        what only its fold knows (`bus.project_view.load_artifact`)."""
         self._registry = self._registry or AgentRegistry(self.js)
         read = await load_artifact(self.js, event, self._registry)
         if read.view is not None:

@@ -26,6 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, authorize
 from bus.changes import StateChanges
+from bus.connection import open_nats, requires_authentication
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
 from bus.event import Body, Envelope, draft_event
@@ -42,16 +43,18 @@ from bus.home import (
     split_servers,
 )
 from bus.ids import new_event_id
-from bus.jetstream import NATS_UNAVAILABLE, ensure_streams, open_nats, requires_authentication
-from bus.knowledge import TombstoneRegistry, cas_headers, prepublish_flags
+from bus.loops import cancel_and_wait
+from bus.nats_errors import NATS_UNAVAILABLE
 from bus.outbox import Outbox, OutboxRow
+from bus.precheck import prepublish_flags
 from bus.publish import MAX_PUBLISH_ATTEMPTS, Receipt, retrying_unavailable, send_chunks, send_one
 from bus.receipts import await_acks, journaled_receipt, wait_indexed, wait_journaled
 from bus.registry import AgentRegistry
 from bus.signing import AgentKey, PreparedEvent
 from bus.state import decide
-from bus.subjects import POLICY_PROJECT
-from bus.tasks import cancel_and_wait
+from bus.streams import ensure_streams
+from bus.subjects import POLICY_PROJECT, cas_headers
+from bus.tombstones import TombstoneRegistry
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What epibus needs of a stream's configuration, field by field, and how a stream differs from it.
 
 A stream or KV bucket whose settings were changed behind epibus's back (by hand, by another tool, by an
-attacker) is not silently put back: `bus.jetstream.ensure_streams` refuses it naming every difference found
+attacker) is not silently put back: `bus.streams.ensure_streams` refuses it naming every difference found
 here, and `epibus streams repair` restores it."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from bus.subjects import kv_stream, kv_subject
 
 # Settings that decide what a stream keeps, what it admits, who may remove messages and where messages go.
 # Not managed: description, metadata, compression, placement, first_seq and publish features (atomic and
@@ -149,9 +151,9 @@ def kv_stream_config(bucket: str, description: str, *, history: int, replicas: i
     direct gets; a TTL, `ttl_s`, only on the nodes bucket): compared against, never used to create the
     bucket."""
     return StreamConfig(
-        name=f"KV_{bucket}",
+        name=kv_stream(bucket),
         description=description,
-        subjects=[f"$KV.{bucket}.>"],
+        subjects=[kv_subject(bucket, ">")],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         num_replicas=replicas,

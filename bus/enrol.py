@@ -15,8 +15,8 @@ from pydantic import BaseModel
 
 from bus.ask import ask_one
 from bus.auth import ANY_PROJECT
+from bus.connection import open_nats
 from bus.errors import ConfigError, Unavailable
-from bus.jetstream import open_nats
 from bus.requests import (
     AgentListReply,
     AgentListRequest,

@@ -20,19 +20,12 @@ from bus.ask import Replies, ask_one, fan_out, refused_by_all
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
-from bus.knowledge import ProjectView
+from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from bus.outbox import Outbox
+from bus.project_view import ProjectView
 from bus.publish import Receipt
 from bus.reader import read_stream
-from bus.recall import (
-    ForgetProof,
-    ForgetReport,
-    RecallAnswer,
-    ask_all,
-    content_fingerprints,
-    free_texts,
-    recall_request,
-)
+from bus.recall import RecallAnswer, ask_all, recall_request
 from bus.requests import (
     EraseReply,
     EraseRequest,

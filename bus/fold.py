@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap, erased_digests, with_erased
 from bus.event import Envelope, event_digest
-from bus.state import REFUSED, ArtifactState, Change, IdUse, Tombstone, Verification, decide, id_use
+from bus.state import REFUSED, ArtifactState, Change, IdUse, Verification, decide, id_use
+from bus.tombstones import Tombstone
 
 
 @dataclass

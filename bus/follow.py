@@ -18,9 +18,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import Unavailable
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal
+from bus.nats_errors import NATS_OR_API_ERROR, RETRYABLE, broker_refusal
 from bus.reader import last_matching
+from bus.subjects import js_api
 
 log = logging.getLogger(__name__)
 CONSUMER_CHECK_S = 3.0  # an idle follower confirms its consumer still exists this often
@@ -114,7 +116,7 @@ class StreamFollower(ResumingSubscription):
         try:
             await self._subscribe()
         except NATS_OR_API_ERROR as e:
-            create = f"$JS.API.CONSUMER.CREATE.{self.stream}."
+            create = js_api("CONSUMER.CREATE", self.stream, "")
             refusal = broker_refusal(self.js, f".{self.filter_subject}", prefix=create)
             raise refusal or Unavailable("nats", f"cannot follow {self.filter_subject} on {self.stream}: {e}") from e
         backoff_s = 0.0

@@ -21,8 +21,8 @@ from bus.errors import Unavailable
 from bus.event import Envelope
 from bus.home import private_sqlite
 from bus.outbox_schema import PARKED, PARKED_SQL, TABLE, WAITING_SQL
-from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, PreparedEvent, event_headers, wire_message
-from bus.subjects import parse_event_subject
+from bus.signing import PreparedEvent, event_headers, wire_message
+from bus.subjects import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, MSG_ID_HEADER, parse_event_subject
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
 # Columns later versions added, with their types: an outbox file from before them gains them on open. A row
 # without a signature holds a legacy event (signature inside its payload) and is sent without the headers.
 _ADDED_COLUMNS = (("origin", "TEXT"), ("signature", "TEXT"), ("signer_key", "TEXT"))
-MSG_ID_HEADER = "Nats-Msg-Id"
+
 ORPHAN_AFTER_S = 30.0  # a row its adder has not sent by then may be sent by any forwarder
 KEEP_SENT_S = 600.0  # sent rows stay this long so any process sharing the outbox can read their receipt
 

@@ -23,11 +23,13 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from bus.auth import PublicKey
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.home import NODE_NAME_PATTERN
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.records import Quarantine, decode_json
 from bus.signing import REQUEST_MAX_AGE_S, AgentKey, verify_document
+from bus.streams import open_bucket
 from bus.subjects import NODES_BUCKET, NODES_STREAM, heartbeat_key, heartbeat_subject, heartbeats_filter
 
 log = logging.getLogger(__name__)

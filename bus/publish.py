@@ -17,8 +17,9 @@ from nats.js.api import PubAck
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bus.errors import EpibusError, Unavailable
-from bus.jetstream import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
-from bus.outbox import MSG_ID_HEADER, OutboxRow
+from bus.nats_errors import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
+from bus.outbox import OutboxRow
+from bus.subjects import MSG_ID_HEADER
 from bus.vocab import ReceiptLevel
 
 MAX_PUBLISH_ATTEMPTS = 5

@@ -19,10 +19,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus.admission import Admission, BatchContext, Delivery, Rejected
 from bus.errors import Unavailable
-from bus.jetstream import NATS_OR_API_ERROR, broker_refusal
+from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal
 from bus.registry import AgentRegistry
 from bus.runner import Observer
-from bus.subjects import DLQ_STREAM, STREAM
+from bus.subjects import DLQ_STREAM, STREAM, js_api
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ async def last_matching(js: JetStreamContext, stream: str, filter_subject: str) 
             raise Unavailable("nats", f"stream {stream} is gone") from e
         return 0  # no message matches: the answer, not a failure
     except NATS_OR_API_ERROR as e:
-        refusal = broker_refusal(js, f"$JS.API.DIRECT.GET.{stream}.{filter_subject}")
+        refusal = broker_refusal(js, js_api("DIRECT.GET", stream, filter_subject))
         raise refusal or Unavailable("nats", f"stream {stream} ({filter_subject}): {type(e).__name__} {e}") from e
     return int(msg.seq or 0)
 

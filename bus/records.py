@@ -7,7 +7,6 @@ The bus's two buckets are decoded here; the mesh bucket's records are decoded in
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -16,11 +15,10 @@ from pydantic import BaseModel, ValidationError
 
 from bus.auth import PUBLIC_KEY_PATTERN, Enrolment, first_use_enrolment
 from bus.errors import MalformedRecord
-from bus.subjects import AGENT_KEYS_BUCKET, PROJECT_PATTERN, TOMBSTONES_BUCKET
+from bus.subjects import AGENT_KEYS_BUCKET
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-CONTENT_HASH_PATTERN = re.compile(r"^[0-9a-f]{64}$")  # bus.state.content_hash
 
 
 def decode_json(model: type[M], data: bytes, *, bucket: str, key: str, revision: int | None) -> M:
@@ -63,22 +61,6 @@ def decode_enrolment(data: bytes, *, key: str, revision: int | None) -> Enrolmen
 def decode_agent_key(data: bytes, *, key: str, revision: int | None) -> str:
     """The public key an `epibus_agents` record binds to agent `key`. Raises MalformedRecord."""
     return decode_enrolment(data, key=key, revision=revision).public_key
-
-
-def decode_tombstone_key(subject: str, *, project: str) -> str:
-    """The content hash of an `epibus_tombstones` record of `project`, from its KV stream subject
-    (`$KV.epibus_tombstones.<project>.<hash>`). The registry reads keys only: a claim is tombstoned by its key,
-    whatever the value says. Raises MalformedRecord."""
-    prefix = f"$KV.{TOMBSTONES_BUCKET}."
-    key = subject.removeprefix(prefix)
-    parts = key.split(".")
-    if not subject.startswith(prefix) or len(parts) != 2 or not PROJECT_PATTERN.fullmatch(parts[0]):
-        raise MalformedRecord(TOMBSTONES_BUCKET, key, None, "is not a key of the form <project>.<content hash>")
-    if parts[0] != project:
-        raise MalformedRecord(TOMBSTONES_BUCKET, key, None, f"belongs to project {parts[0]}, not {project}")
-    if not CONTENT_HASH_PATTERN.fullmatch(parts[1]):
-        raise MalformedRecord(TOMBSTONES_BUCKET, key, None, "does not end in a content hash (64 lowercase hex)")
-    return parts[1]
 
 
 @dataclass(frozen=True)

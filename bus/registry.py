@@ -18,12 +18,14 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from bus.auth import Enrolment, first_use_enrolment
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.event import AGENT_PATTERN, Actor
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.records import Quarantine, decode_enrolment
 from bus.signing import NODE_IDENTITY
-from bus.subjects import AGENT_KEYS_BUCKET, node_key_record
+from bus.streams import open_bucket
+from bus.subjects import AGENT_KEYS_BUCKET, kv_stream, kv_subject, node_key_record
 
 # Present once a node with authentication has run: agents must then be enrolled (no trust on first use).
 ENROL_ATTEMPTS = 3
@@ -131,8 +133,8 @@ class AgentRegistry:
                 kv = await self._bucket()
                 # The keys from the stream's own state: nats-py's kv.keys() (a watcher) can come back short while
                 # the bucket is written, and a short list here would drop enrolled agents from the server.
-                prefix = f"$KV.{AGENT_KEYS_BUCKET}."
-                info = await self._js.stream_info(f"KV_{AGENT_KEYS_BUCKET}", subjects_filter=f"{prefix}>")
+                prefix = kv_subject(AGENT_KEYS_BUCKET, "")
+                info = await self._js.stream_info(kv_stream(AGENT_KEYS_BUCKET), subjects_filter=f"{prefix}>")
                 keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
                 for key in sorted(keys):
                     if not AGENT_PATTERN.fullmatch(key):

@@ -21,7 +21,7 @@ from nats.errors import MaxPayloadError
 from pydantic import BaseModel, ValidationError
 
 from bus.errors import ConfigError, Forbidden, error_summary
-from bus.jetstream import NATS_UNAVAILABLE
+from bus.nats_errors import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
 from bus.service_rules import Authorizer
 from bus.tally import LatencyHistogram

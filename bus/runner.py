@@ -20,10 +20,27 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.admission import Admission, BatchContext, Delivery, Refusal, Rejected, seconds_from_env
 from bus.errors import Unavailable, error_summary
-from bus.jetstream import DLQ_MAX_MSG_BYTES, NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
+from bus.nats_errors import NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
 from bus.registry import AgentRegistry
-from bus.signing import EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER
-from bus.subjects import CONSUMER_PATTERN, STREAM, dlq_subject
+from bus.streams import DLQ_MAX_MSG_BYTES
+from bus.subjects import (
+    CONSUMER_PATTERN,
+    DLQ_AT,
+    DLQ_CONSUMER,
+    DLQ_DIGEST,
+    DLQ_ERROR,
+    DLQ_REASON,
+    DLQ_SIZE,
+    DLQ_STREAM_SEQ,
+    DLQ_SUBJECT,
+    DLQ_TRUNCATED,
+    EVENT_KEY_HEADER,
+    EVENT_SIGNATURE_HEADER,
+    MSG_ID_HEADER,
+    STREAM,
+    STREAM_SUBJECTS,
+    dlq_subject,
+)
 from bus.tally import RunnerTally
 from bus.vocab import DeadLetterReason
 
@@ -38,16 +55,6 @@ CONSUMER_GONE: tuple[type[BaseException], ...] = (
     nats.js.errors.ServiceUnavailableError,
 )
 
-# Dead-letter headers: the reason, the error and where the message came from.
-DLQ_REASON = "Epibus-Dlq-Reason"
-DLQ_ERROR = "Epibus-Dlq-Error"
-DLQ_SUBJECT = "Epibus-Dlq-Subject"
-DLQ_STREAM_SEQ = "Epibus-Dlq-Stream-Seq"
-DLQ_CONSUMER = "Epibus-Dlq-Consumer"
-DLQ_AT = "Epibus-Dlq-At"
-DLQ_DIGEST = "Epibus-Dlq-Sha256"  # of the original message, whole
-DLQ_SIZE = "Epibus-Dlq-Size"  # the original message's size in bytes
-DLQ_TRUNCATED = "Epibus-Dlq-Truncated"  # present when only this many first bytes were kept
 
 
 class Observer(Protocol):
@@ -120,7 +127,7 @@ class ConsumerRunner:
         nc: NatsClient,
         observer: Observer,
         *,
-        filter_subject: str = "epi.>",
+        filter_subject: str = STREAM_SUBJECTS[0],
         batch_size: int = 256,
         fetch_timeout_s: float = 1.0,
         max_deliver: int = 5,
@@ -390,7 +397,7 @@ class ConsumerRunner:
         is not acked and comes back: a dead letter is never dropped."""
         seq = msg.metadata.sequence.stream
         headers = {
-            "Nats-Msg-Id": f"{self.observer.name}:{seq}",  # a retried dead-lettering is stored once
+            MSG_ID_HEADER: f"{self.observer.name}:{seq}",  # a retried dead-lettering is stored once
             DLQ_REASON: reason.value,
             DLQ_ERROR: _header_safe(error),
             DLQ_SUBJECT: _header_safe(msg.subject, 512),

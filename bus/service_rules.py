@@ -30,7 +30,8 @@ from bus.requests import (
     ReindexRequest,
     VerifyRequest,
 )
-from bus.signing import SIGNATURE_HEADER, SIGNED_AT_HEADER, SIGNER_HEADER, SIGNER_KEY_HEADER, verify_request
+from bus.signing import verify_request
+from bus.subjects import SIGNATURE_HEADER, SIGNED_AT_HEADER, SIGNER_HEADER, SIGNER_KEY_HEADER
 from bus.vocab import Role
 
 ENROLMENT_CACHE_S = 2.0  # how long a signer's enrolment is reused: a revocation elsewhere takes effect within it

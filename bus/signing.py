@@ -38,18 +38,19 @@ from bus.event import (
     signing_payload,
 )
 from bus.home import private_dir
-from bus.subjects import event_subject
+from bus.subjects import (
+    EVENT_KEY_HEADER,
+    EVENT_SIGNATURE_HEADER,
+    SIGNATURE_HEADER,
+    SIGNED_AT_HEADER,
+    SIGNER_HEADER,
+    SIGNER_KEY_HEADER,
+    event_subject,
+)
 
 NODE_KEY_FILE = "node.nk"
 NODE_IDENTITY = "node"
-SIGNER_HEADER = "Epibus-Signer"
-SIGNER_KEY_HEADER = "Epibus-Signer-Key"
-SIGNED_AT_HEADER = "Epibus-Signed-At"
-SIGNATURE_HEADER = "Epibus-Signature"
 REQUEST_MAX_AGE_S = 120.0  # a captured request cannot be replayed later than this
-# An event's signature and signing key (an nkey user public key, 'U…') travel beside its body in these headers.
-EVENT_SIGNATURE_HEADER = "Epibus-Event-Signature"
-EVENT_KEY_HEADER = "Epibus-Event-Key"
 # Domain separation: an event signature never verifies as a request or a document signature, nor they as it.
 EVENT_DOMAIN = b"epibus-event-v2\n"
 SIGNATURE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{86}$")  # 64 bytes, unpadded base64url

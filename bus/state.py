@@ -7,10 +7,7 @@ runs it at apply time in stream order, the mirror on its payloads, and `bus.fold
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -27,6 +24,7 @@ from bus.event import (
     RolledBackBody,
     VerifiedBody,
 )
+from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, Tombstone, content_hash
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 
 # The legal trust moves. verified → verified appends a verification record.
@@ -50,14 +48,6 @@ UNEARNED_CONFIDENCE = 0.8
 REFUSED: tuple[type[EpibusError], ...] = (IllegalTransition, Forbidden)
 
 FLAG_UNEARNED = "unearned_confidence"
-FLAG_PREVIOUSLY_RETRACTED = "previously_retracted"
-
-
-@functools.lru_cache(maxsize=512)  # a batch asks it of each claim up to three times (load, decide, flags)
-def content_hash(text: str) -> str:
-    """The tombstone key of a claim: sha256 of its words, lowercased, punctuation and spacing ignored."""
-    words = re.findall(r"\w+", text.lower())
-    return hashlib.sha256(" ".join(words).encode()).hexdigest()
 
 
 class IdUse(StrEnum):
@@ -84,14 +74,6 @@ class Verification:
     stream_seq: int
     note: str | None
     human_review: bool = False  # the verifier held the reviewer role
-
-
-@dataclass(frozen=True)
-class Tombstone:
-    content_hash: str
-    artifact_id: str
-    event_id: str
-    reason: str  # "retracted" or "rolled_back"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The only module that builds subject, stream and bucket names.
+"""The only module that builds subject, stream, bucket, key and header names: every name on the wire.
 
 Events live on `epi.<project>.<kind>.<artifact_id>` in stream EPI (`epi.>`). Dead letters live on
 `epidlq.<consumer>.<reason>` in stream EPI_DLQ, not under `epi.dlq.…`: JetStream refuses two
@@ -51,11 +51,11 @@ MESH_QUEUE = "epibus-mesh"
 # Node presence: each node's signed heartbeat, kept only a few seconds after its last write (a fan-out waits for
 # exactly the live nodes). Written by nodes only: the broker refuses agents' writes.
 NODES_BUCKET = "epibus_nodes"
-NODES_STREAM = f"KV_{NODES_BUCKET}"
+NODES_STREAM = f"KV_{NODES_BUCKET}"  # as kv_stream(NODES_BUCKET), which is defined below
 
 # Mesh state: one KV bucket; keys are built only by the functions below.
 MESH_BUCKET = "epibus_mesh"
-MESH_STREAM = f"KV_{MESH_BUCKET}"
+MESH_STREAM = f"KV_{MESH_BUCKET}"  # as kv_stream(MESH_BUCKET)
 
 PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # The fleet's own records: nodes publish every enrolment change on `epi.epibus.enrolment.<agent>`, ordered with
@@ -103,6 +103,16 @@ def events_filter(project: str | None = None, kind: str | None = None) -> str:
     return f"epi.{project or '*'}.{kind or '*'}.*"
 
 
+def project_subjects(project: str | None) -> str:
+    """Every subject of one project's events (`epi.<project>.>`), of every project when None: a broker scope."""
+    return f"epi.{project or '*'}.>"
+
+
+# Every core NATS request epibus answers is under this prefix; the server's system account under the other.
+REQUESTS_WILDCARD = "epibus.>"
+SYSTEM_WILDCARD = "$SYS.>"
+
+
 def artifact_filter(project: str, artifact_id: str) -> str:
     """Every event of one artifact, across kinds: the per-artifact compare-and-set scope."""
     return f"epi.{project}.*.{artifact_id}"
@@ -111,12 +121,12 @@ def artifact_filter(project: str, artifact_id: str) -> str:
 def stream_info_subject(stream: str) -> str:
     """JetStream's API subject for a stream's info; its answer carries the server's clock (`ts`), which nats-py's
     StreamInfo leaves out."""
-    return f"$JS.API.STREAM.INFO.{stream}"
+    return js_api("STREAM.INFO", stream)
 
 
 def stream_leader_stepdown_subject(stream: str) -> str:
     """The JetStream API request that makes a stream's leader step down (a placement may prefer a server)."""
-    return f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}"
+    return js_api("STREAM.LEADER.STEPDOWN", stream)
 
 
 def dlq_subject(consumer: str, reason: str) -> str:
@@ -142,7 +152,7 @@ def task_key(project: str, task_id: str) -> str:
 
 def tasks_key_filter(project: str | None = None) -> str:
     """The KV stream subject filter for every task of a project (every project when None)."""
-    return f"$KV.{MESH_BUCKET}.task.{project or '*'}.*"
+    return kv_subject(MESH_BUCKET, task_key(project or "*", "*"))
 
 
 def roster_key(project: str) -> str:
@@ -167,7 +177,7 @@ def heartbeat_key(public_key: str) -> str:
 
 def heartbeat_subject(key: str) -> str:
     """The KV stream subject of a nodes bucket key (`$KV.<bucket>.<key>`)."""
-    return f"$KV.{NODES_BUCKET}.{key}"
+    return kv_subject(NODES_BUCKET, key)
 
 
 def heartbeats_filter() -> str:
@@ -176,4 +186,60 @@ def heartbeats_filter() -> str:
 
 def kv_subject_key(subject: str) -> str:
     """The key of a mesh KV stream message subject (`$KV.<bucket>.<key>`)."""
-    return subject.removeprefix(f"$KV.{MESH_BUCKET}.")
+    return subject.removeprefix(kv_subject(MESH_BUCKET, ""))
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds a KV bucket."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The stream subject of a KV key (`$KV.<bucket>.<key>`); `key` may be a wildcard (`>`, `a.*`)."""
+    return f"$KV.{bucket}.{key}"
+
+
+# JetStream's API subjects; `js_api("STREAM.INFO", name)` is `$JS.API.STREAM.INFO.<name>`.
+JS_API = "$JS.API"
+
+
+def js_api(*parts: str) -> str:
+    """A JetStream API subject (also a pattern when a part is a wildcard), for permissions and raw requests."""
+    return ".".join((JS_API, *parts))
+
+
+# Headers. JetStream's own: the event id deduplicates, and the expected last sequence on a subject filter makes
+# a state change compare-and-set per artifact (a stale sequence is refused with err_code 10071).
+MSG_ID_HEADER = "Nats-Msg-Id"
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_LAST_SUBJECT_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+
+def cas_headers(project: str, artifact_id: str, expected_seq: int) -> dict[str, str]:
+    """Compare-and-set headers: JetStream refuses the publish if anything was written on the artifact's
+    subjects (any kind) after `expected_seq`. A fresh dict each call: nats-py writes into the one it gets."""
+    return {
+        EXPECTED_LAST_SUBJECT_SEQ: str(expected_seq),
+        EXPECTED_LAST_SUBJECT_SEQ_SUBJECT: artifact_filter(project, artifact_id),
+    }
+
+
+# A dead letter's headers: why it was dead-lettered, and where the original message was.
+DLQ_REASON = "Epibus-Dlq-Reason"
+DLQ_ERROR = "Epibus-Dlq-Error"
+DLQ_SUBJECT = "Epibus-Dlq-Subject"
+DLQ_STREAM_SEQ = "Epibus-Dlq-Stream-Seq"
+DLQ_CONSUMER = "Epibus-Dlq-Consumer"
+DLQ_AT = "Epibus-Dlq-At"
+DLQ_DIGEST = "Epibus-Dlq-Sha256"  # of the original message, whole
+DLQ_SIZE = "Epibus-Dlq-Size"  # the original message's size in bytes
+DLQ_TRUNCATED = "Epibus-Dlq-Truncated"  # present when only this many first bytes were kept
+
+# A signed request's headers (bus/signing.py signs and checks them).
+SIGNER_HEADER = "Epibus-Signer"
+SIGNER_KEY_HEADER = "Epibus-Signer-Key"
+SIGNED_AT_HEADER = "Epibus-Signed-At"
+SIGNATURE_HEADER = "Epibus-Signature"
+# An event's signature and signing key (an nkey user public key, 'U…') travel beside its body in these headers.
+EVENT_SIGNATURE_HEADER = "Epibus-Event-Signature"
+EVENT_KEY_HEADER = "Epibus-Event-Key"

@@ -1,6 +1,6 @@
 """TLS for the NATS connection: which CA to trust and which client certificate to show, from the environment.
 
-Read by `bus.jetstream.open_nats` each time it opens a connection; nats-py's own reconnects keep the context
+Read by `bus.connection.open_nats` each time it opens a connection; nats-py's own reconnects keep the context
 the connection began with."""
 
 from __future__ import annotations

@@ -13,12 +13,19 @@ from typing import Any
 import bus.authority  # noqa: F401 - registers the enrolment kind
 import mesh.events  # noqa: F401 - registers the mesh's task and coordinators kinds
 from bus.event import LEGACY_SCHEMA_VERSION, MAX_EVENT_BYTES, SCHEMA_VERSION, Envelope, kind_names, require_kind
-from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT
-from bus.signing import EVENT_DOMAIN, EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, SIGNATURE_PATTERN
+from bus.signing import EVENT_DOMAIN, SIGNATURE_PATTERN
 from bus.subjects import (
     ARTIFACT_PATTERN,
+    DLQ_CONSUMER,
+    DLQ_ERROR,
+    DLQ_REASON,
     DLQ_STREAM,
+    DLQ_STREAM_SEQ,
+    DLQ_SUBJECT,
+    EVENT_KEY_HEADER,
+    EVENT_SIGNATURE_HEADER,
     KIND_PATTERN,
+    MSG_ID_HEADER,
     PROJECT_PATTERN,
     STREAM,
     dlq_subject,
@@ -87,7 +94,7 @@ def _envelope_schemas(schemas: dict[str, Any]) -> None:
                 "description": "The signing nkey user public key; must equal actor.public_key and the key "
                 "registered to actor.agent_id.",
             },
-            "Nats-Msg-Id": {"type": "string", "description": "The event_id: JetStream drops a resent event."},
+            MSG_ID_HEADER: {"type": "string", "description": "The event_id: JetStream drops a resent event."},
         },
     }
 

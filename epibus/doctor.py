@@ -18,13 +18,15 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from bus.connection import JS_TIMEOUT_S, open_nats
 from bus.drift import Difference, automatic, differences, show
 from bus.errors import EpibusError, Forbidden
 from bus.home import epibus_home, explicit_nats_url, read_node_info, resolve_journal_url, split_servers
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, managed_streams, open_nats
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.server import MIN_SERVER_VERSION
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.streams import managed_streams
 from bus.subjects import AGENT_KEYS_BUCKET, STREAM, stream_info_subject
 from epibus.doctor_local import FAIL, OK, WARN, Check, disk_check, journal_check, mirror_check, mode_checks
 from epibus.enrolment import local_agent_keys

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from bus.errors import EpibusError
-from bus.jetstream import NATS_OR_API_ERROR
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.responder import ServiceCounts
 from bus.runner import ConsumerRunner
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject

@@ -24,8 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from bus.errors import ConfigError, error_summary
 from bus.home import owner_only, write_private
+from bus.loops import cancel_and_wait
 from bus.ports import port_holder
-from bus.tasks import cancel_and_wait
 from epibus.metrics import NodeMetrics
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from bus.client import EpibusClient
+from bus.connection import open_nats
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, EpibusError, StreamDrift, Unavailable, error_summary
 from bus.forwarder import Forwarder
@@ -32,8 +33,8 @@ from bus.home import (
     remove_node_info,
     write_node_info,
 )
-from bus.jetstream import DRIFT_CHECK_EVERY_S, NATS_OR_API_ERROR, NATS_UNAVAILABLE, ensure_streams, open_nats
-from bus.knowledge import TombstoneRegistry
+from bus.loops import cancel_and_wait, run_together
+from bus.nats_errors import NATS_OR_API_ERROR, NATS_UNAVAILABLE
 from bus.outbox import Outbox
 from bus.presence import Presence
 from bus.requests import (
@@ -65,6 +66,7 @@ from bus.service_rules import (
     verify_rule,
 )
 from bus.signing import AgentKey, node_key
+from bus.streams import DRIFT_CHECK_EVERY_S, ensure_streams
 from bus.subjects import (
     ADMIN_QUEUE,
     FORGET_ERASE,
@@ -76,7 +78,7 @@ from bus.subjects import (
     STREAM,
     VERIFY,
 )
-from bus.tasks import cancel_and_wait, run_together
+from bus.tombstones import TombstoneRegistry
 from epibus.dashboard import Dashboard
 from epibus.dashboard.security import check_bind_host
 from epibus.enrolment import Enrolments, initial_authorization

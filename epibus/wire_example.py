@@ -15,7 +15,8 @@ from pathlib import Path
 import nkeys
 
 from bus.event import draft_event
-from bus.signing import EVENT_SIGNATURE_HEADER, AgentKey, event_signed_bytes, wire_message
+from bus.signing import AgentKey, event_signed_bytes, wire_message
+from bus.subjects import EVENT_SIGNATURE_HEADER, MSG_ID_HEADER
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "wire-format.md"
 BEGIN = "<!-- example:begin (python -m epibus.wire_example) -->"
@@ -54,7 +55,7 @@ def example_markdown() -> str:
             "",
             "```",
             headers,
-            f"Nats-Msg-Id: {event.event_id}",
+            f"{MSG_ID_HEADER}: {event.event_id}",
             "```",
             "",
             f"Body ({len(wire.data)} bytes, shown as UTF-8; these bytes exactly):",

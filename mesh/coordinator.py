@@ -17,8 +17,8 @@ from typing import Literal, Protocol
 
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
-from bus.jetstream import RETRYABLE
-from bus.tasks import run_together
+from bus.loops import run_together
+from bus.nats_errors import RETRYABLE
 from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry

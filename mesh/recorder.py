@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
 from bus.event import Envelope
-from bus.jetstream import JS_TIMEOUT_S, ensure_streams
 from bus.outbox import OutboxRow
 from bus.publish import send_one
+from bus.streams import ensure_streams
 from bus.vocab import TaskAction
 from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task

@@ -19,15 +19,18 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
-from bus.jetstream import JS_TIMEOUT_S, NATS_OR_API_ERROR, open_bucket
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.reader import read_stream
 from bus.records import Quarantine, decode_json
 from bus.registry import AgentRegistry
+from bus.streams import open_bucket
 from bus.subjects import (
     MESH_BUCKET,
     MESH_STREAM,
     capabilities_key,
+    kv_subject,
     kv_subject_key,
     roster_key,
     task_key,
@@ -395,7 +398,7 @@ class MeshStore:
     async def all_capabilities(self) -> dict[str, tuple[str, ...]]:
         await self.bucket()
         found: dict[str, tuple[str, ...]] = {}
-        for msg in await self._current(f"$KV.{MESH_BUCKET}.{capabilities_key('*')}", "list capabilities"):
+        for msg in await self._current(kv_subject(MESH_BUCKET, capabilities_key("*")), "list capabilities"):
             key, revision = kv_subject_key(msg.subject), msg.metadata.sequence.stream
             try:
                 advertised = decode_capabilities(msg.data, key=key, revision=revision)

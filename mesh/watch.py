@@ -20,10 +20,11 @@ from typing import Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.connection import JS_TIMEOUT_S
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.follow import ResumingSubscription, resume_config
 from bus.home import write_private
-from bus.jetstream import JS_TIMEOUT_S, RETRYABLE
+from bus.nats_errors import RETRYABLE
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value

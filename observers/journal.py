@@ -35,12 +35,11 @@ from bus.erasure import erased_digests
 from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event
 from bus.home import private_sqlite
-from bus.knowledge import TombstoneRegistry
 from bus.requests import LookupReply, LookupRequest
 from bus.responder import Responder, serve
 from bus.service_rules import Authorizer
-from bus.state import Tombstone
 from bus.subjects import JOURNAL_LOOKUP
+from bus.tombstones import Tombstone, TombstoneRegistry
 from observers.projection import project_deliveries, rebuild
 from observers.schema import artifacts, as_utc, events, journal_identity, migrate, tombstones
 

@@ -21,7 +21,8 @@ from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.event import Envelope, validate_event
-from bus.state import REFUSED, ArtifactState, Change, content_hash, decide, event_references
+from bus.state import REFUSED, ArtifactState, Change, decide, event_references
+from bus.tombstones import content_hash
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import (
     artifacts,

@@ -17,14 +17,8 @@ from bus.event import validate_event
 from bus.fold import Fold
 from bus.ids import SHOWN_MATCHES
 from bus.lineage import Lineage, lineage
-from bus.state import (
-    FLAG_PREVIOUSLY_RETRACTED,
-    FLAG_UNEARNED,
-    UNSAFE_TRUST,
-    ArtifactState,
-    Verification,
-    relevance,
-)
+from bus.state import FLAG_UNEARNED, UNSAFE_TRUST, ArtifactState, Verification, relevance
+from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal, database_failure
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state

@@ -27,11 +27,11 @@ from bus.auth import Enrolment
 from bus.authority import enrolment_event
 from bus.erasure import erased_events, erased_history
 from bus.event import Envelope, draft_event
-from bus.jetstream import ensure_streams
-from bus.knowledge import load_project
+from bus.project_view import load_project
 from bus.registry import AgentRegistry
 from bus.signing import AgentKey, node_event_key, wire_message
 from bus.state import REFUSED, ArtifactState, decide
+from bus.streams import ensure_streams
 from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
 from bus.vocab import ResolutionKind, Role
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bus import runner, signing, subjects
+from bus import subjects
 from bus.auth import Enrolment, agent_permissions
 from bus.authority import (
     RULE_AUTHOR_OR_ADMIN,
@@ -31,8 +31,8 @@ from bus.authority import (
     RULE_VERIFIER_ROLE,
 )
 from bus.event import kind_names, require_kind
-from bus.jetstream import BUCKETS, managed_streams
 from bus.state import TRANSITION_TRUST, TRUST_TRANSITIONS, UNSAFE_RESOLUTIONS
+from bus.streams import BUCKETS, managed_streams
 from bus.vocab import (
     HELP,
     ActionCategory,
@@ -191,6 +191,9 @@ NAME_BUILDERS = (
     "roster_key",
     "capabilities_key",
     "node_key_record",
+    "project_subjects",
+    "kv_stream",
+    "kv_subject",
 )
 
 
@@ -205,7 +208,7 @@ def name_patterns() -> str:
 
 
 def streams() -> str:
-    """bus.jetstream.managed_streams(): every stream epibus creates, with the settings it manages."""
+    """bus.streams.managed_streams(): every stream epibus creates, with the settings it manages."""
     rows = []
     for stream in managed_streams():
         c = stream.config
@@ -233,7 +236,7 @@ def name_rules() -> str:
 
 
 def buckets() -> str:
-    """bus.jetstream.BUCKETS: every KV bucket, its history and description."""
+    """bus.streams.BUCKETS: every KV bucket, its history and description."""
     rows = [(f"`{b.name}`", str(b.history), b.description) for b in BUCKETS.values()]
     return _table(("bucket", "history", "description"), rows)
 
@@ -245,24 +248,24 @@ def dead_letter_reasons() -> str:
 
 
 def dead_letter_headers() -> str:
-    """The DLQ_* headers of bus.runner."""
+    """The DLQ_* headers of bus.subjects, which bus.runner writes on every dead letter."""
     rows = [
         (f"`{value}`", f"`{name}`")
-        for name, value in vars(runner).items()
-        if name.startswith("DLQ_") and name.isupper() and isinstance(value, str)
+        for name, value in vars(subjects).items()
+        if name.startswith("DLQ_") and isinstance(value, str) and value.startswith("Epibus-Dlq-")
     ]
-    return _table(("header", "bus.runner"), rows)
+    return _table(("header", "bus.subjects"), rows)
 
 
 def request_headers() -> str:
-    """The headers of a signed request (bus.signing)."""
-    # An event's own headers (EVENT_*) belong to the wire format, not to a request's signature.
+    """The headers of a signed request (named in bus.subjects, signed and checked by bus.signing)."""
+    # An event's own headers (EVENT_*) and JetStream's belong to the wire format, not to a request's signature.
     found = [
         (f"`{value}`", f"`{name}`")
-        for name, value in vars(signing).items()
-        if name.endswith("_HEADER") and not name.startswith("EVENT_")
+        for name, value in vars(subjects).items()
+        if name.endswith("_HEADER") and isinstance(value, str) and value.startswith("Epibus-") and "Event" not in value
     ]
-    return _table(("header", "bus.signing"), found)
+    return _table(("header", "bus.subjects"), found)
 
 
 def agent_broker_permissions() -> str:

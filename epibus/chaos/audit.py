@@ -20,11 +20,10 @@ from bus.ask import fan_out
 from bus.errors import Unavailable
 from bus.event import event_digest
 from bus.ids import point_id
-from bus.outbox import MSG_ID_HEADER
 from bus.reader import read_stream
 from bus.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupRequest
 from bus.signing import AgentKey
-from bus.subjects import MIRROR_LOOKUP, STREAM, events_filter, stream_leader_stepdown_subject
+from bus.subjects import MIRROR_LOOKUP, MSG_ID_HEADER, STREAM, events_filter, stream_leader_stepdown_subject
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL
 from observers.mirror.store import Filter

@@ -20,7 +20,7 @@ from bus.reader import replay, stream_figures
 from bus.registry import AgentRegistry
 from bus.routes import require_ipv4
 from bus.server import MIN_SERVER_VERSION
-from bus.subjects import STREAM, events_filter
+from bus.subjects import DLQ_STREAM, STREAM, events_filter
 from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -486,7 +486,7 @@ def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as
     if as_json:
         emit_json({"ok": True, **figures})
         return
-    epi, dlq = figures["streams"].get("EPI"), figures["streams"].get("EPI_DLQ")
+    epi, dlq = figures["streams"].get(STREAM), figures["streams"].get(DLQ_STREAM)
     rows: list[list[Any]] = [
         ["server", figures["server_version"]],
         ["EPI messages", epi and epi["messages"]],

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from bus.connection import open_nats
 from bus.errors import EpibusError
 from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
-from bus.jetstream import open_nats
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key
 from epibus.cli.display import shown
 

@@ -8,10 +8,19 @@ import typer
 from nats.aio.msg import Msg
 
 from bus.errors import ConfigError, InvalidEvent, Unavailable
-from bus.jetstream import NATS_OR_API_ERROR
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.reader import dead_letters
-from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, signature_headers
-from bus.subjects import DLQ_STREAM, dlq_filter
+from bus.runner import signature_headers
+from bus.subjects import (
+    DLQ_CONSUMER,
+    DLQ_ERROR,
+    DLQ_REASON,
+    DLQ_STREAM,
+    DLQ_STREAM_SEQ,
+    DLQ_SUBJECT,
+    MSG_ID_HEADER,
+    dlq_filter,
+)
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -113,7 +122,7 @@ async def _dlq_replay(seqs: set[int], all_: bool, keep: bool, target: Target) ->
             row = _dlq_row(msg)
             if not row["subject"]:
                 raise InvalidEvent(f"dead letter {row['dlq_seq']}", "has no original subject header")
-            headers = {"Nats-Msg-Id": f"dlq-replay:{row['consumer']}:{row['stream_seq']}:{row['dlq_seq']}"}
+            headers = {MSG_ID_HEADER: f"dlq-replay:{row['consumer']}:{row['stream_seq']}:{row['dlq_seq']}"}
             headers |= signature_headers(msg.headers)  # a schema_version 2 event is signed in them
             try:
                 await js.publish(row["subject"], msg.data, headers=headers, timeout=10)

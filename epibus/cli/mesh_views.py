@@ -14,8 +14,8 @@ import typer
 
 from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home
+from bus.loops import cancel_and_wait
 from bus.records import QuarantinedRecord
-from bus.tasks import cancel_and_wait
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,

@@ -11,7 +11,8 @@ import typer
 
 from bus.client import connect
 from bus.fleet import ask_forget_proof, ask_reindex, ask_verify
-from bus.recall import ForgetProof, RecallAnswer, ask_all, recall_request
+from bus.forget import ForgetProof
+from bus.recall import RecallAnswer, ask_all, recall_request
 from bus.requests import RecallRequest
 from epibus.cli import ids, inputs
 from epibus.cli.common import (

@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from bus.drift import show
-from bus.jetstream import ensure_streams
+from bus.streams import ensure_streams
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,

@@ -10,7 +10,7 @@ import sqlite3
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import EpibusError
-from bus.jetstream import NATS_OR_API_ERROR
+from bus.nats_errors import NATS_OR_API_ERROR
 from bus.subjects import DLQ_STREAM
 from epibus.health import node_health, problems
 from epibus.status import MeshView

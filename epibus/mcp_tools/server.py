@@ -22,7 +22,7 @@ from mcp_types.jsonrpc import INVALID_PARAMS
 
 from bus.errors import ConfigError, EpibusError
 from bus.home import secret_token
-from bus.tasks import cancel_and_wait
+from bus.loops import cancel_and_wait
 from epibus.mcp_tools.guard import parse_arguments
 from epibus.mcp_tools.mesh_tools import mesh_tools
 from epibus.mcp_tools.session import AgentSession

@@ -16,9 +16,9 @@ from typing import TypeVar
 
 from bus.auth import AUDIT_ROLES, Enrolment
 from bus.client import EpibusClient, connect
+from bus.connection import requires_authentication
 from bus.errors import Forbidden, Unavailable
 from bus.home import default_journal_url, epibus_home, read_node_info, resolve_journal_url
-from bus.jetstream import requires_authentication
 from bus.registry import AgentRegistry
 from bus.service_rules import ENROLMENT_CACHE_S
 from bus.signing import AgentKey

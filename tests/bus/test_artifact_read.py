@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from bus.client import connect
 from bus.errors import Conflict, Forbidden, IllegalTransition
 from bus.event import Envelope, draft_event
-from bus.knowledge import ProjectView, load_artifact, load_project
+from bus.project_view import ProjectView, load_artifact, load_project
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message

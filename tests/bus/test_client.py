@@ -12,8 +12,8 @@ import pytest
 from bus.client import connect
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.home import outbox_path
-from bus.jetstream import ensure_streams
 from bus.server import NatsServer
+from bus.streams import ensure_streams
 from bus.subjects import STREAM, artifact_filter
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig

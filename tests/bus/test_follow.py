@@ -13,10 +13,11 @@ from pathlib import Path
 from nats.aio.client import Client as NatsClient
 
 from bus.client import connect
+from bus.connection import open_nats
 from bus.follow import StreamFollower
 from bus.home import NodeInfo, write_node_info
-from bus.jetstream import ensure_streams, open_nats
 from bus.server import NatsServer
+from bus.streams import ensure_streams
 from bus.subjects import STREAM, events_filter
 from tests.bus.test_client import stream_messages
 from tests.conftest import finding

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from bus.errors import NotFound
 from bus.lineage import Cycle, Lineage, Member, MissingLink, lineage
-from bus.state import ArtifactState, content_hash
+from bus.state import ArtifactState
+from bus.tombstones import content_hash
 from bus.vocab import Lifecycle, ResolutionKind, Trust
 
 P = "proj"

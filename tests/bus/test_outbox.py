@@ -127,8 +127,8 @@ async def test_an_event_held_longer_than_nodes_admit_is_parked_with_the_reason_n
     from bus.errors import InvalidEvent
     from bus.event import draft_event, encode_event
     from bus.forwarder import Forwarder
-    from bus.jetstream import ensure_streams
     from bus.signing import AgentKey
+    from bus.streams import ensure_streams
     from bus.subjects import event_subject
 
     key = AgentKey.generate("alice")

@@ -14,9 +14,9 @@ from nats.js import JetStreamContext
 
 import bus.reader
 from bus.errors import Unavailable
-from bus.jetstream import ensure_streams
 from bus.reader import last_sequence, read_stream
 from bus.server import NatsServer
+from bus.streams import ensure_streams
 from bus.subjects import STREAM
 from tests.support import eventually, missing_and_extra
 

@@ -14,9 +14,9 @@ import pytest
 from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
-from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner, Delivery
+from bus.runner import ConsumerRunner, Delivery
 from bus.signing import AgentKey, wire_message
-from bus.subjects import event_subject
+from bus.subjects import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, event_subject
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding

@@ -17,15 +17,8 @@ from bus.event import Envelope, draft_event
 from bus.fold import Fold
 from bus.rollback import plan_rollback
 from bus.signing import AgentKey
-from bus.state import (
-    FLAG_PREVIOUSLY_RETRACTED,
-    FLAG_UNEARNED,
-    ArtifactState,
-    content_hash,
-    decide,
-    relevance,
-    time_weight,
-)
+from bus.state import FLAG_UNEARNED, ArtifactState, decide, relevance, time_weight
+from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, content_hash
 from bus.vocab import Lifecycle, ResolutionKind, Role, Trust
 
 P = "proj"

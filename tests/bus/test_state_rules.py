@@ -19,15 +19,14 @@ from bus.state import (
     ArtifactState,
     Change,
     IdUse,
-    Tombstone,
     Verification,
     as_of_filter,
-    content_hash,
     decide,
     event_references,
     id_use,
     relevance,
 )
+from bus.tombstones import Tombstone, content_hash
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from tests.bus.test_state import STAFF, agents, claim, ev, state
 

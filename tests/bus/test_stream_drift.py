@@ -27,7 +27,8 @@ from nats.js.api import (
 from bus.client import connect
 from bus.errors import ConfigError, StreamDrift
 from bus.home import read_node_info
-from bus.jetstream import (
+from bus.server import NatsServer
+from bus.streams import (
     BUCKETS,
     DLQ_MAX_MSG_BYTES,
     DRIFT_CHECK_EVERY_S,
@@ -37,7 +38,6 @@ from bus.jetstream import (
     open_bucket,
     stream_configs,
 )
-from bus.server import NatsServer
 from bus.subjects import DLQ_STREAM, MESH_BUCKET, STREAM
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus.tasks import cancel_and_wait, run_together
+from bus.loops import cancel_and_wait, run_together
 
 
 class Loop:

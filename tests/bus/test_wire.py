@@ -19,11 +19,8 @@ from bus.client import connect
 from bus.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Envelope, draft_event, encode_event
 from bus.outbox import Outbox, OutboxRow
 from bus.reader import dead_letters
-from bus.runner import DLQ_REASON
 from bus.signing import (
     EVENT_DOMAIN,
-    EVENT_KEY_HEADER,
-    EVENT_SIGNATURE_HEADER,
     AgentKey,
     WireMessage,
     event_signed_bytes,
@@ -31,7 +28,7 @@ from bus.signing import (
     verify_key,
     wire_message,
 )
-from bus.subjects import STREAM
+from bus.subjects import DLQ_REASON, EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, STREAM
 from bus.vocab import DeadLetterReason
 from epibus.cli.common import Target
 from epibus.cli.dlq import _dlq_replay

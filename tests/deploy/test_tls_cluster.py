@@ -21,8 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from nats.js.api import StorageType, StreamConfig
 
+from bus.connection import open_nats
 from bus.errors import Unavailable
-from bus.jetstream import open_nats
 from bus.tls import CA_ENV, CERT_ENV, KEY_ENV
 from epibus.certs import generate
 from tests.conftest import postgres_database

@@ -18,8 +18,7 @@ import nats
 import pytest
 
 from bus.client import connect
-from bus.runner import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT
-from bus.subjects import dlq_subject
+from bus.subjects import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, dlq_subject
 from bus.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
 from mesh.agent import MeshAgent

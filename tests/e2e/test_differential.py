@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.knowledge import load_project
+from bus.project_view import load_project
 from bus.reader import replay
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer

@@ -14,7 +14,7 @@ import nats
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from bus.knowledge import load_project
+from bus.project_view import load_project
 from bus.server import NatsServer
 from bus.state import ArtifactState
 from epibus.node import Node, NodeConfig

@@ -22,13 +22,15 @@ import pytest
 from bus.client import connect
 from bus.event import Envelope, event_digest
 from bus.ids import point_id
-from bus.jetstream import EVENT_MAX_MSG_BYTES
 from bus.reader import dead_letters
-from bus.runner import DLQ_CONSUMER, DLQ_REASON, DLQ_STREAM_SEQ
 from bus.server import NatsServer
 from bus.signing import AgentKey
+from bus.streams import EVENT_MAX_MSG_BYTES
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
+    DLQ_CONSUMER,
+    DLQ_REASON,
+    DLQ_STREAM_SEQ,
     JOURNAL_LOOKUP,
     MESH_BUCKET,
     PROVE_FORGOTTEN,

@@ -15,11 +15,10 @@ import pytest
 from bus.client import connect
 from bus.errors import ConfigError
 from bus.home import read_node_info
-from bus.jetstream import EVENT_MAX_MSG_BYTES, stream_configs
 from bus.reader import dead_letters
-from bus.runner import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED
 from bus.server import NatsServer
-from bus.subjects import STREAM, event_subject
+from bus.streams import EVENT_MAX_MSG_BYTES, stream_configs
+from bus.subjects import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED, STREAM, event_subject
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding

@@ -19,7 +19,7 @@ from bus.admission import TimeBounds
 from bus.client import EpibusClient, connect
 from bus.event import Envelope, draft_event
 from bus.ids import point_id
-from bus.knowledge import load_project
+from bus.project_view import load_project
 from bus.reader import dead_letters, replay
 from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message

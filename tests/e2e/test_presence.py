@@ -17,10 +17,10 @@ from nats.js import JetStreamContext
 
 from bus import presence
 from bus.client import EpibusClient, connect
-from bus.jetstream import HEARTBEAT_TTL_S, open_bucket
 from bus.presence import live_nodes, signed_heartbeat
 from bus.server import NatsServer
 from bus.signing import AgentKey
+from bus.streams import HEARTBEAT_TTL_S, open_bucket
 from bus.subjects import NODES_BUCKET, RECALL, VERIFY, heartbeat_key
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding

@@ -30,14 +30,14 @@ from bus.client import connect
 from bus.errors import Unavailable
 from bus.event import Actor, canonical_json
 from bus.ids import point_id
-from bus.jetstream import ensure_streams
-from bus.knowledge import load_project
+from bus.project_view import load_project
 from bus.reader import replay
 from bus.registry import AgentRegistry
 from bus.runner import ConsumerRunner
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.state import ArtifactState
+from bus.streams import ensure_streams
 from bus.subjects import STREAM, event_subject, events_filter
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus.client import connect
-from bus.jetstream import open_nats
+from bus.connection import open_nats
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from mesh.agent import MeshAgent

@@ -17,10 +17,10 @@ import pytest
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.event import decode_event
 from bus.ids import new_event_id
+from bus.loops import cancel_and_wait
 from bus.reader import read_stream
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
-from bus.tasks import cancel_and_wait
 from bus.vocab import TaskAction, TaskState
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent

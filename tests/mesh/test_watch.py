@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from bus.errors import InvalidEvent, Unavailable
-from bus.jetstream import RETRYABLE
+from bus.loops import cancel_and_wait
+from bus.nats_errors import RETRYABLE
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM
-from bus.tasks import cancel_and_wait
 from mesh.agent import MeshAgent
 from mesh.peer import Inbox, Notification, NotificationLog
 from mesh.store import TaskEntry

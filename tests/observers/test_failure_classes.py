@@ -22,9 +22,10 @@ from sqlalchemy.exc import IntegrityError, InternalError, OperationalError, Prog
 from bus.client import connect
 from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, Unavailable
 from bus.ids import point_id
-from bus.jetstream import translate_publish_error
+from bus.nats_errors import translate_publish_error
 from bus.reader import dead_letters
-from bus.runner import DLQ_ERROR, DLQ_REASON, ConsumerRunner
+from bus.runner import ConsumerRunner
+from bus.subjects import DLQ_ERROR, DLQ_REASON
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver, database_failure
 from observers.mirror.backends import open_store

@@ -14,8 +14,8 @@ from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
 from bus.errors import NotFound
+from bus.forget import ForgetProof
 from bus.ids import point_id
-from bus.recall import ForgetProof
 from bus.signing import AgentKey
 from bus.subjects import STREAM
 from bus.vocab import ReceiptLevel, Role

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from bus.event import FindingBody, VerifiedBody
-from bus.recall import ForgetProof, ForgetReport, content_fingerprints, free_texts
+from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.store import Point
 from observers.residue import CHUNK_BYTES, scan_files

@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
-from bus.state import FLAG_PREVIOUSLY_RETRACTED
+from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal

@@ -20,8 +20,8 @@ from bus import enrol
 from bus.client import EpibusClient, connect
 from bus.errors import Forbidden
 from bus.event import Envelope, encode_event
-from bus.knowledge import load_project
 from bus.outbox import Outbox, OutboxRow
+from bus.project_view import load_project
 from bus.reader import replay
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key

@@ -19,9 +19,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from bus import enrol
 from bus.auth import Enrolment
 from bus.client import connect
+from bus.connection import open_nats
 from bus.errors import Forbidden
 from bus.follow import StreamFollower
-from bus.jetstream import open_nats
 from bus.presence import live_nodes, signed_heartbeat
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key

@@ -19,10 +19,10 @@ import nats
 import nats.errors
 import pytest
 
+from bus.ask import fan_out
 from bus.client import EpibusClient
 from bus.errors import Forbidden
 from bus.ids import new_event_id
-from bus.recall import fan_out
 from bus.requests import ErrorReply
 from bus.signing import node_key
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key

@@ -27,7 +27,7 @@ from bus import enrol
 from bus.auth import inbox_prefix
 from bus.client import connect
 from bus.requests import ErrorReply, LookupReply, LookupRequest
-from bus.signing import SIGNATURE_HEADER, SIGNED_AT_HEADER, SIGNER_HEADER, SIGNER_KEY_HEADER, AgentKey, node_key
+from bus.signing import AgentKey, node_key
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     ENROL,
@@ -41,6 +41,10 @@ from bus.subjects import (
     RECALL,
     REINDEX,
     REVOKE,
+    SIGNATURE_HEADER,
+    SIGNED_AT_HEADER,
+    SIGNER_HEADER,
+    SIGNER_KEY_HEADER,
     STREAM,
     VERIFY,
 )

@@ -25,8 +25,8 @@ from bus.auth import inbox_prefix
 from bus.client import EpibusClient, connect
 from bus.errors import Forbidden
 from bus.fleet import ask_verify
+from bus.forget import ForgetReport, content_fingerprints
 from bus.ids import point_id
-from bus.recall import ForgetReport, content_fingerprints
 from bus.signing import AgentKey, node_key
 from bus.subjects import (
     FORGET_ERASE,

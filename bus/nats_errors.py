@@ -1,0 +1,94 @@
+"""The one translation from nats-py and JetStream errors to epibus errors: which errors mean "the server did not
+answer" (retry later), what a failed publish was, and the broker's permission refusals, which nats-py reports
+only to error_cb while the refused call times out."""
+
+from __future__ import annotations
+
+import weakref
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from bus.errors import ComponentFailed, Conflict, EpibusError, Forbidden, InvalidEvent, Unavailable, error_summary
+
+# NATS client and JetStream errors that mean "the server did not answer": retry later.
+NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoServersError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,  # publishing while reconnecting filled nats-py's pending buffer
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    TimeoutError,
+    ConnectionError,
+)
+
+
+NATS_OR_API_ERROR: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, nats.js.errors.APIError)
+# What a loop that reads from JetStream rides out and retries: the server or a store did not answer.
+RETRYABLE: tuple[type[BaseException], ...] = (Unavailable, *NATS_OR_API_ERROR)
+
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, OSError)
+# ...and the server refusing the connection (nats-py raises a plain Error quoting it).
+CONNECT_OR_REFUSED: tuple[type[BaseException], ...] = (*CONNECT_ERRORS, nats.errors.Error)
+
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
+    """The one choke point from nats-py publish errors to epibus errors (Conflict is never retried blindly)."""
+    if isinstance(error, nats.js.errors.APIError) and error.err_code == WRONG_LAST_SEQUENCE:
+        return Conflict(subject, f"JetStream refused it: {error.description} (err_code {error.err_code})")
+    if isinstance(error, NATS_UNAVAILABLE) or (isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)):
+        return Unavailable("nats", f"publish to {subject}: {type(error).__name__} {error}".strip())
+    if isinstance(error, nats.js.errors.APIError):
+        return InvalidEvent(
+            f"message on {subject}", f"refused by JetStream: {error.description} (err_code {error.err_code})"
+        )
+    if isinstance(error, nats.errors.MaxPayloadError):
+        return InvalidEvent(f"message on {subject}", "is larger than the server's max payload")
+    # Not an outage: retrying would fail the same way, so say what it was instead of waiting for it.
+    return ComponentFailed("nats", f"publish to {subject}: {error_summary(error)}")
+
+
+PERMISSIONS_VIOLATION = "permissions violation"
+MAX_VIOLATIONS_KEPT = 32
+# The broker's permission refusals per connection, as nats-py reports them (to error_cb, lowercased): the call
+# that was refused only times out, so whoever translates that timeout asks here first.
+_VIOLATIONS: weakref.WeakKeyDictionary[NatsClient, list[str]] = weakref.WeakKeyDictionary()
+
+
+def broker_refusal(js_or_nc: JetStreamContext | NatsClient, subject: str, *, prefix: str = "") -> Forbidden | None:
+    """A Forbidden for `subject` (a message or JetStream API subject; with `prefix`, any subject starting with
+    `prefix` and ending with `subject`) if the broker reported refusing it on this connection, else None."""
+    nc = js_or_nc._nc if isinstance(js_or_nc, JetStreamContext) else js_or_nc  # nats-py keeps its connection there
+    wanted, start = subject.lower(), prefix.lower()
+    for violation in reversed(_VIOLATIONS.get(nc, [])):
+        quoted = violation.lower().rsplit(" to ", 1)[-1]
+        if quoted.startswith(f'"{start}') and quoted.endswith(f'{wanted}"'):
+            return Forbidden(
+                "this agent", "use", subject, f"the broker refused it ({violation}); ask an admin for the project"
+            )
+    return None
+
+
+def is_authorization_error(error: BaseException) -> bool:
+    """nats-py reports a refused connection as AuthorizationError or as a plain Error quoting the server."""
+    return isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in str(error).lower()
+
+
+
+
+def remember_violation(nc: NatsClient, error: BaseException) -> None:
+    """Keep a permission refusal nats-py reported to error_cb, for broker_refusal to find (bounded per connection)."""
+    if PERMISSIONS_VIOLATION in str(error).lower():
+        kept = _VIOLATIONS.setdefault(nc, [])
+        kept[:] = [*kept[-(MAX_VIOLATIONS_KEPT - 1) :], str(error)]
+
