@@ -36,7 +36,7 @@ from bus.server import NatsServer
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import Inbox, Notification
+from mesh.inbox import Inbox, Notification
 from mesh.task import TaskRecord
 
 PROJECT = "bench"

@@ -46,7 +46,7 @@ from mesh import roster as mesh_roster  # noqa: E402
 from mesh import trust as mesh_trust  # noqa: E402
 from mesh.agent import MeshAgent  # noqa: E402
 from mesh.coordinator import Coordinator, parse_policy  # noqa: E402
-from mesh.peer import Inbox, Notification  # noqa: E402
+from mesh.inbox import Inbox, Notification  # noqa: E402
 from mesh.recorder import MeshRecorder  # noqa: E402
 from mesh.service import MeshService  # noqa: E402
 

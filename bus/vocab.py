@@ -1,4 +1,5 @@
-"""The closed vocabularies of the state, each value with its one-line help. The only module that defines them."""
+"""The closed vocabularies of the bus, each value with its one-line help. The only module that defines them; a
+layer above registers its own vocabularies' help here (`register_help`), so `describe` serves every one."""
 
 from __future__ import annotations
 
@@ -78,53 +79,6 @@ class DeadLetterReason(StrEnum):
     duplicate_id_conflict = "duplicate_id_conflict"
 
 
-class TaskState(StrEnum):
-    """Where a mesh task stands; terminal states have no exit."""
-
-    proposed = "proposed"
-    accepted = "accepted"
-    working = "working"
-    completed = "completed"
-    acknowledged = "acknowledged"
-    declined = "declined"
-    changed = "changed"
-    failed = "failed"
-    canceled = "canceled"
-    expired = "expired"
-
-
-class TaskAction(StrEnum):
-    """A mesh protocol message: what an agent does to a task."""
-
-    propose = "propose"
-    accept = "accept"
-    decline = "decline"
-    change = "change"
-    start = "start"
-    complete = "complete"
-    fail = "fail"
-    cancel = "cancel"
-    acknowledge = "acknowledge"
-    expire = "expire"
-
-
-class ActionCategory(StrEnum):
-    """How much a proposed piece of work can change, which coordinator policies key on."""
-
-    operational = "operational"
-    tactical = "tactical"
-    strategic = "strategic"
-    irreversible = "irreversible"
-
-
-class MeshRole(StrEnum):
-    """Who an agent is to a task."""
-
-    proposer = "proposer"
-    coordinator = "coordinator"
-    assignee = "assignee"
-
-
 class Role(StrEnum):
     """What an enrolled identity may do in the fleet."""
 
@@ -184,41 +138,6 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
         "implausible_time": "recorded_at is too far from when the stream stored the event (clock skew or a replay)",
         "duplicate_id_conflict": "another event with different content already holds this event id",
     },
-    TaskState: {
-        "proposed": "waiting for a coordinator's decision",
-        "accepted": "a coordinator accepted it and named the assignee",
-        "working": "the assignee started it",
-        "completed": "done, with a commit SHA; waiting for the proposer's acknowledgement",
-        "acknowledged": "the proposer closed the handshake; terminal",
-        "declined": "a coordinator declined it, with a reason; terminal",
-        "changed": "a coordinator counter-proposed a linked new task instead; terminal",
-        "failed": "the assignee gave up, with a reason; terminal",
-        "canceled": "withdrawn by its proposer or a coordinator; terminal",
-        "expired": "its deadline passed before it was decided or completed; terminal",
-    },
-    TaskAction: {
-        "propose": "a peer proposes work to a project's coordinators",
-        "accept": "a coordinator accepts a proposal and names the assignee",
-        "decline": "a coordinator declines a proposal (reason required)",
-        "change": "a coordinator counter-proposes: a new proposal linked to this one",
-        "start": "the assignee starts accepted work",
-        "complete": "the assignee finishes, with a commit SHA (40 or 64 lowercase hex)",
-        "fail": "the assignee gives up (reason required)",
-        "cancel": "the proposer or a coordinator withdraws the task",
-        "acknowledge": "the proposer confirms a completion, closing the handshake",
-        "expire": "a coordinator closes a task whose deadline passed",
-    },
-    ActionCategory: {
-        "operational": "routine work inside current plans (restart, rerun, small fix)",
-        "tactical": "changes how a goal is reached (refactor, new dependency)",
-        "strategic": "changes what the goals are",
-        "irreversible": "cannot be undone (deleting data, publishing, spending)",
-    },
-    MeshRole: {
-        "proposer": "the agent that proposed the task",
-        "coordinator": "an agent registered to decide the project's work",
-        "assignee": "the agent a coordinator gave the work to",
-    },
     Role: {
         "agent": "publishes and reads in its projects; verifies other authors' claims there",
         "reviewer": "a person's review: may audit and verify in its projects",
@@ -226,6 +145,14 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
         "admin": "enrols and revokes agents, seats first coordinators, forgets, repairs and reindexes",
     },
 }
+
+
+def register_help(vocab: type[StrEnum], lines: dict[str, str]) -> None:
+    """Register a vocabulary defined in another layer (the mesh's), with one line per value.
+    Raises ValueError when a value has no line or a line names no value: help never drifts from its enum."""
+    if set(lines) != {member.value for member in vocab}:
+        raise ValueError(f"help of {vocab.__name__} must cover exactly {sorted(m.value for m in vocab)}")
+    HELP[vocab] = dict(lines)
 
 
 def describe(vocab: type[StrEnum]) -> str:

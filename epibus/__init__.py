@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from epibus.node import Node, NodeConfig
     from mesh.agent import MeshAgent, Outcome
     from mesh.coordinator import Coordinator, parse_policy
-    from mesh.peer import Inbox, Notification
+    from mesh.inbox import Inbox, Notification
     from observers import reads
     from observers.journal import EventQuery, Journal, JournalRow
 
@@ -59,7 +59,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     **{name: ("epibus.node", name) for name in ("Node", "NodeConfig")},
     **{name: ("mesh.agent", name) for name in ("MeshAgent", "Outcome")},
     **{name: ("mesh.coordinator", name) for name in ("Coordinator", "parse_policy")},
-    **{name: ("mesh.peer", name) for name in ("Inbox", "Notification")},
+    **{name: ("mesh.inbox", name) for name in ("Inbox", "Notification")},
     "reads": ("observers.reads", None),
     **{name: ("observers.journal", name) for name in ("EventQuery", "Journal", "JournalRow")},
 }

@@ -2,7 +2,7 @@
 without connecting to anything: the node's name and pid, when it was written, each local agent's inbox and
 pending acknowledgements per project, and each project's open unknowns.
 
-The figures come from the rules every other reader uses: `mesh.peer.inbox_reason` (as `epibus mesh inbox`),
+The figures come from the rules every other reader uses: `mesh.inbox.inbox_reason` (as `epibus mesh inbox`),
 `mesh.protocol.awaits_acknowledgement` with the agent as proposer (as `epibus mesh pending`), and
 `observers.reads.open_unknown_counts` (what a briefing lists as open unknowns). The mesh is followed, not
 re-listed: a TaskWatcher from revision 0 in memory (each revision verified) keeps every task's latest record;
@@ -27,7 +27,7 @@ from bus.errors import EpibusError
 from bus.home import write_private
 from epibus.enrolment import local_agent_keys
 from epibus.statusline import KEEP_ALIVE_S, STATUS_FILE, STATUS_FORMAT, WRITE_EVERY_S
-from mesh.peer import CONTEXT_REFRESH_S, capabilities_of, coordinators_of, inbox_reason
+from mesh.inbox import CONTEXT_REFRESH_S, capabilities_of, coordinators_of, inbox_reason
 from mesh.protocol import awaits_acknowledgement
 from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord

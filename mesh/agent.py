@@ -22,12 +22,12 @@ from bus.event import Evidence
 from bus.ids import new_event_id
 from bus.publish import Receipt
 from bus.subjects import MESH_STEP
-from bus.vocab import ActionCategory, TaskAction
 from mesh.events import opening_record, step_event, unsigned_step_event
 from mesh.protocol import NO_COORDINATORS, advance, awaits_acknowledgement, child_task_id, counter_record
 from mesh.roster import RosterChanges
 from mesh.store import MeshStore, TaskEntry, retry_on_conflict, utc_now
 from mesh.task import Message, Roster, Step, Targets, TaskRecord, message_digest, parse_message
+from mesh.vocab import ActionCategory, TaskAction
 from mesh.wire import StepRequest
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, Inva
 from bus.ids import derived_event_id
 from bus.loops import run_together
 from bus.nats_errors import RETRYABLE
-from bus.vocab import ActionCategory, TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord
+from mesh.vocab import ActionCategory, TaskAction, TaskState
 from mesh.watch import Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from bus.event import (
 )
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
-from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 from mesh.protocol import counter_opening
 from mesh.task import CommitSha, Digest, Roster, RosterDraft, TaskId, TaskRecord, proposal_digest
+from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 
 def _without_unset(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from typing import Any
 
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
 from bus.ids import derived_event_id
-from bus.vocab import MeshRole, TaskAction, TaskState
 from mesh.task import SHA_RULE, Message, Proposal, Roster, Step, TaskRecord, message_digest
+from mesh.vocab import MeshRole, TaskAction, TaskState
 
 
 @dataclass(frozen=True)

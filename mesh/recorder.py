@@ -18,10 +18,10 @@ from bus.event import Envelope
 from bus.outbox import OutboxRow
 from bus.publish import send_one
 from bus.streams import ensure_streams
-from bus.vocab import TaskAction
 from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
 from mesh.task import Step
+from mesh.vocab import TaskAction
 from mesh.watch import Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)

@@ -35,12 +35,13 @@ from bus.signing import (
     verify_signature,
 )
 from bus.subjects import MESH_ADVERTISE, MESH_QUEUE, MESH_ROSTER, MESH_STEP
-from bus.vocab import Role, TaskAction
+from bus.vocab import Role
 from mesh.events import roster_event, verify_step
 from mesh.protocol import NO_COORDINATORS, advance, counter_record, roster_after, who_may
 from mesh.store import MeshStore, ensure_counter_task, utc_now
 from mesh.task import CAPABILITIES_PURPOSE, Roster, RosterChange
 from mesh.trust import roster_authority
+from mesh.vocab import TaskAction
 from mesh.wire import (
     REFUSABLE,
     AdvertiseRequest,

@@ -36,11 +36,11 @@ from bus.subjects import (
     task_key,
     tasks_key_filter,
 )
-from bus.vocab import TaskState
 from mesh.protocol import counter_record
 from mesh.task import AgentCapabilities, Roster, Step, TaskRecord
 from mesh.trust import UntrustedRecord, extends, verify_capabilities, verify_roster, verify_task
 from mesh.verified import Verified, VerifiedTasks, roster_used
+from mesh.vocab import TaskState
 
 __all__ = ["AgentCapabilities", "MeshStore", "Roster", "RosterEntry", "TaskEntry"]
 

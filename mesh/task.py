@@ -23,7 +23,7 @@ from bus.event import (
     canonical_json,
     raise_for_validation,
 )
-from bus.vocab import ActionCategory, MeshRole, TaskAction, TaskState
+from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TaskId = Annotated[str, StringConstraints(pattern=TASK_ID_PATTERN.pattern)]

@@ -19,10 +19,11 @@ from bus.event import Actor
 from bus.registry import AgentRegistry
 from bus.signing import NODE_IDENTITY, verify_document, verify_signature
 from bus.subjects import MESH_BUCKET
-from bus.vocab import MeshRole, Role, TaskAction, TaskState
+from bus.vocab import Role
 from mesh.events import roster_event, verify_step
 from mesh.protocol import advance, counter_opening, counter_record, roster_after
 from mesh.task import CAPABILITIES_PURPOSE, AgentCapabilities, Message, Roster, Step, TaskRecord
+from mesh.vocab import MeshRole, TaskAction, TaskState
 
 # Not part of what the protocol makes of a message: who signed it, and how (checked apart).
 SIGNED_FIELDS = frozenset({"public_key", "session_id", "signature", "digest", "counter_opening"})

@@ -33,21 +33,10 @@ from bus.authority import (
 from bus.event import kind_names, require_kind
 from bus.state import TRANSITION_TRUST, TRUST_TRANSITIONS, UNSAFE_RESOLUTIONS
 from bus.streams import BUCKETS, managed_streams
-from bus.vocab import (
-    HELP,
-    ActionCategory,
-    DeadLetterReason,
-    Lifecycle,
-    MeshRole,
-    ReceiptLevel,
-    ResolutionKind,
-    Role,
-    TaskAction,
-    TaskState,
-    Trust,
-)
+from bus.vocab import HELP, DeadLetterReason, Lifecycle, ReceiptLevel, ResolutionKind, Role, Trust
 from mesh import events as mesh_events
 from mesh.protocol import A2A_STATE, TERMINAL, TRANSITIONS
+from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -131,17 +120,17 @@ def roles() -> str:
 
 
 def mesh_roles() -> str:
-    """bus.vocab.MeshRole with its one-line help."""
+    """mesh.vocab.MeshRole with its one-line help."""
     return _table(("role", "who"), [(f"`{role}`", HELP[MeshRole][role.value]) for role in MeshRole])
 
 
 def mesh_messages() -> str:
-    """bus.vocab.TaskAction with its one-line help."""
+    """mesh.vocab.TaskAction with its one-line help."""
     return _table(("message", "what it does"), [(f"`{a}`", HELP[TaskAction][a.value]) for a in TaskAction])
 
 
 def action_categories() -> str:
-    """bus.vocab.ActionCategory with its one-line help."""
+    """mesh.vocab.ActionCategory with its one-line help."""
     return _table(("category", "meaning"), [(f"`{c}`", HELP[ActionCategory][c.value]) for c in ActionCategory])
 
 
@@ -160,7 +149,7 @@ def mesh_transitions() -> str:
 
 
 def mesh_states() -> str:
-    """bus.vocab.TaskState with its help, whether it is terminal, and its A2A state (mesh.protocol.A2A_STATE)."""
+    """mesh.vocab.TaskState with its help, whether it is terminal, and its A2A state (mesh.protocol.A2A_STATE)."""
     rows = [
         (f"`{state}`", "yes" if state in TERMINAL else "no", A2A_STATE[state], HELP[TaskState][state.value])
         for state in TaskState

@@ -15,7 +15,7 @@ from bus.client import connect
 from bus.errors import InvalidEvent
 from bus.ids import parse_event_id
 from bus.records import QuarantinedRecord
-from bus.vocab import ActionCategory, describe
+from bus.vocab import describe
 from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -31,6 +31,7 @@ from epibus.cli.common import (
 )
 from epibus.cli.display import shown
 from epibus.times import parse_time
+from mesh.vocab import ActionCategory
 
 # The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
 if TYPE_CHECKING:
@@ -325,7 +326,7 @@ def complete(
     mid = message_id_of(message_id)
     pointers = [_evidence(e) for e in evidence or []]
 
-    from mesh.peer import require_commit
+    from mesh.commits import require_commit
 
     async def work(m: MeshAgent, whole: str) -> Outcome:
         if repo is not None:

@@ -42,7 +42,7 @@ from epibus.cli.mesh import (
 # The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
 if TYPE_CHECKING:
     from mesh.agent import MeshAgent
-    from mesh.peer import Notification, NotificationLog
+    from mesh.inbox import Notification, NotificationLog
     from mesh.store import TaskEntry
     from mesh.watch import Cursor
 
@@ -167,7 +167,7 @@ def inbox(
         return
     if reset and out is not None:
         raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
-    from mesh.peer import NotificationLog
+    from mesh.inbox import NotificationLog
     from mesh.watch import FileCursor
 
     me = agent or default_agent()
@@ -183,7 +183,7 @@ def inbox(
 
 
 async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[str, Any]], list[QuarantinedRecord]]:
-    from mesh.peer import inbox_now
+    from mesh.inbox import inbox_now
 
     rows = [entry.summary(why) for entry, why in await inbox_now(mesh, project)]
     return rows, mesh.store.quarantine.records
@@ -192,7 +192,7 @@ async def _inbox_now(mesh: MeshAgent, project: str | None) -> tuple[list[dict[st
 async def _watch_inbox(
     mesh: MeshAgent, project: str | None, cursor: Cursor, log: NotificationLog | None, count: int | None, as_json: bool
 ) -> None:
-    from mesh.peer import Inbox
+    from mesh.inbox import Inbox
 
     done = asyncio.Event()
     told = 0

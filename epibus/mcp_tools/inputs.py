@@ -9,9 +9,10 @@ from pydantic import Field, JsonValue, StringConstraints, create_model
 
 from bus.event import AgentId, ArtifactId, Evidence, ProjectSlug, ShortText, Text, kind_names, require_kind
 from bus.subjects import KIND_PATTERN
-from bus.vocab import ActionCategory, EpistemicSource, ResolutionKind
+from bus.vocab import EpistemicSource, ResolutionKind
 from epibus.mcp_tools.schema import Capability, Limit, MessageId, Query, RepoPath, TaskId, ToolInput, When
 from mesh.task import MAX_PAYLOAD_KEYS, CommitSha
+from mesh.vocab import ActionCategory
 
 Wait = Literal["published", "journaled"]
 # Kinds can be registered at run time, so a kind is checked against the registry when the tool runs.

@@ -10,13 +10,15 @@ from pathlib import Path
 
 from bus.ids import parse_event_id
 from bus.records import QuarantinedRecord
-from bus.vocab import TaskAction, describe
+from bus.vocab import describe
 from epibus.mcp_tools import inputs as i
 from epibus.mcp_tools.session import AgentSession
 from epibus.mcp_tools.tools import Result, ToolSpec
 from epibus.times import parse_time
 from mesh.agent import MeshAgent, Outcome
-from mesh.peer import inbox_now, require_commit
+from mesh.commits import require_commit
+from mesh.inbox import inbox_now
+from mesh.vocab import TaskAction
 
 
 def _message_id(value: str | None) -> uuid.UUID | None:

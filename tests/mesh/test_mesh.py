@@ -21,11 +21,11 @@ from bus.loops import cancel_and_wait
 from bus.reader import read_stream
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
-from bus.vocab import TaskAction, TaskState
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
+from mesh.commits import require_commit
 from mesh.coordinator import Coordinator, parse_policy
-from mesh.peer import require_commit
+from mesh.vocab import TaskAction, TaskState
 from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
 

@@ -10,9 +10,9 @@ import pytest
 
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
 from bus.ids import new_event_id
-from bus.vocab import TaskAction, TaskState
 from mesh.protocol import A2A_STATE, TERMINAL, advance, awaits_acknowledgement, child_task_id
 from mesh.task import TaskRecord, parse_message
+from mesh.vocab import TaskAction, TaskState
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 DEADLINE = T0 + timedelta(hours=1)

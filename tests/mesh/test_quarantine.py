@@ -20,12 +20,12 @@ from bus.ids import new_event_id
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
-from bus.vocab import TaskAction
 from epibus.node import Node, service_failures
 from mesh.agent import MeshAgent
 from mesh.protocol import advance
 from mesh.store import decode_capabilities, decode_roster, decode_task
 from mesh.task import Message, Proposal
+from mesh.vocab import TaskAction
 from mesh.watch import MemoryCursor, TaskWatcher
 from tests.conftest import finding
 from tests.hostile import Hostile, all_hostile_task_records, hostile_payloads, put_raw

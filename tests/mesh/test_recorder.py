@@ -18,12 +18,12 @@ from bus.ids import new_event_id
 from bus.reader import read_stream
 from bus.signing import AgentKey
 from bus.subjects import MESH_BUCKET, STREAM, events_filter, task_key
-from bus.vocab import MeshRole, TaskAction, TaskState
 from epibus.node import Node
 from mesh.agent import MeshAgent
 from mesh.events import unsigned_step_event
 from mesh.task import Step
 from mesh.trust import UntrustedRecord
+from mesh.vocab import MeshRole, TaskAction, TaskState
 from tests.mesh.conftest import MeshFactory
 from tests.support import eventually, journal_rows_of_kind
 

@@ -21,12 +21,12 @@ from bus.ids import new_event_id
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import task_key
-from bus.vocab import TaskAction, TaskState
 from mesh.events import opening_record, unsigned_roster_event, unsigned_step_event, with_signatures
 from mesh.protocol import advance, child_task_id
 from mesh.store import MeshStore
 from mesh.task import Message, Roster, RosterChange, RosterDraft, TaskRecord, parse_message
 from mesh.verified import Verified, VerifiedTasks
+from mesh.vocab import TaskAction, TaskState
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 KEYS = {name: AgentKey.generate(name) for name in ("alice", "bob", "coord")}

@@ -17,7 +17,7 @@ from bus.nats_errors import RETRYABLE
 from bus.server import NatsServer
 from bus.subjects import MESH_STREAM
 from mesh.agent import MeshAgent
-from mesh.peer import Inbox, Notification, NotificationLog
+from mesh.inbox import Inbox, Notification, NotificationLog
 from mesh.store import TaskEntry
 from mesh.watch import FileCursor, TaskWatcher
 from tests.mesh.conftest import MeshFactory

@@ -26,14 +26,14 @@ from bus.ids import new_event_id
 from bus.requests import ErrorReply
 from bus.signing import node_key
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key
-from bus.vocab import TaskAction, TaskState
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.events import unsigned_roster_event, unsigned_step_event
-from mesh.peer import Inbox, Notification
+from mesh.inbox import Inbox, Notification
 from mesh.protocol import advance
 from mesh.task import RosterDraft, TaskRecord
 from mesh.trust import UntrustedRecord
+from mesh.vocab import TaskAction, TaskState
 from mesh.watch import MemoryCursor
 from mesh.wire import MeshReply, RosterRequest, StepRequest
 from tests.security.mesh_fleet import SHA, Fleet, fleet_on_a_node, recorder_past, watch_until

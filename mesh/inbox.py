@@ -1,29 +1,27 @@
-"""The peer side: an agent's inbox (proposals for it, work assigned to it, decisions on its proposals), the
-notification log that doubles as the inbox's cursor, and the check that a completion's SHA is a commit."""
+"""An agent's inbox: proposals for it, work assigned to it, decisions on its proposals, and the notification log
+that doubles as the inbox's cursor."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
-from bus.vocab import TaskAction, TaskState
+from bus.errors import InvalidEvent, MalformedRecord
 from mesh.agent import MeshAgent
 from mesh.protocol import TERMINAL
 from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord
+from mesh.vocab import TaskAction, TaskState
 from mesh.watch import Cursor, TaskWatcher
 
 log = logging.getLogger(__name__)
 CONTEXT_REFRESH_S = 5.0  # how often an inbox re-reads the rosters and the agent's capabilities
-GIT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -248,36 +246,3 @@ class NotificationLog:
         finally:
             os.close(fd)
         self._revision = note.revision
-
-
-def require_commit(repo: Path, sha: str, *, task: str) -> None:
-    """Raise InvalidEvent unless `sha` names a commit in the git repository at `repo` (ConfigError when
-    `repo` is not a git repository)."""
-    try:
-        probe = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--git-dir"],
-            capture_output=True,
-            text=True,
-            timeout=GIT_TIMEOUT_S,
-            check=False,
-        )
-    except FileNotFoundError as e:
-        raise ConfigError("--repo", "git is not installed; install git or complete without --repo") from e
-    except subprocess.TimeoutExpired as e:
-        raise Unavailable("git", f"`git rev-parse` in {repo} took over {GIT_TIMEOUT_S:.0f}s; retry") from e
-    if probe.returncode != 0:
-        raise ConfigError("--repo", f"{repo} is not a git repository ({probe.stderr.strip()})")
-    try:
-        found = subprocess.run(
-            ["git", "-C", str(repo), "cat-file", "-e", f"{sha}^{{commit}}"],
-            capture_output=True,
-            text=True,
-            timeout=GIT_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise Unavailable("git", f"`git cat-file` in {repo} took over {GIT_TIMEOUT_S:.0f}s; retry") from e
-    if found.returncode != 0:
-        raise InvalidEvent(
-            f"task {task} complete.sha={sha!r}", f"is not a commit in {repo}; push or fetch it, or check the SHA"
-        )
