@@ -16,14 +16,17 @@ from epibus.cli import (
     cluster,
     commands,
     dlq,
+    forget,
     health,
     lineage,
     mcp,
     mesh,
+    mesh_agents,
     mesh_roster,
     mesh_views,
     ops,
     recall,
+    reindex,
     state,
     streams,
     verify,
@@ -48,8 +51,10 @@ app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
 app.add_typer(streams.streams_app, name="streams")
 app.add_typer(cluster.cluster_app, name="cluster")
-app.add_typer(mesh.mesh_app, name="mesh")  # its reading commands are in mesh_views, the roster's in mesh_roster
+# mesh commands: reading in mesh_views, the roster in mesh_roster, coordinate and advertise in mesh_agents
+app.add_typer(mesh.mesh_app, name="mesh")
 assert mesh_views.show is not None
+assert mesh_agents.coordinate is not None
 assert mesh_roster.coordinators_add is not None
 app.command()(commands.up)
 app.command()(commands.tail)
@@ -67,8 +72,8 @@ app.command("briefing")(state.briefing_command)
 app.command("vocab-report")(state.vocab_report_command)
 app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
-app.command("forget")(recall.forget_command)
-app.command("reindex")(recall.reindex_command)
+app.command("forget")(forget.forget_command)
+app.command("reindex")(reindex.reindex_command)
 app.command()(certs.certs)
 app.command("mcp")(mcp.mcp)
 app.command()(ops.status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ import typer
 from bus.client import connect
 from bus.errors import InvalidEvent
 from bus.ids import parse_event_id
+from bus.loops import cancel_and_wait
 from bus.records import QuarantinedRecord
 from bus.vocab import describe
 from epibus.cli import ids, inputs
@@ -403,3 +405,18 @@ def acknowledge(
         run_task(nats, agent, home, task, project, lambda m, t: m.acknowledge(t, project=project, message_id=mid)),
         as_json,
     )
+
+
+async def until_stopped(work: Awaitable[None], done: asyncio.Event) -> None:
+    """Run `work` until it ends, `done` is set, or SIGINT/SIGTERM arrives."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, done.set)
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(done.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # re-raise what ended it
+    finally:
+        await cancel_and_wait([task, stopper])

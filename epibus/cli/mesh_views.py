@@ -1,11 +1,10 @@
-"""`epibus mesh show|outbox|pending|inbox|coordinate|advertise`: reading the mesh, watching an inbox, and
-running a coordinator service. (`coordinators` is in mesh_roster.)"""
+"""`epibus mesh show|outbox|pending|inbox`: reading the mesh and watching an inbox; nothing here writes.
+(`coordinators` is in mesh_roster, `coordinate` and `advertise` in mesh_agents.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -14,7 +13,6 @@ import typer
 
 from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home
-from bus.loops import cancel_and_wait
 from bus.records import QuarantinedRecord
 from epibus.cli import inputs
 from epibus.cli.common import (
@@ -31,12 +29,12 @@ from epibus.cli.common import (
 from epibus.cli.display import shown
 from epibus.cli.mesh import (
     ProjectOpt,
-    RequiredProject,
     TaskArg,
     mesh_app,
     run_mesh,
     run_task,
     show_tasks,
+    until_stopped,
 )
 
 # The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
@@ -215,87 +213,4 @@ async def _watch_inbox(
     inbox_ = Inbox(mesh, notify, project=project, cursor=cursor)
     if not as_json:
         err_console.print(shown(f"watching the inbox of {mesh.agent} after revision {cursor.load()} (Ctrl-C stops)"))
-    await _until_stopped(inbox_.run(), done)
-
-
-async def _until_stopped(work: Awaitable[None], done: asyncio.Event) -> None:
-    """Run `work` until it ends, `done` is set, or SIGINT/SIGTERM arrives."""
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, done.set)
-    task = asyncio.ensure_future(work)
-    stopper = asyncio.ensure_future(done.wait())
-    try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()  # re-raise what ended it
-    finally:
-        await cancel_and_wait([task, stopper])
-
-
-# -- coordinators -----------------------------------------------------------------------------------------
-
-
-@mesh_app.command()
-@handles_errors
-def coordinate(
-    project: RequiredProject,
-    policy: Annotated[
-        str,
-        typer.Option("--policy", help="manual | auto-accept:<category>[,<category>…] | capability-match"),
-    ] = "manual",
-    sweep: Annotated[float, typer.Option("--sweep", help="Seconds between deadline sweeps.")] = 1.0,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Run the coordinator service for a project: decide proposals by the policy, expire overdue tasks.
-    This agent must be one of the project's coordinators."""
-    from mesh.coordinator import Coordinator, parse_policy
-    from mesh.watch import FileCursor
-
-    chosen = parse_policy(policy)
-
-    async def work(mesh: MeshAgent) -> None:
-        cursor = FileCursor(epibus_home(home) / "mesh" / f"coordinator-{mesh.agent}-{project}.cursor")
-        service = Coordinator(mesh, project, chosen, sweep_interval_s=sweep, cursor=cursor)
-        await service.check()
-        if as_json:
-            emit_json(
-                {"ok": True, "status": "coordinating", "project": project, "agent": mesh.agent, "policy": chosen.name}
-            )
-        else:
-            err_console.print(shown(f"{mesh.agent} coordinates {project} with policy {chosen.name} (Ctrl-C stops)"))
-        await _until_stopped(service.run(), asyncio.Event())
-        figures = {
-            "decided": dict(service.stats.decided),
-            "left_to_person": service.stats.left_to_person,
-            "lost_races": service.stats.lost_races,
-            "expired": service.stats.expired,
-            "refused": service.stats.refused,
-            "sweep_errors": service.stats.sweep_errors,
-        }
-        if as_json:
-            emit_json({"ok": True, "status": "stopped", **figures})
-        else:
-            err_console.print(shown(f"stopped: {figures}"), soft_wrap=True)
-
-    run_mesh(nats, agent, home, work)
-
-
-@mesh_app.command()
-@handles_errors
-def advertise(
-    capabilities: Annotated[list[str], typer.Argument(help="What this agent can do, e.g. python db:postgres.")],
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Advertise this agent's capabilities (the capability-match policy assigns by them)."""
-    advertised = run_mesh(nats, agent, home, lambda m: m.advertise(capabilities))
-    if as_json:
-        emit_json({"ok": True, **advertised.model_dump(mode="json")})
-    else:
-        console.print(shown(f"{advertised.agent} advertises {', '.join(advertised.capabilities)}"), soft_wrap=True)
+    await until_stopped(inbox_.run(), done)

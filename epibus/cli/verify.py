@@ -3,13 +3,27 @@ that artifact (trust -> verified); without one it reconciles the stream with eve
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from bus.errors import ConfigError
-from epibus.cli import inputs, recall, state
-from epibus.cli.common import AgentOpt, HomeOpt, JournalOpt, JsonOpt, NatsOpt, handles_errors
+from bus.fleet import ask_verify
+from epibus.cli import inputs, state
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JournalOpt,
+    JsonOpt,
+    NatsOpt,
+    Target,
+    console,
+    emit_json,
+    handles_errors,
+    run,
+    table,
+)
 
 
 @handles_errors
@@ -41,9 +55,7 @@ def verify(
     if artifact_id is None:
         if note or evidence:
             raise ConfigError("verify", "--note and --evidence go with an ARTIFACT to vouch for")
-        recall.verify_command(
-            project=project, repair=repair, timeout=timeout, nats=nats, agent=agent, home=home, as_json=as_json
-        )
+        _reconcile(project, repair=repair, timeout=timeout, nats=nats, agent=agent, home=home, as_json=as_json)
         return
     if project is None:
         raise ConfigError("--project", "is required to verify an artifact")
@@ -60,3 +72,46 @@ def verify(
         home=home,
         as_json=as_json,
     )
+
+
+def _reconcile(
+    project: str | None,
+    *,
+    repair: bool,
+    timeout: float,
+    nats: str | None,
+    agent: str | None,
+    home: Path | None,
+    as_json: bool,
+) -> None:
+    """Reconcile the stream, every node's journal and every node's mirror by event id: missing, extra and
+    stale-payload counts per store (repair fixes them). Exit code 1 unless every store is clean. Every
+    project and repair are for admins (under a node's home the node's operator asks)."""
+
+    async def ask() -> list[dict[str, Any]]:
+        async with Target(nats, home, agent).asking() as (nc, signer):
+            return await ask_verify(nc, signer, project, repair=repair, timeout_s=timeout)
+
+    answers = run(ask())
+    clean = all(bool(a.get("clean")) for a in answers)
+    if as_json:
+        emit_json({"ok": clean, "nodes": answers})
+    else:
+        rows = []
+        for a in answers:
+            if "error" in a:
+                rows.append([a["node"], "-", "error", a["error"], "", ""])
+                continue
+            for store in ("journal", "mirror"):
+                part = a.get(store)
+                if isinstance(part, dict):
+                    rows.append([a["node"], a["stream_events"], store, part["missing"], part["extra"], part["stale"]])
+        console.print(
+            table(
+                "verify" + (" (after repair)" if repair else ""),
+                ["node", "stream events", "store", "missing", "extra", "stale payload"],
+                rows,
+            )
+        )
+    if not clean:
+        raise typer.Exit(1)
