@@ -8,6 +8,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from epibus.layers import require_own_layers
+
+# The layers are installed under short top-level names (bus, observers, mesh): fail here, in words, if another
+# package by one of those names would be imported in their place.
+require_own_layers()
+
 if TYPE_CHECKING:
     from bus.client import EpibusClient, connect
     from bus.errors import (

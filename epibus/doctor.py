@@ -28,7 +28,17 @@ from bus.server import MIN_SERVER_VERSION
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.streams import managed_streams
 from bus.subjects import AGENT_KEYS_BUCKET, STREAM, stream_info_subject
-from epibus.doctor_local import FAIL, OK, WARN, Check, disk_check, journal_check, mirror_check, mode_checks
+from epibus.doctor_local import (
+    FAIL,
+    OK,
+    WARN,
+    Check,
+    disk_check,
+    journal_check,
+    layers_check,
+    mirror_check,
+    mode_checks,
+)
 from epibus.enrolment import local_agent_keys
 from epibus.node_process import connect_key
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, FastEmbedder
@@ -58,6 +68,7 @@ async def diagnose(
         embedder.close()
     checks.append(disk_check(where))
     checks += mode_checks(where)
+    checks.append(layers_check())
     return checks
 
 

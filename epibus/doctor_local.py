@@ -17,6 +17,7 @@ from bus.errors import ConfigError
 from bus.home import PRIVATE_DIR, PRIVATE_FILE
 from bus.signing import NODE_KEY_FILE
 from epibus.enrolment import local_agent_keys
+from epibus.layers import LAYERS, claimed_by_others, shadowed_layers
 from observers.journal import make_engine
 from observers.schema import LATEST_VERSION, current_version
 
@@ -118,6 +119,17 @@ def disk_verdict(where: Path, free: int) -> Check:
     if free < DISK_WARN_BYTES:
         return Check("disk space", WARN, detail, "free some space, or move EPIBUS_HOME to a larger filesystem")
     return Check("disk space", OK, detail)
+
+
+def layers_check() -> Check:
+    """epibus's layers (bus, observers, mesh) are its own: no other distribution ships a package by one of those
+    names, and none is shadowed on sys.path."""
+    shadowed, claimed = shadowed_layers(), claimed_by_others()
+    if shadowed or claimed:
+        found = [f"{name} from {origin}" for name, origin in shadowed.items()]
+        found += [f"{name} also installed by {', '.join(dists)}" for name, dists in claimed.items()]
+        return Check("packages", FAIL, "; ".join(found), "install epibus in its own virtual environment")
+    return Check("packages", OK, f"{', '.join(LAYERS)} are epibus's own")
 
 
 def mode_checks(home: Path) -> list[Check]:
