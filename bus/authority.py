@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, ClassVar
 
-from bus.auth import ANY_PROJECT, NODE_PREFIX, Enrolment, first_use_enrolment, is_node_identity
+from bus.auth import NODE_PREFIX, Enrolment, first_use_enrolment, is_node_identity
 from bus.errors import Forbidden
 from bus.event import (
     Actor,
@@ -149,17 +149,9 @@ class Authority:
 
 @functools.lru_cache(maxsize=4096)  # asked for every event by an agent without a record: build it once
 def _unrecorded(agent_id: str, public_key: str, *, node: bool) -> Enrolment:
-    if not node:
-        return first_use_enrolment(agent_id, public_key, enrolled_at=EPOCH)
-    return Enrolment(
-        agent_id=agent_id,
-        public_key=public_key,
-        owner=agent_id,
-        roles=(Role.admin,),
-        projects=(ANY_PROJECT,),
-        enrolled_by=agent_id,
-        enrolled_at=EPOCH,
-    )
+    first_use = first_use_enrolment(agent_id, public_key, enrolled_at=EPOCH)
+    # A node's own identity: an admin of every project, enrolled by itself.
+    return first_use.model_copy(update={"roles": (Role.admin,), "enrolled_by": agent_id}) if node else first_use
 
 
 NO_RECORDS = Authority()
