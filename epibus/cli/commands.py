@@ -1,4 +1,4 @@
-"""The node and stream commands: up, tail, events, replay, dlq list|replay, stats."""
+"""The node and stream commands: up, tail, events, replay, stats."""
 
 from __future__ import annotations
 

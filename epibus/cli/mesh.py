@@ -1,4 +1,5 @@
-"""`epibus mesh …`: propose work, decide it, do it, close the handshake; watch an inbox; run a coordinator."""
+"""`epibus mesh propose|accept|decline|change|start|complete|fail|cancel|acknowledge`: propose work, decide it, do
+it, close the handshake; and what every mesh command shares (options, running a mesh agent, showing tasks)."""
 
 from __future__ import annotations
 
