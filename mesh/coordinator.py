@@ -23,7 +23,7 @@ from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord
 from mesh.vocab import ActionCategory, TaskAction, TaskState
-from mesh.watch import Cursor, TaskWatcher
+from mesh.watch import Cursor, agent_watcher
 
 log = logging.getLogger(__name__)
 OPEN_STATES = frozenset({TaskState.proposed, TaskState.accepted, TaskState.working})
@@ -159,15 +159,13 @@ class Coordinator:
         self.policy = policy
         self.sweep_interval_s = sweep_interval_s
         self.stats = CoordinatorStats()
-        self.watcher = TaskWatcher(
-            lambda: mesh.client.js,
+        self.watcher = agent_watcher(
+            mesh,
             self._on_revision,
-            closed=lambda: mesh.client.closed,
-            store=lambda: mesh.store,
+            name=f"coordinator:{mesh.agent}:{project}",
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,
-            name=f"coordinator:{mesh.agent}:{project}",
         )
 
     async def check(self) -> None:

@@ -18,7 +18,7 @@ from mesh.protocol import TERMINAL
 from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord
 from mesh.vocab import TaskAction, TaskState
-from mesh.watch import Cursor, TaskWatcher
+from mesh.watch import Cursor, agent_watcher
 
 log = logging.getLogger(__name__)
 CONTEXT_REFRESH_S = 5.0  # how often an inbox re-reads the rosters and the agent's capabilities
@@ -148,15 +148,13 @@ class Inbox:
     ) -> None:
         self.mesh = mesh
         self.notify = notify
-        self.watcher = TaskWatcher(
-            lambda: mesh.client.js,
+        self.watcher = agent_watcher(
+            mesh,
             self._handle,
-            closed=lambda: mesh.client.closed,
-            store=lambda: mesh.store,
+            name=f"inbox:{mesh.agent}",
             project=project,
             cursor=cursor,
             poll_timeout_s=poll_timeout_s,
-            name=f"inbox:{mesh.agent}",
         )
         self._coordinated: dict[str, bool] = {}
         self._capabilities: frozenset[str] = frozenset()

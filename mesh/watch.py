@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -29,6 +29,9 @@ from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value
 from mesh.trust import UntrustedRecord
+
+if TYPE_CHECKING:
+    from mesh.agent import MeshAgent
 
 log = logging.getLogger(__name__)
 MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
@@ -213,3 +216,25 @@ class TaskWatcher(ResumingSubscription):
                 f"{self.name} resumes after revision {self.last_seen}, but the mesh bucket ends at "
                 f"{info.state.last_seq}: it was reset; start the watcher over (--reset, or a new --out file)",
             )
+
+
+def agent_watcher(
+    mesh: MeshAgent,
+    handler: Handler,
+    *,
+    name: str,
+    project: str | None = None,
+    cursor: Cursor | None = None,
+    poll_timeout_s: float = 1.0,
+) -> TaskWatcher:
+    """A watcher on `mesh`'s connection (followed across reconnects) that verifies records with its store."""
+    return TaskWatcher(
+        lambda: mesh.client.js,
+        handler,
+        closed=lambda: mesh.client.closed,
+        store=lambda: mesh.store,
+        project=project,
+        cursor=cursor,
+        poll_timeout_s=poll_timeout_s,
+        name=name,
+    )
