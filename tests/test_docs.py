@@ -446,3 +446,24 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# -- the module map -----------------------------------------------------------------------------------------
+
+MODULE_LINE = re.compile(r"^- `((?:bus|observers|mesh|epibus)/[\w/]+\.py)`: \S", re.M)
+
+
+def test_the_architecture_page_maps_every_module_in_one_line() -> None:
+    """docs/architecture.md has exactly one `- \\`path\\`: what it owns` line per module, and no line for a
+    module that is gone: a newcomer's map of where each concept lives cannot drift from the tree."""
+    listed = MODULE_LINE.findall((DOCS / "architecture.md").read_text())
+    modules = sorted(
+        str(path.relative_to(ROOT))
+        for layer in ("bus", "observers", "mesh", "epibus")
+        for path in (ROOT / layer).rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    )
+    repeated = sorted({m for m in listed if listed.count(m) > 1})
+    assert repeated == []
+    assert sorted(set(modules) - set(listed)) == []  # modules with no line
+    assert sorted(set(listed) - set(modules)) == []  # lines for no module
