@@ -6,15 +6,13 @@ ports, so a scrape configuration stays valid across restarts; its token is kept 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import hmac
 import ipaddress
 import json
 import logging
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from bus.errors import ConfigError, error_summary
 from bus.home import owner_only, write_private
 from bus.loops import cancel_and_wait
-from bus.ports import port_holder
+from epibus.http_serving import EmbeddedServer, listen, netloc
 from epibus.metrics import NodeMetrics
 
 if TYPE_CHECKING:
@@ -94,36 +92,6 @@ def kept_port(home: Path) -> int | None:
     return port
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); port 0 picks a free one. A taken port is one line naming its holder."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(64)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            holder = port_holder(port)
-            raise ConfigError(
-                "--metrics-port",
-                f"{host}:{port} is taken by {holder or 'another process'}; stop it, or start the node with "
-                "`epibus up --metrics-port N` (it is remembered)",
-            ) from e
-        raise ConfigError("--metrics-host", f"cannot listen on {host}:{port} ({e}); choose another address") from e
-    sock.setblocking(False)
-    return sock
-
-
-class _Server(uvicorn.Server):
-    """The node owns the process's signals: this server never installs handlers for them."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class MetricsServer:
     """`await start()` listens and serves; `await stop()` closes the socket and waits for the server's task."""
 
@@ -138,18 +106,17 @@ class MetricsServer:
         self.scrapes = 0
         self.render_failures = 0
         self._socket: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         check_host(self.settings)
         home = self.node.config.home
         port = self.settings.port if self.settings.port is not None else kept_port(home)
-        self._socket = listen(self.settings.host, port or 0)
+        self._socket = listen(self.settings.host, port or 0, option="--metrics-port")
         self.port = int(self._socket.getsockname()[1])
         write_private(home / METRICS_FILE, json.dumps({"port": self.port}) + "\n")
-        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
-        self.url = f"http://{host}:{self.port}/metrics"
+        self.url = f"http://{netloc(self.settings.host, self.port)}/metrics"
         config = uvicorn.Config(
             self.app,
             interface="asgi3",
@@ -162,7 +129,7 @@ class MetricsServer:
             access_log=False,
             log_level="warning",
         )
-        self._server = _Server(config)
+        self._server = EmbeddedServer(config)
         # The socket already listens: a scrape that comes before the server runs waits in its backlog.
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="metrics endpoint")
 

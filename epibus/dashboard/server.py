@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -18,6 +16,7 @@ from epibus.dashboard.app import build_app
 from epibus.dashboard.feed import Feed
 from epibus.dashboard.security import TokenGate, allowed_hosts, check_bind_host, ui_token
 from epibus.dashboard.snapshot import node_snapshot
+from epibus.http_serving import EmbeddedServer, listen, netloc
 from observers.recall import recall
 
 if TYPE_CHECKING:
@@ -28,12 +27,6 @@ START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 RECALL_TIMEOUT_S = 15.0
 MAX_CONNECTIONS = 64
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # SIGINT and SIGTERM are the node's: they stop the whole node, and the dashboard with it
 
 
 class Dashboard:
@@ -47,14 +40,13 @@ class Dashboard:
         self.feed = Feed(lambda: node.journal, lambda: node_snapshot(node))
         self.gate: TokenGate | None = None
         self._token = ""
-        self._server: _Server | None = None
+        self._server: EmbeddedServer | None = None
         self._serving: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
 
     @property
     def url(self) -> str:
-        netloc = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{netloc}:{self.port}/"
+        return f"http://{netloc(self.host, self.port)}/"
 
     @property
     def url_with_token(self) -> str:
@@ -64,7 +56,7 @@ class Dashboard:
         """Listen (a taken port is a ConfigError naming --ui-port) and serve. Raises Unavailable when uvicorn
         does not start within START_TIMEOUT_S."""
         self._token = ui_token(self.node.config.home)
-        self._socket = _listen(self.host, self.port)
+        self._socket = listen(self.host, self.port, option="--ui-port")
         self.port = self._socket.getsockname()[1]
         self.gate = TokenGate(build_app(self.feed, self._recall), self._token, self._hosts())
         config = uvicorn.Config(
@@ -77,7 +69,7 @@ class Dashboard:
             limit_concurrency=MAX_CONNECTIONS,  # beyond it, 503: a flood of connections cannot exhaust the node
             timeout_graceful_shutdown=1,
         )
-        self._server = _Server(config)
+        self._server = EmbeddedServer(config)
         self._serving = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="dashboard")
         async with asyncio.timeout(START_TIMEOUT_S):
             while not self._server.started:
@@ -115,15 +107,3 @@ class Dashboard:
         return [hit.as_dict() for hit in found.hits]
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listening = socket.socket(family, socket.SOCK_STREAM)
-    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listening.bind((host, port))
-    except OSError as e:
-        listening.close()
-        raise ConfigError("--ui-port", f"cannot listen on {host}:{port} ({e.strerror}); choose another port") from e
-    listening.listen(128)
-    listening.setblocking(False)
-    return listening

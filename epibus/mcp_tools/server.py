@@ -8,7 +8,6 @@ import asyncio
 import hmac
 import json
 import logging
-import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +19,10 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INVALID_PARAMS
 
-from bus.errors import ConfigError, EpibusError
+from bus.errors import EpibusError
 from bus.home import secret_token
 from bus.loops import cancel_and_wait
+from epibus.http_serving import listen, netloc
 from epibus.mcp_tools.guard import parse_arguments
 from epibus.mcp_tools.mesh_tools import mesh_tools
 from epibus.mcp_tools.session import AgentSession
@@ -106,10 +106,10 @@ class EpibusMcp:
         app = BearerToken(self.server.streamable_http_app(host=host), token)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
-        listening = _listen(host, port)  # bound here, so a taken port is one line, not uvicorn's exit
+        listening = listen(host, port, option="--port")  # bound here, so a taken port is one line, not uvicorn's exit
         serving = asyncio.ensure_future(server.serve(sockets=[listening]))
         try:
-            ready(f"http://{_netloc(host, port)}/mcp")  # it listens: connections wait in the backlog till served
+            ready(f"http://{netloc(host, port)}/mcp")  # it listens: connections wait in the backlog till served
             await serving
         finally:
             await cancel_and_wait([serving])
@@ -155,25 +155,6 @@ def http_token(home: Path, agent: str) -> str:
     """The bearer token of this agent's HTTP server: made once, kept 0600 under the home, so a client's
     configuration stays valid across restarts. Delete the file to rotate it."""
     return secret_token(home / "mcp" / f"{agent}.token")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listening = socket.socket(family, socket.SOCK_STREAM)
-    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listening.bind((host, port))
-    except OSError as e:
-        listening.close()
-        raise ConfigError(
-            "--port", f"cannot listen on {_netloc(host, port)} ({e.strerror}); choose another port"
-        ) from e
-    listening.listen(128)
-    return listening
-
-
-def _netloc(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _version() -> str:
