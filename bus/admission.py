@@ -24,11 +24,10 @@ from nats.js import JetStreamContext
 
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
-from bus.connection import JS_TIMEOUT_S
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
 from bus.event import LEGACY_SCHEMA_VERSION, Envelope, canonical_digest, canonical_event, decode_event
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
 from bus.registry import AgentRegistry
 from bus.signing import message_format, verify_message, verify_signature
 from bus.state import IdUse, id_use
@@ -422,11 +421,8 @@ class ForgottenArtifacts:
         return found
 
     async def _forget_subjects(self, project: str) -> dict[str, int]:
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                info = await self._js.stream_info(STREAM, subjects_filter=events_filter(project, "forgotten"))
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"forgotten artifacts of {project}: {type(e).__name__} {e}") from e
+        async with nats_call(f"forgotten artifacts of {project}"):
+            info = await self._js.stream_info(STREAM, subjects_filter=events_filter(project, "forgotten"))
         return dict(info.state.subjects or {})
 
     async def _forgets_on(self, project: str, subject: str, count: int) -> tuple[tuple[Envelope, int], ...]:

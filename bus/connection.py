@@ -14,13 +14,16 @@ from nats.aio.client import Client as NatsClient
 from bus.errors import Forbidden, Unavailable
 from bus.home import NodeFollower
 from bus.loops import cancel_and_wait
-from bus.nats_errors import CONNECT_ERRORS, CONNECT_OR_REFUSED, is_authorization_error, remember_violation
+from bus.nats_errors import (
+    CONNECT_ERRORS,
+    CONNECT_OR_REFUSED,
+    is_authorization_error,
+    remember_violation,
+)
 from bus.signing import AgentKey
 from bus.tls import nats_tls_context
 
 log = logging.getLogger(__name__)
-# The deadline of one JetStream API call (stream info, KV get, a publish's PubAck).
-JS_TIMEOUT_S = 10.0
 
 
 async def open_nats(

@@ -18,9 +18,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR, RETRYABLE, broker_refusal
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal
 from bus.reader import last_matching
 from bus.subjects import js_api
 

@@ -4,7 +4,10 @@ only to error_cb while the refused call times out."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import weakref
+from collections.abc import AsyncIterator
 
 import nats.errors
 import nats.js.errors
@@ -12,6 +15,9 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from bus.errors import ComponentFailed, Conflict, EpibusError, Forbidden, InvalidEvent, Unavailable, error_summary
+
+# The deadline of one JetStream API call (stream info, KV get, a publish's PubAck).
+JS_TIMEOUT_S = 10.0
 
 # NATS client and JetStream errors that mean "the server did not answer": retry later.
 NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -92,3 +98,13 @@ def remember_violation(nc: NatsClient, error: BaseException) -> None:
         kept = _VIOLATIONS.setdefault(nc, [])
         kept[:] = [*kept[-(MAX_VIOLATIONS_KEPT - 1) :], str(error)]
 
+
+@contextlib.asynccontextmanager
+async def nats_call(what: str, *, timeout_s: float = JS_TIMEOUT_S) -> AsyncIterator[None]:
+    """The choke point of a call to NATS or JetStream: it must finish within `timeout_s`, and whatever means the
+    server did not answer (or refused the API call) surfaces as Unavailable("nats", "<what>: <error>")."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except NATS_OR_API_ERROR as e:
+        raise Unavailable("nats", f"{what}: {type(e).__name__} {e}") from e

@@ -23,10 +23,9 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from bus.auth import PublicKey
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import InvalidEvent, MalformedRecord, Unavailable
 from bus.home import NODE_NAME_PATTERN
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
 from bus.records import Quarantine, decode_json
 from bus.signing import REQUEST_MAX_AGE_S, AgentKey, verify_document
 from bus.streams import open_bucket
@@ -149,13 +148,10 @@ class Presence:
     async def beat(self) -> None:
         """Put this node's heartbeat. Raises Unavailable."""
         record = signed_heartbeat(self._key, self._node, self._services(), at=datetime.now(UTC))
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                if self._kv is None:
-                    self._kv = await open_bucket(self._js(), NODES_BUCKET, create=False)
-                await self._kv.put(heartbeat_key(self._key.public_key), record.model_dump_json().encode())
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"heartbeat of node {self._node}: {type(e).__name__} {e}") from e
+        async with nats_call(f"heartbeat of node {self._node}"):
+            if self._kv is None:
+                self._kv = await open_bucket(self._js(), NODES_BUCKET, create=False)
+            await self._kv.put(heartbeat_key(self._key.public_key), record.model_dump_json().encode())
         self.beats += 1
 
     async def run(self) -> None:

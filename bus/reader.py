@@ -19,7 +19,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus.admission import Admission, BatchContext, Delivery, Rejected
 from bus.errors import Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal
+from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal, nats_call
 from bus.registry import AgentRegistry
 from bus.runner import Observer
 from bus.subjects import DLQ_STREAM, STREAM, js_api
@@ -31,11 +31,8 @@ STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"; 10037 i
 
 
 async def last_sequence(js: JetStreamContext, stream: str) -> int:
-    try:
-        async with asyncio.timeout(READ_TIMEOUT_S):
-            info = await js.stream_info(stream)
-    except NATS_OR_API_ERROR as e:
-        raise Unavailable("nats", f"stream {stream}: {type(e).__name__} {e}") from e
+    async with nats_call(f"stream {stream}", timeout_s=READ_TIMEOUT_S):
+        info = await js.stream_info(stream)
     return int(info.state.last_seq)
 
 
@@ -279,32 +276,29 @@ async def dead_letters(js: JetStreamContext, *, filter_subject: str | None = Non
 async def stream_figures(js: JetStreamContext, streams: Sequence[str] = (STREAM, DLQ_STREAM)) -> dict[str, Any]:
     """Messages, bytes, sequences and every durable consumer's pending and redelivered counts."""
     figures: dict[str, Any] = {}
-    try:
-        async with asyncio.timeout(READ_TIMEOUT_S):
-            for name in streams:
-                try:
-                    info = await js.stream_info(name)
-                except nats.js.errors.NotFoundError:
-                    figures[name] = None
-                    continue
-                consumers = await js.consumers_info(name)
-                figures[name] = {
-                    "messages": info.state.messages,
-                    "bytes": info.state.bytes,
-                    "first_seq": info.state.first_seq,
-                    "last_seq": info.state.last_seq,
-                    "consumers": {
-                        c.name: {
-                            "pending": c.num_pending,
-                            "ack_pending": c.num_ack_pending,
-                            "redelivered": c.num_redelivered,
-                            "delivered_stream_seq": c.delivered.stream_seq if c.delivered else None,
-                            "ack_floor_stream_seq": c.ack_floor.stream_seq if c.ack_floor else None,
-                        }
-                        for c in consumers
-                        if c.config.durable_name
-                    },
-                }
-    except NATS_OR_API_ERROR as e:
-        raise Unavailable("nats", f"stream figures: {type(e).__name__} {e}") from e
+    async with nats_call("stream figures", timeout_s=READ_TIMEOUT_S):
+        for name in streams:
+            try:
+                info = await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                figures[name] = None
+                continue
+            consumers = await js.consumers_info(name)
+            figures[name] = {
+                "messages": info.state.messages,
+                "bytes": info.state.bytes,
+                "first_seq": info.state.first_seq,
+                "last_seq": info.state.last_seq,
+                "consumers": {
+                    c.name: {
+                        "pending": c.num_pending,
+                        "ack_pending": c.num_ack_pending,
+                        "redelivered": c.num_redelivered,
+                        "delivered_stream_seq": c.delivered.stream_seq if c.delivered else None,
+                        "ack_floor_stream_seq": c.ack_floor.stream_seq if c.ack_floor else None,
+                    }
+                    for c in consumers
+                    if c.config.durable_name
+                },
+            }
     return figures

@@ -18,10 +18,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from bus.auth import Enrolment, first_use_enrolment
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.event import AGENT_PATTERN, Actor
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
 from bus.records import Quarantine, decode_enrolment
 from bus.signing import NODE_IDENTITY
 from bus.streams import open_bucket
@@ -56,12 +55,9 @@ class AgentRegistry:
             return
         if actor.agent_id == NODE_IDENTITY and await self.is_node_key(actor.public_key):
             return
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                bound = await self._bound_key(kv, actor)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            kv = await self._bucket()
+            bound = await self._bound_key(kv, actor)
         if bound != actor.public_key:
             raise Conflict(
                 f"agent {actor.agent_id}",
@@ -112,11 +108,8 @@ class AgentRegistry:
 
     async def get(self, agent_id: str) -> Enrolment | None:
         """The agent's enrolment, or None. An unreadable record raises Conflict. Raises Unavailable."""
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                entry = await self._entry(await self._bucket(), agent_id)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            entry = await self._entry(await self._bucket(), agent_id)
         return None if entry is None else self._decode(entry.value or b"", agent_id, entry.revision)
 
     async def require(self, agent_id: str) -> Enrolment:
@@ -128,26 +121,23 @@ class AgentRegistry:
     async def enrolments(self) -> list[Enrolment]:
         """Every readable enrolment, revoked ones included; unreadable records are quarantined."""
         found: list[Enrolment] = []
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                # The keys from the stream's own state: nats-py's kv.keys() (a watcher) can come back short while
-                # the bucket is written, and a short list here would drop enrolled agents from the server.
-                prefix = kv_subject(AGENT_KEYS_BUCKET, "")
-                info = await self._js.stream_info(kv_stream(AGENT_KEYS_BUCKET), subjects_filter=f"{prefix}>")
-                keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
-                for key in sorted(keys):
-                    if not AGENT_PATTERN.fullmatch(key):
-                        continue  # policy records
-                    entry = await self._entry(kv, key)
-                    if entry is None:
-                        continue
-                    try:
-                        found.append(decode_enrolment(entry.value or b"", key=key, revision=entry.revision))
-                    except MalformedRecord as e:
-                        self.quarantine.add(e)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            kv = await self._bucket()
+            # The keys from the stream's own state: nats-py's kv.keys() (a watcher) can come back short while
+            # the bucket is written, and a short list here would drop enrolled agents from the server.
+            prefix = kv_subject(AGENT_KEYS_BUCKET, "")
+            info = await self._js.stream_info(kv_stream(AGENT_KEYS_BUCKET), subjects_filter=f"{prefix}>")
+            keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+            for key in sorted(keys):
+                if not AGENT_PATTERN.fullmatch(key):
+                    continue  # policy records
+                entry = await self._entry(kv, key)
+                if entry is None:
+                    continue
+                try:
+                    found.append(decode_enrolment(entry.value or b"", key=key, revision=entry.revision))
+                except MalformedRecord as e:
+                    self.quarantine.add(e)
         return found
 
     async def enrol(self, enrolment: Enrolment, *, replace_key: bool = False) -> Enrolment:
@@ -218,11 +208,8 @@ class AgentRegistry:
             )
 
     async def _overwrite(self, enrolment: Enrolment) -> None:
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                await (await self._bucket()).put(enrolment.agent_id, enrolment.model_dump_json().encode())
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            await (await self._bucket()).put(enrolment.agent_id, enrolment.model_dump_json().encode())
 
     async def revoke(self, agent_id: str) -> Enrolment:
         """Mark the agent revoked: the broker drops it, its past events stay verifiable. Raises NotFound."""
@@ -235,41 +222,29 @@ class AgentRegistry:
         """Whether `public_key` is a node's own key (recorded by `register_node`). Raises Unavailable."""
         if public_key in self._node_keys:
             return True
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                found = await self._entry(await self._bucket(), node_key_record(public_key)) is not None
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            found = await self._entry(await self._bucket(), node_key_record(public_key)) is not None
         if found:
             self._node_keys.add(public_key)
         return found
 
     async def register_node(self, public_key: str, name: str) -> None:
         """Record a node's own key (node services only, at start; idempotent)."""
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                if await self._entry(kv, node_key_record(public_key)) is None:
-                    await kv.put(node_key_record(public_key), name.encode())
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            kv = await self._bucket()
+            if await self._entry(kv, node_key_record(public_key)) is None:
+                await kv.put(node_key_record(public_key), name.encode())
         self._node_keys.add(public_key)
 
     async def is_closed(self) -> bool:
         """Whether only enrolled agents are admitted (a node with authentication has run). Raises Unavailable."""
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                return await self._is_closed(await self._bucket())
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            return await self._is_closed(await self._bucket())
 
     async def close(self) -> None:
         """From now on only enrolled agents are admitted (idempotent)."""
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                if await self._entry(kv, CLOSED_KEY) is None:
-                    await kv.put(CLOSED_KEY, b"1")
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
+        async with nats_call("agent key registry"):
+            kv = await self._bucket()
+            if await self._entry(kv, CLOSED_KEY) is None:
+                await kv.put(CLOSED_KEY, b"1")
         self._closed = True

@@ -15,7 +15,6 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from bus.connection import JS_TIMEOUT_S
 from bus.drift import (
     EVENT_STREAM_FIELDS,
     MANAGED_FIELDS,
@@ -28,7 +27,7 @@ from bus.drift import (
 )
 from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.event import MAX_EVENT_BYTES
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_STREAM,

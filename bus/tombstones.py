@@ -5,7 +5,6 @@ keeps its own table of them (observers/schema.py), derived by the same state rul
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
@@ -15,9 +14,8 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.connection import JS_TIMEOUT_S
-from bus.errors import MalformedRecord, Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.errors import MalformedRecord
+from bus.nats_errors import JS_TIMEOUT_S, nats_call
 from bus.records import Quarantine
 from bus.streams import open_bucket
 from bus.subjects import PROJECT_PATTERN, TOMBSTONES_BUCKET, kv_stream, kv_subject
@@ -78,14 +76,11 @@ class TombstoneRegistry:
     async def hashes(self, project: str, *, timeout_s: float = JS_TIMEOUT_S) -> set[str]:
         """Every tombstoned content hash of a project, in one request (the keys of the KV stream). A key that
         is not `<project>.<content hash>` is quarantined and left out: it can flag or refuse nothing."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._bucket()
-                info = await self._js.stream_info(
-                    kv_stream(TOMBSTONES_BUCKET), subjects_filter=kv_subject(TOMBSTONES_BUCKET, f"{project}.>")
-                )
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"tombstones of {project}: {type(e).__name__} {e}") from e
+        async with nats_call(f"tombstones of {project}", timeout_s=timeout_s):
+            await self._bucket()
+            info = await self._js.stream_info(
+                kv_stream(TOMBSTONES_BUCKET), subjects_filter=kv_subject(TOMBSTONES_BUCKET, f"{project}.>")
+            )
         found: set[str] = set()
         for subject in info.state.subjects or {}:
             try:
@@ -98,9 +93,6 @@ class TombstoneRegistry:
         value = json.dumps(
             {"artifact_id": tombstone.artifact_id, "event_id": tombstone.event_id, "reason": tombstone.reason}
         ).encode()
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                kv = await self._bucket()
-                await kv.put(tombstone_key(project, tombstone.content_hash), value)
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"recording a tombstone: {type(e).__name__} {e}") from e
+        async with nats_call("recording a tombstone"):
+            kv = await self._bucket()
+            await kv.put(tombstone_key(project, tombstone.content_hash), value)

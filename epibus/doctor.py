@@ -18,11 +18,11 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from bus.connection import JS_TIMEOUT_S, open_nats
+from bus.connection import open_nats
 from bus.drift import Difference, automatic, differences, show
 from bus.errors import EpibusError, Forbidden
 from bus.home import epibus_home, explicit_nats_url, read_node_info, resolve_journal_url, split_servers
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.server import MIN_SERVER_VERSION
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key

@@ -11,10 +11,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from bus.admission import Admission, EnrolmentLog, Rejected
-from bus.connection import JS_TIMEOUT_S
 from bus.erasure import erased_record
 from bus.errors import NotFound, Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.requests import EraseRequest

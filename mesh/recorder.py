@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
 from bus.event import Envelope
+from bus.nats_errors import JS_TIMEOUT_S
 from bus.outbox import OutboxRow
 from bus.publish import send_one
 from bus.streams import ensure_streams

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -19,9 +19,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S, nats_call
 from bus.reader import read_stream
 from bus.records import Quarantine, decode_json
 from bus.registry import AgentRegistry
@@ -160,13 +159,8 @@ class MeshStore:
         self._rosters: dict[str, _KnownRoster] = {}
         self.verified = VerifiedTasks()
 
-    @asynccontextmanager
-    async def _answering(self, what: str) -> AsyncIterator[None]:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                yield
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"mesh bucket, {what}: {type(e).__name__} {e}".strip()) from e
+    def _answering(self, what: str) -> AbstractAsyncContextManager[None]:
+        return nats_call(f"mesh bucket, {what}", timeout_s=self.timeout_s)
 
     async def bucket(self) -> KeyValue:
         if self._kv is None:

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.connection import JS_TIMEOUT_S
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.follow import ResumingSubscription, resume_config
 from bus.home import write_private
-from bus.nats_errors import RETRYABLE
+from bus.nats_errors import JS_TIMEOUT_S, RETRYABLE
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from bus.client import connect
-from bus.connection import JS_TIMEOUT_S
 from bus.event import draft_event
+from bus.nats_errors import JS_TIMEOUT_S
 from bus.signing import AgentKey, wire_message
 from bus.vocab import Role
 from epibus.node import Node, NodeConfig

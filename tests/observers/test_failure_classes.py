@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError, InternalError, OperationalError, Prog
 from bus.client import connect
 from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, Unavailable
 from bus.ids import point_id
-from bus.nats_errors import translate_publish_error
+from bus.nats_errors import nats_call, translate_publish_error
 from bus.reader import dead_letters
 from bus.runner import ConsumerRunner
 from bus.subjects import DLQ_ERROR, DLQ_REASON
@@ -59,6 +59,46 @@ def api_error(code: int, err_code: int, description: str = "refused") -> nats.js
 )
 def test_publish_errors_are_classed_by_what_the_caller_does_next(error: BaseException, expected: type) -> None:
     assert type(translate_publish_error(error, "epi.p.finding.a")) is expected
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        nats.errors.ConnectionClosedError(),
+        nats.errors.NoServersError(),
+        nats.errors.TimeoutError(),
+        nats.errors.NoRespondersError(),
+        nats.errors.ConnectionReconnectingError(),
+        nats.js.errors.ServiceUnavailableError(),
+        api_error(500, 10077, "no leader"),
+        TimeoutError(),
+        ConnectionResetError(),
+    ],
+    ids=lambda v: type(v).__name__,
+)
+async def test_a_nats_call_that_gets_no_answer_is_unavailable_naming_what_was_asked(error: BaseException) -> None:
+    with pytest.raises(Unavailable, match=r"^nats unavailable: agent key registry: ") as raised:
+        async with nats_call("agent key registry"):
+            raise error
+    assert raised.value.__cause__ is error
+
+
+async def test_a_nats_call_past_its_deadline_is_unavailable() -> None:
+    with pytest.raises(Unavailable, match="stream figures: TimeoutError"):
+        async with nats_call("stream figures", timeout_s=0.01):
+            await asyncio.sleep(5)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [Conflict("subject", "wrong last sequence"), ValueError("a bug"), KeyError("k")],
+    ids=lambda v: type(v).__name__,
+)
+async def test_a_nats_call_lets_what_is_not_an_outage_through_unchanged(error: BaseException) -> None:
+    with pytest.raises(type(error)) as raised:
+        async with nats_call("anything"):
+            raise error
+    assert raised.value is error
 
 
 @pytest.mark.parametrize(
