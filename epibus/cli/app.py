@@ -14,8 +14,8 @@ from epibus.cli import (
     certs,
     chaos,
     cluster,
-    commands,
     dlq,
+    events,
     forget,
     health,
     lineage,
@@ -28,7 +28,9 @@ from epibus.cli import (
     recall,
     reindex,
     state,
+    stats,
     streams,
+    up,
     verify,
 )
 from epibus.cli.display import SafeFormatter
@@ -56,11 +58,11 @@ app.add_typer(mesh.mesh_app, name="mesh")
 assert mesh_views.show is not None
 assert mesh_agents.coordinate is not None
 assert mesh_roster.coordinators_add is not None
-app.command()(commands.up)
-app.command()(commands.tail)
-app.command()(commands.events)
-app.command("replay")(commands.replay_command)
-app.command()(commands.stats)
+app.command()(up.up)
+app.command()(events.tail)
+app.command()(events.events)
+app.command("replay")(events.replay_command)
+app.command()(stats.stats)
 app.command()(health.health)
 app.command()(state.resolve)
 for command in (verify.verify, state.contradict, state.rollback):

@@ -1,0 +1,101 @@
+"""`epibus stats`: the streams' figures, the dead letters by reason and the mesh's open tasks, from the server."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from bus.errors import NotFound
+from bus.home import epibus_home, outbox_path
+from bus.outbox import Outbox
+from bus.reader import stream_figures
+from bus.subjects import DLQ_STREAM, STREAM
+from epibus.cli.common import (
+    AgentOpt,
+    HomeOpt,
+    JsonOpt,
+    NatsOpt,
+    Target,
+    console,
+    emit_json,
+    handles_errors,
+    run,
+    table,
+)
+
+# Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
+# and the mesh store would otherwise cost every CLI start, `epibus --help` included.
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+
+@handles_errors
+def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Stream and consumer figures: messages, bytes, pending, redelivered, DLQ depth, outbox depth."""
+    figures = run(_stats(Target(nats, home, agent)))
+    if as_json:
+        emit_json({"ok": True, **figures})
+        return
+    epi, dlq = figures["streams"].get(STREAM), figures["streams"].get(DLQ_STREAM)
+    rows: list[list[Any]] = [
+        ["server", figures["server_version"]],
+        ["EPI messages", epi and epi["messages"]],
+        ["EPI bytes", epi and epi["bytes"]],
+        ["DLQ depth", dlq and dlq["messages"]],
+        ["outbox depth", figures["outbox_depth"]],
+        ["outbox parked", figures["outbox_parked"]],
+        ["mesh pending acks", sum(figures["mesh_pending"].values())],
+        ["mesh records quarantined", figures["mesh_quarantined"]],
+    ]
+    for project, n in sorted(figures["mesh_pending"].items()):
+        rows.append([f"mesh pending in {project}", n])
+    for name, c in (epi or {}).get("consumers", {}).items():
+        rows.append(
+            [
+                f"consumer {name}",
+                f"pending {c['pending']}, ack pending {c['ack_pending']}, redelivered {c['redelivered']}",
+            ]
+        )
+    console.print(table("epibus stats", ["figure", "value"], rows))
+
+
+async def _stats(target: Target) -> dict[str, Any]:
+    home = epibus_home(target.home)
+    nc = await target.connect()
+    try:
+        streams = await stream_figures(nc.jetstream())
+        pending, quarantined = await _mesh_pending(nc.jetstream())
+        v = nc.connected_server_version
+        version = f"{v.major}.{v.minor}.{v.patch}"
+    finally:
+        await nc.close()
+    depth, parked = 0, 0
+    if outbox_path(home).exists():
+        outbox = await Outbox(outbox_path(home)).open()
+        try:
+            depth, parked = await outbox.depth(), len(await outbox.parked())
+        finally:
+            await outbox.close()
+    return {
+        "server_version": version,
+        "streams": streams,
+        "outbox_depth": depth,
+        "outbox_parked": parked,
+        "mesh_pending": pending,
+        "mesh_quarantined": quarantined,
+    }
+
+
+async def _mesh_pending(js: JetStreamContext) -> tuple[dict[str, int], int]:
+    """Completed-but-unacknowledged mesh tasks per project (open handshakes), and how many task records
+    could not be read (quarantined, left out)."""
+    from mesh.protocol import awaits_acknowledgement
+    from mesh.store import MeshStore
+
+    store = MeshStore(js, create=False)
+    try:
+        entries = await store.tasks()
+    except NotFound:
+        return {}, 0
+    pending = Counter(e.record.proposal.project for e in entries if awaits_acknowledgement(e.record))
+    return dict(pending), store.quarantine.count
