@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from bus.event import AGENT_PATTERN
+from bus.fields import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_SUBJECTS,

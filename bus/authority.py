@@ -21,19 +21,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bus.auth import NODE_PREFIX, Enrolment, first_use_enrolment, is_node_identity
 from bus.errors import Forbidden
-from bus.event import (
-    Actor,
-    Body,
-    Envelope,
-    FindingBody,
-    ForgottenBody,
-    ResolvedBody,
-    RolledBackBody,
-    VerifiedBody,
-    draft_event,
-    register_kind,
-)
+from bus.event import Actor, Envelope, draft_event
 from bus.ids import new_event_id
+from bus.kinds import Body, FindingBody, ForgottenBody, ResolvedBody, RolledBackBody, VerifiedBody, register_kind
 from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT
 from bus.vocab import ResolutionKind, Role
 

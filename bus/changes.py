@@ -8,7 +8,8 @@ from typing import Any, Protocol
 
 from nats.js import JetStreamContext
 
-from bus.event import Body, Envelope
+from bus.event import Envelope
+from bus.kinds import Body
 from bus.project_view import ProjectView, load_artifact, load_project
 from bus.publish import Receipt
 from bus.registry import AgentRegistry

@@ -29,7 +29,7 @@ from bus.changes import StateChanges
 from bus.connection import open_nats, requires_authentication
 from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Forbidden, InvalidEvent, Unavailable
-from bus.event import Body, Envelope, draft_event
+from bus.event import Envelope, draft_event
 from bus.fleet import FleetRequests
 from bus.forwarder import Forwarder
 from bus.home import (
@@ -43,6 +43,7 @@ from bus.home import (
     split_servers,
 )
 from bus.ids import new_event_id
+from bus.kinds import Body
 from bus.loops import cancel_and_wait
 from bus.nats_errors import NATS_UNAVAILABLE
 from bus.outbox import Outbox, OutboxRow

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from bus.authority import Authority, authorize
 from bus.errors import Forbidden
-from bus.event import Envelope, ErasedEvent, ErasedState, ForgottenBody
+from bus.event import Envelope
+from bus.kinds import ErasedEvent, ErasedState, ForgottenBody
 from bus.state import ArtifactState, Lookup
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from bus.event import Body, Text
+from bus.fields import Text
+from bus.kinds import Body
 
 TEXT_CONSTRAINTS = get_args(Text)[1]  # how a free-text field is declared on an event body
 MIN_FINGERPRINT_CHARS = 16  # a shorter text matches unrelated bytes, so its absence proves nothing

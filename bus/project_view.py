@@ -12,8 +12,9 @@ from nats.js import JetStreamContext
 from bus.admission import Admission, Delivery, EnrolmentLog, ForgottenArtifacts, Rejected, forgets_in
 from bus.authority import NO_RECORDS, Authority
 from bus.erasure import ErasedMap
-from bus.event import Envelope, FindingBody, ResolvedBody
+from bus.event import Envelope
 from bus.fold import Fold
+from bus.kinds import FindingBody, ResolvedBody
 from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.state import event_references

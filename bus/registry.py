@@ -19,7 +19,8 @@ from nats.js.kv import KeyValue
 
 from bus.auth import Enrolment, first_use_enrolment
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
-from bus.event import AGENT_PATTERN, Actor
+from bus.event import Actor
+from bus.fields import AGENT_PATTERN
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
 from bus.records import Quarantine, decode_enrolment
 from bus.signing import NODE_IDENTITY

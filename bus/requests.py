@@ -23,7 +23,7 @@ from pydantic_core import ErrorDetails, from_json
 
 from bus.auth import ANY_PROJECT, AgentId, Owner, ProjectScope, PublicKey
 from bus.errors import ConfigError
-from bus.event import AGENT_PATTERN
+from bus.fields import AGENT_PATTERN
 from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
 from bus.vocab import Role
 

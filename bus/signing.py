@@ -28,15 +28,8 @@ import nkeys
 
 from bus.auth import inbox_prefix, node_identity
 from bus.errors import ConfigError, Forbidden, InvalidEvent
-from bus.event import (
-    AGENT_PATTERN,
-    LEGACY_SCHEMA_VERSION,
-    SCHEMA_VERSION,
-    Actor,
-    Envelope,
-    encode_event,
-    signing_payload,
-)
+from bus.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Actor, Envelope, encode_event, signing_payload
+from bus.fields import AGENT_PATTERN
 from bus.home import private_dir
 from bus.subjects import (
     EVENT_KEY_HEADER,

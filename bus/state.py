@@ -15,15 +15,8 @@ from enum import StrEnum
 
 from bus.authority import Authority, EnrolmentBody, authorize, human_review
 from bus.errors import EpibusError, Forbidden, IllegalTransition
-from bus.event import (
-    ContradictedBody,
-    Envelope,
-    FindingBody,
-    ForgottenBody,
-    ResolvedBody,
-    RolledBackBody,
-    VerifiedBody,
-)
+from bus.event import Envelope
+from bus.kinds import ContradictedBody, FindingBody, ForgottenBody, ResolvedBody, RolledBackBody, VerifiedBody
 from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, Tombstone, content_hash
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
         NotFound,
         Unavailable,
     )
-    from bus.event import Body, Envelope, Evidence, register_kind
+    from bus.event import Envelope
+    from bus.kinds import Body, Evidence, register_kind
     from bus.publish import Receipt
     from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
     from epibus import sync
@@ -55,7 +56,8 @@ _WHERE: dict[str, tuple[str, str | None]] = {
             "Unavailable",
         )
     },
-    **{name: ("bus.event", name) for name in ("Body", "Envelope", "Evidence", "register_kind")},
+    "Envelope": ("bus.event", "Envelope"),
+    **{name: ("bus.kinds", name) for name in ("Body", "Evidence", "register_kind")},
     "Receipt": ("bus.publish", "Receipt"),
     **{
         name: ("bus.vocab", name)

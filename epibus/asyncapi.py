@@ -12,7 +12,8 @@ from typing import Any
 
 import bus.authority  # noqa: F401 - registers the enrolment kind
 import mesh.events  # noqa: F401 - registers the mesh's task and coordinators kinds
-from bus.event import LEGACY_SCHEMA_VERSION, MAX_EVENT_BYTES, SCHEMA_VERSION, Envelope, kind_names, require_kind
+from bus.event import LEGACY_SCHEMA_VERSION, MAX_EVENT_BYTES, SCHEMA_VERSION, Envelope
+from bus.kinds import kind_names, require_kind
 from bus.signing import EVENT_DOMAIN, SIGNATURE_PATTERN
 from bus.subjects import (
     ARTIFACT_PATTERN,

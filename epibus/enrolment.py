@@ -24,7 +24,7 @@ from bus.admission import Admission, EnrolmentLog
 from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
 from bus.authority import enrolment_event
 from bus.errors import ConfigError, EpibusError, Unavailable
-from bus.event import AGENT_PATTERN
+from bus.fields import AGENT_PATTERN
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.outbox import OutboxRow
 from bus.publish import retrying_unavailable, send_one

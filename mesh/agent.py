@@ -18,8 +18,8 @@ from typing import Any
 
 from bus.client import EpibusClient
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
-from bus.event import Evidence
 from bus.ids import new_event_id
+from bus.kinds import Evidence
 from bus.publish import Receipt
 from bus.subjects import MESH_STEP
 from mesh.events import opening_record, step_event, unsigned_step_event

@@ -9,19 +9,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from bus.errors import InvalidEvent
-from bus.event import (
-    LEGACY_SCHEMA_VERSION,
-    Actor,
-    AgentId,
-    Body,
-    Count,
-    Envelope,
-    Evidence,
-    ShortText,
-    Text,
-    register_kind,
-    validate_event,
-)
+from bus.event import LEGACY_SCHEMA_VERSION, Actor, Envelope, validate_event
+from bus.fields import AgentId, Count, ShortText, Text
+from bus.kinds import Body, Evidence, register_kind
 from bus.registry import AgentRegistry
 from bus.signing import verify_signature
 from mesh.protocol import counter_opening

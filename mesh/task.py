@@ -12,17 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
 
 from bus.errors import InvalidEvent
-from bus.event import (
-    AgentId,
-    Evidence,
-    Model,
-    ProjectSlug,
-    PublicKey,
-    ShortText,
-    Text,
-    canonical_json,
-    raise_for_validation,
-)
+from bus.event import canonical_json, raise_for_validation
+from bus.fields import AgentId, ProjectSlug, PublicKey, ShortText, Text
+from bus.kinds import Evidence, Model
 from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -21,7 +21,8 @@ from bus.errors import (
     MalformedRecord,
     NotFound,
 )
-from bus.event import AgentId, Model, ProjectSlug, PublicKey
+from bus.fields import AgentId, ProjectSlug, PublicKey
+from bus.kinds import Model
 from bus.requests import NodeName
 from mesh.events import with_signatures
 from mesh.task import AgentCapabilities, Message, SessionId, Signature, TaskRecord

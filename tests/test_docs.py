@@ -30,7 +30,7 @@ from bus.authority import (
     RULE_REVOKED,
     RULE_VERIFIER_ROLE,
 )
-from bus.event import kind_names, require_kind
+from bus.kinds import kind_names, require_kind
 from bus.state import TRANSITION_TRUST, TRUST_TRANSITIONS, UNSAFE_RESOLUTIONS
 from bus.streams import BUCKETS, managed_streams
 from bus.vocab import HELP, DeadLetterReason, Lifecycle, ReceiptLevel, ResolutionKind, Role, Trust

@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 import mesh.events  # noqa: F401  registers the mesh's kinds (task, coordinators): --kind accepts, reads parse them
-from bus.event import AGENT_PATTERN, kind_names, require_kind
+from bus.fields import AGENT_PATTERN
+from bus.kinds import kind_names, require_kind
 from bus.subjects import PROJECT_PATTERN
 
 PROJECT_RULE = "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters"

@@ -14,9 +14,10 @@ from pydantic.fields import FieldInfo
 
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import Body, Evidence, draft_event, kind_names, raise_for_validation, require_kind
+from bus.event import draft_event, raise_for_validation
 from bus.home import default_agent, epibus_home
 from bus.ids import new_event_id
+from bus.kinds import Body, Evidence, kind_names, require_kind
 from bus.signing import AgentKey
 from bus.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
 from epibus.cli import ids

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from bus.client import connect
-from bus.event import Evidence
 from bus.home import epibus_home, resolve_journal_url
+from bus.kinds import Evidence
 from bus.publish import Receipt
 from bus.recall import RecallAnswer
 from bus.state import TRUST_TRANSITIONS

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, JsonValue, StringConstraints, create_model
 
-from bus.event import AgentId, ArtifactId, Evidence, ProjectSlug, ShortText, Text, kind_names, require_kind
+from bus.fields import AgentId, ArtifactId, ProjectSlug, ShortText, Text
+from bus.kinds import Evidence, kind_names, require_kind
 from bus.subjects import KIND_PATTERN
 from bus.vocab import EpistemicSource, ResolutionKind
 from epibus.mcp_tools.schema import Capability, Limit, MessageId, Query, RepoPath, TaskId, ToolInput, When

@@ -12,7 +12,7 @@ from typing import Any
 import mcp_types as types
 
 from bus.errors import Forbidden
-from bus.event import require_kind
+from bus.kinds import require_kind
 from bus.state import TRUST_TRANSITIONS
 from bus.vocab import ReceiptLevel, Role, Trust, describe
 from epibus.mcp_tools import inputs as i

@@ -18,8 +18,9 @@ from bus import client as client_module
 from bus.admission import TimeBounds, check_message
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import Evidence, _holds_nul, canonical_json, draft_event, envelope_holds_nul
+from bus.event import _holds_nul, canonical_json, draft_event, envelope_holds_nul
 from bus.ids import new_event_id
+from bus.kinds import Evidence
 from bus.outbox import OutboxRow
 from bus.runner import ConsumerRunner
 from bus.signing import AgentKey, wire_message

@@ -17,7 +17,8 @@ from bus.erasure import (
     erased_state_at,
     with_erased,
 )
-from bus.event import ErasedState, draft_event
+from bus.event import draft_event
+from bus.kinds import ErasedState
 from bus.signing import AgentKey
 from bus.state import ArtifactState
 from bus.vocab import Lifecycle, ResolutionKind, Role, Trust

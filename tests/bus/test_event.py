@@ -13,20 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import event as event_module
+from bus import kinds as kinds_module
 from bus.admission import TimeBounds, check_message
 from bus.errors import ConfigError, InvalidEvent
-from bus.event import (
-    MAX_EVENT_BYTES,
-    Body,
-    FindingBody,
-    decode_event,
-    draft_event,
-    encode_event,
-    kind_names,
-    register_kind,
-)
+from bus.event import MAX_EVENT_BYTES, decode_event, draft_event, encode_event
 from bus.ids import event_id_time, new_event_id, point_id
+from bus.kinds import Body, FindingBody, kind_names, register_kind
 from bus.signing import AgentKey, verify_signature, wire_message
 from bus.vocab import HELP, DeadLetterReason, EpistemicSource, ResolutionKind, Reversibility, Trust, describe
 
@@ -234,7 +226,7 @@ class HypothesisBody(Body):
 
 def test_custom_kinds_can_be_registered_and_round_trip(key, monkeypatch):
     # A private copy of the registry: the kind must not leak into later tests (the docs list every kind).
-    monkeypatch.setattr(event_module, "_KINDS", dict(event_module._KINDS))
+    monkeypatch.setattr(kinds_module, "_KINDS", dict(kinds_module._KINDS))
     register_kind(HypothesisBody)
     assert "hypothesis" in kind_names()
     event = key.sign(_draft(key, "hypothesis", {"claim": "warmup helps", "odds": 0.3}))

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from mcp import Client
 
 from bus.errors import InvalidEvent
-from bus.event import draft_event, require_kind
+from bus.event import draft_event
+from bus.kinds import require_kind
 from bus.signing import AgentKey
 from epibus.mcp_tools.guard import MAX_ARGUMENT_BYTES, parse_arguments
 from epibus.mcp_tools.inputs import ProposeInput, claim_kinds, publish_input
