@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bus.admission import Admission, EnrolmentLog
+from bus.admission import Admission
+from bus.batch_context import EnrolmentLog
 from bus.client import EpibusClient, connect
 from bus.project_view import _read_admitted
 from bus.reader import last_matching

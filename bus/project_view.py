@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 
-from bus.admission import Admission, Delivery, EnrolmentLog, ForgottenArtifacts, Rejected, forgets_in
+from bus.admission import Admission, Delivery, Rejected
 from bus.authority import NO_RECORDS, Authority
+from bus.batch_context import EnrolmentLog, ForgottenArtifacts, forgets_in
 from bus.erasure import ErasedMap
 from bus.event import Envelope
 from bus.fold import Fold

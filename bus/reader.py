@@ -17,7 +17,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
-from bus.admission import Admission, BatchContext, Delivery, Rejected
+from bus.admission import Admission, Delivery, Rejected
+from bus.batch_context import BatchContext
 from bus.errors import Unavailable
 from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal, nats_call
 from bus.registry import AgentRegistry

@@ -18,7 +18,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.admission import Admission, BatchContext, Delivery, Refusal, Rejected, seconds_from_env
+from bus.admission import Admission, Delivery, Refusal, Rejected, seconds_from_env
+from bus.batch_context import BatchContext
 from bus.errors import Unavailable, error_summary
 from bus.nats_errors import NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
 from bus.registry import AgentRegistry

@@ -20,9 +20,10 @@ import nkeys
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from bus.admission import Admission, EnrolmentLog
+from bus.admission import Admission
 from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
 from bus.authority import enrolment_event
+from bus.batch_context import EnrolmentLog
 from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.fields import AGENT_PATTERN
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR

@@ -10,7 +10,8 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from bus.admission import Admission, EnrolmentLog, Rejected
+from bus.admission import Admission, Rejected
+from bus.batch_context import EnrolmentLog
 from bus.erasure import erased_record
 from bus.errors import NotFound, Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR

@@ -30,7 +30,8 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
-from bus.admission import Delivery, Refusal, batch_erased, first_of_each_id
+from bus.admission import Delivery, Refusal, first_of_each_id
+from bus.batch_context import batch_erased
 from bus.erasure import erased_digests
 from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
 from bus.event import Envelope, validate_event

@@ -16,9 +16,10 @@ from sqlalchemy import and_, bindparam, delete, func, inspect, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from bus.admission import Delivery, batch_authority, batch_erased
+from bus.admission import Delivery
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority
+from bus.batch_context import batch_authority, batch_erased
 from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.event import Envelope, validate_event
 from bus.state import REFUSED, ArtifactState, Change, decide, event_references

@@ -12,7 +12,8 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.admission import Admission, BatchContext, Delivery, Rejected, batch_erased, first_of_each_id
+from bus.admission import Admission, Delivery, Rejected, first_of_each_id
+from bus.batch_context import BatchContext, batch_erased
 from bus.erasure import erased_digests
 from bus.ids import point_id
 from bus.reader import read_stream

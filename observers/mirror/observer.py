@@ -13,7 +13,8 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.admission import Delivery, Refusal, batch_erased, conflict_refusal
+from bus.admission import Delivery, Refusal, conflict_refusal
+from bus.batch_context import batch_erased
 from bus.erasure import erased_digests, with_erased
 from bus.errors import NotFound
 from bus.ids import point_id

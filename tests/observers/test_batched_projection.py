@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from bus.admission import Admission, BatchContext, Delivery, Rejected
+from bus.admission import Admission, Delivery, Rejected
+from bus.batch_context import BatchContext
 from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
