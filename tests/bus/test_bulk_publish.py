@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import client as client_module
+from bus import signer as signer_module
 from bus.admission import TimeBounds, check_message
 from bus.client import connect
 from bus.errors import InvalidEvent
@@ -149,7 +149,7 @@ def test_a_forked_child_does_not_repeat_its_parents_event_ids():
 async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_journal_alike(
     nats_server, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(client_module, "SIGN_CHUNK", 64)  # several chunks, and a partial last one
+    monkeypatch.setattr(signer_module, "SIGN_CHUNK", 64)  # several chunks, and a partial last one
     at = datetime.now(UTC)
     async with connect(nats_server.url, agent="alice", home=home, outbox=False) as client:
         drafts = [
