@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,30 +22,22 @@ from bus.auth import Enrolment
 from bus.changes import StateChanges
 from bus.connection import Connection
 from bus.delivery import Delivery
-from bus.enrol import enrol_locally
 from bus.errors import ConfigError, Unavailable
 from bus.event import Body, Envelope, draft_event
 from bus.fleet import Asking, FleetRequests
 from bus.forwarder import Forwarder
-from bus.home import (
-    NodeFollower,
-    default_agent,
-    epibus_home,
-    explicit_nats_url,
-    outbox_path,
-    read_node_info,
-    resolve_nats_url,
-    split_servers,
-)
+from bus.home import NodeFollower
 from bus.ids import new_event_id
 from bus.knowledge import ProjectView, TombstoneRegistry
 from bus.outbox import Outbox
+from bus.pipeline import PublishPipeline
+from bus.placement import Placement
 from bus.prechecks import PublishChecks
 from bus.publish import Receipt
 from bus.recall import ForgetProof, ForgetReport, RecallAnswer
-from bus.receipts import confirmed, wait_indexed, wait_journaled, wanted_level
+from bus.receipts import wait_indexed, wait_journaled
 from bus.rollback import RollbackPlan
-from bus.signer import EventSigner, Item
+from bus.signer import EventSigner
 from bus.signing import AgentKey
 from bus.tasks import cancel_and_wait
 from bus.views import ProjectViews
@@ -80,14 +70,14 @@ class EpibusClient:
         enrol: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.servers = list(servers)
-        self.follow = follow
+        self.follow = follow  # the servers came from node.json: find the node again if it moves
+        self.key = key
+        self.replicas = replicas
         # Sign and outbox without connecting: receipts are `outboxed`, a node's forwarder sends the events later.
         self.offline = offline
-        self.key = key
         self.session_id = session_id or str(new_event_id())
         self.goal_id = goal_id
         self.publish_timeout_s = publish_timeout_s
-        self.replicas = replicas
         self.connection = Connection(
             servers,
             key,
@@ -96,19 +86,15 @@ class EpibusClient:
             connect_timeout_s=connect_timeout_s,
             publish_timeout_s=publish_timeout_s,
             replicas=replicas,
-            on_ready=lambda: self.delivery.wake(),
         )
         self.signer = EventSigner(key)
         self.delivery = Delivery(
-            self.connection,
-            self.signer,
-            outbox,
-            publish_timeout_s=publish_timeout_s,
-            max_in_flight=max_in_flight,
-            only_own_rows=only_own_rows,
+            self.connection, self.signer, outbox, max_in_flight=max_in_flight, only_own_rows=only_own_rows
         )
+        self.connection.on_ready = self.delivery.wake
         self.views = ProjectViews(self.connection)
         self.checks = PublishChecks(self.connection, self.views)
+        self.pipeline = PublishPipeline(self.checks, self.delivery, offline=offline)
         self.changes = StateChanges(self.views, self)
         self.fleet = FleetRequests(self.connection, self.views, self.changes, lambda: self.delivery.outbox)
         self._stack = contextlib.AsyncExitStack()
@@ -283,28 +269,7 @@ class EpibusClient:
         Every event is validated before anything is written: one bad event writes none. A claim whose
         content was retracted or rolled back before is flagged `previously_retracted` (refused if strict).
         Raises Forbidden for an event in project `epibus`, which holds the nodes' enrolment records."""
-        level = wanted_level(wait_for, outbox=self.outbox is not None, offline=self.offline)
-        items = [self._item(event) for event in events]
-        self.checks.refuse_batch(events)
-        guard = await self.checks.links(events)
-        flags = await self.checks.flags(events, strict=strict)
-        deadline_s = timeout_s if timeout_s is not None else self.publish_timeout_s * max(1.0, len(events) / 2000)
-        if guard is not None:
-            receipts = [await self.publish_expecting(events[0], expected_headers=guard, timeout_s=timeout_s)]
-        elif self.outbox is not None:
-            rows = self.signer.rows(items)
-            receipts = await self.delivery.through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
-        else:
-            receipts = await self.delivery.direct(items)
-        receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
-        nc = self.connection.nc_if_connected
-        return await confirmed(receipts, level, nc, signer=self.key, deadline_s=deadline_s)
-
-    def _item(self, event: Envelope) -> Item:
-        """What publishing `event` sends (see EventSigner.item), once this agent may publish in its project."""
-        item = self.signer.item(event)
-        self.checks.admit(event)
-        return item
+        return await self.pipeline.publish_many(events, wait_for=wait_for, timeout_s=timeout_s, strict=strict)
 
     async def publish_expecting(
         self, event: Envelope, *, expected_headers: dict[str, str], timeout_s: float | None = None
@@ -312,8 +277,7 @@ class EpibusClient:
         """The awaited publish for compare-and-set state changes: raises Conflict (never retried blindly),
         retries only Unavailable with the same Nats-Msg-Id. Bypasses the outbox: a stale expectation must
         fail now, not after an outage."""
-        (row,) = self.signer.rows([self._item(event)])
-        return await self.delivery.expecting(row, expected_headers, timeout_s)
+        return await self.pipeline.expecting(event, expected_headers, timeout_s)
 
     async def wait_journaled(self, event_ids: Sequence[uuid.UUID], *, timeout_s: float) -> dict[str, dict[str, Any]]:
         """Return once a journal observer confirms every event id, with what the state projection made of
@@ -435,31 +399,17 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
         offline_without_node: bool = False,
         **options: Any,
     ) -> None:
-        self.home = epibus_home(home)
-        explicit = explicit_nats_url(nats_url)
-        self.outbox = outbox_path(self.home) if outbox is True else (outbox or None)
-        self.offline = (
-            offline_without_node and explicit is None and self.outbox is not None and read_node_info(self.home) is None
+        self.placement = Placement.find(
+            nats_url, agent=agent, home=home, outbox=outbox, offline_without_node=offline_without_node
         )
-        self.servers = [] if self.offline else split_servers(resolve_nats_url(explicit, self.home))
-        self.follow = NodeFollower(self.home, self.servers) if explicit is None and not self.offline else None
-        self.key = AgentKey.load_or_create(self.home, agent or default_agent())
         self.options = options
         self._client: EpibusClient | None = None
 
-    def _local_enrolment(self) -> Callable[[], Awaitable[object]] | None:
-        """Agents under a node's home are enrolled with the node's key on first connect, unless the node runs
-        with auto-enrolment off (`epibus up --no-auto-enrol`) or EPIBUS_AUTO_ENROL=0."""
-        info = read_node_info(self.home)
-        if (info is not None and not info.auto_enrol) or os.environ.get("EPIBUS_AUTO_ENROL", "1") == "0":
-            return None
-        servers, home, key = self.servers, self.home, self.key
-        return lambda: enrol_locally(servers, home, key)
-
     async def _open(self) -> EpibusClient:
-        options = {"enrol": self._local_enrolment()} | self.options
+        where = self.placement
+        options = {"enrol": where.local_enrolment()} | self.options
         client = EpibusClient(
-            self.servers, self.key, outbox=self.outbox, follow=self.follow, offline=self.offline, **options
+            where.servers, where.key, outbox=where.outbox, follow=where.follow, offline=where.offline, **options
         )
         await client.start()
         return client

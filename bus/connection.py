@@ -36,7 +36,6 @@ class Connection:
         connect_timeout_s: float,
         publish_timeout_s: float,
         replicas: int | None,
-        on_ready: Callable[[], None],
     ) -> None:
         self.servers = list(servers)
         self.key = key
@@ -44,9 +43,9 @@ class Connection:
         # Called once when the server refuses this agent's key (not enrolled yet), then connecting is retried.
         self.enrol = enrol
         self.connect_timeout_s = connect_timeout_s
-        self.publish_timeout_s = publish_timeout_s
+        self.publish_timeout_s = publish_timeout_s  # a publish's, and the JetStream context's
         self.replicas = replicas
-        self.on_ready = on_ready
+        self.on_ready: Callable[[], None] = lambda: None  # set by whoever waits to send (the delivery)
         self.nc: NatsClient | None = None
         self.enrolment: Enrolment | None = None  # this agent's, once connected: its projects and roles
         self.closing = False

@@ -31,13 +31,12 @@ class Delivery:
         signer: EventSigner,
         outbox: Path | None,
         *,
-        publish_timeout_s: float,
         max_in_flight: int,
         only_own_rows: bool,
     ) -> None:
         self.connection = connection
         self.signer = signer
-        self.publish_timeout_s = publish_timeout_s
+        self.publish_timeout_s = connection.publish_timeout_s
         self.max_in_flight = max_in_flight
         # A client's forwarder sends the rows it added (and orphans); a node drains everyone's.
         self.only_own_rows = only_own_rows
