@@ -41,8 +41,8 @@ from bus.connection import open_nats  # noqa: E402
 from bus.loops import cancel_and_wait  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
 from bus.signing import AgentKey  # noqa: E402
+from mesh import asker as mesh_asker  # noqa: E402
 from mesh import events as mesh_events  # noqa: E402
-from mesh import roster as mesh_roster  # noqa: E402
 from mesh import trust as mesh_trust  # noqa: E402
 from mesh.agent import MeshAgent  # noqa: E402
 from mesh.coordinator import Coordinator, parse_policy  # noqa: E402
@@ -89,7 +89,7 @@ def counted() -> Iterator[None]:
 
     wrap(KeyValue, "get", "kv get")
     wrap(KeyValue, "update", "kv update/create")
-    wrap(mesh_roster.RosterChanges, "ask_node", "node request")
+    wrap(mesh_asker.NodeAsker, "ask", "node request")
     wrap(EpibusClient, "publish", "event publish")
     wrap(MeshService, "_apply_step", "node applies a step")
     wrap(MeshAgent, "send", "agent sends a message")

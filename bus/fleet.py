@@ -1,7 +1,7 @@
 """What a client asks of the nodes over core NATS request subjects, every request signed: recall by meaning,
 forget (an admin's erase) with proof, reconciliation and reindexing. The `ask_*` functions take the connection
-and the key that signs; the FleetRequests mixin of EpibusClient asks them with its own, so the client module
-stays about connecting and publishing."""
+and the key that signs; FleetRequests asks them with the client's own (EpibusClient delegates its request
+verbs to it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -17,13 +17,14 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from bus.ask import Replies, ask_one, fan_out, refused_by_all
+from bus.changes import StateChanges
+from bus.connection import Connection
 from bus.erasure import erased_events, erased_history
 from bus.errors import InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
 from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from bus.outbox import Outbox
-from bus.project_view import ProjectView
-from bus.publish import Receipt
+from bus.project_view import ProjectViews
 from bus.reader import read_stream
 from bus.recall import RecallAnswer, ask_all, recall_request
 from bus.requests import (
@@ -49,38 +50,21 @@ log = logging.getLogger(__name__)
 Asking = tuple[NatsClient, AgentKey]
 
 
-class FleetCore(Protocol):
-    """What the mixin needs of the client it is mixed into."""
-
-    publish_timeout_s: float
-    outbox: Outbox | None
-    key: AgentKey
-
-    @property
-    def js(self) -> JetStreamContext: ...
-
-    def _require_nc(self) -> NatsClient: ...
-
-    async def project_view(self, project: str) -> ProjectView: ...
-
-    async def transition(
-        self,
-        kind: str,
-        body: dict[str, Any],
-        *,
-        project: str,
-        artifact_id: str,
-        view: ProjectView | None = None,
-        timeout_s: float | None = None,
-    ) -> Receipt: ...
-
-
 class FleetRequests:
     """Requests signed by this client's key on its own connection. Another signer (an admin's, the node
     operator's) asks through the `ask_*` functions below with its own connection."""
 
+    def __init__(
+        self, connection: Connection, views: ProjectViews, changes: StateChanges, outbox: Callable[[], Outbox | None]
+    ) -> None:
+        self.connection = connection
+        self.key = connection.key
+        self.views = views
+        self.changes = changes
+        self.outbox = outbox  # the client's, once it is open
+
     async def forget(
-        self: FleetCore, project: str, artifact_id: str, *, reason: str, eraser: Asking | None = None
+        self, project: str, artifact_id: str, *, reason: str, eraser: Asking | None = None
     ) -> ForgetReport:
         """The privacy delete: publish `forgotten` (every node's journal redacts the artifact's events and its
         mirror deletes the points), ask a node to erase every earlier message on the artifact's subjects from
@@ -89,7 +73,7 @@ class FleetRequests:
         refused, or no node answered) is only erased. Raises NotFound for an unknown artifact, Forbidden when the
         eraser is no admin, Unavailable. Follow it with `prove_forgotten`: each node then erases what is left in
         its files and scans them."""
-        view = await self.project_view(project)
+        view = await self.views.project(project)
         messages = list(view.messages.get(artifact_id, []))
         earlier = view.erased.get((project, artifact_id), ())  # forgets of the artifact (or of one before it)
         if artifact_id in view.fold.artifacts:
@@ -101,7 +85,7 @@ class FleetRequests:
             if not messages:
                 raise NotFound("artifact", artifact_id, f"nothing to forget in project {project}")
             embedded = []
-        stored = await _artifact_messages(self.js, project, artifact_id)
+        stored = await _artifact_messages(self.connection.js, project, artifact_id)
         texts = embedded + _message_texts([stored[seq] for seq, _ in messages if seq in stored])
         if embedded:
             # The artifact's states without its content: paths that read the stream after the erase below
@@ -112,12 +96,15 @@ class FleetRequests:
                 "history": [h.model_dump(mode="json") for h in history],
                 "events": [e.model_dump(mode="json") for e in erased_events(view.fold.digests, messages, earlier)],
             }
-            receipt = await self.transition("forgotten", body, project=project, artifact_id=artifact_id, view=view)
+            receipt = await self.changes.transition(
+                "forgotten", body, project=project, artifact_id=artifact_id, view=view
+            )
             forgotten_id = str(receipt.event_id)
-        nc, signer = eraser if eraser is not None else (self._require_nc(), self.key)
-        erased = await ask_erase(nc, signer, project, artifact_id, timeout_s=self.publish_timeout_s)
-        if self.outbox is not None:
-            await self.outbox.forget(project, artifact_id)
+        nc, signer = eraser if eraser is not None else (self.connection.require_nc(), self.key)
+        erased = await ask_erase(nc, signer, project, artifact_id, timeout_s=self.connection.publish_timeout_s)
+        outbox = self.outbox()
+        if outbox is not None:
+            await outbox.forget(project, artifact_id)
         seen = dict(messages)  # what this client saw, and what the node erased (it may have seen more)
         for seq, event_id in erased:
             seen[seq] = seen.get(seq) or event_id
@@ -125,25 +112,25 @@ class FleetRequests:
         return ForgetReport(project, artifact_id, forgotten_id, sorted(seen.items()), fingerprints, embedded or texts)
 
     async def prove_forgotten(
-        self: FleetCore, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0
+        self, report: ForgetReport, *, scrub: bool = True, timeout_s: float = 10.0
     ) -> ForgetProof:
         """See ask_forget_proof; signed by this client's key (`scrub` is for admins)."""
-        return await ask_forget_proof(self._require_nc(), self.key, report, scrub=scrub, timeout_s=timeout_s)
+        return await ask_forget_proof(self.connection.require_nc(), self.key, report, scrub=scrub, timeout_s=timeout_s)
 
     async def verify_nodes(
-        self: FleetCore, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
+        self, project: str | None = None, *, repair: bool = False, timeout_s: float = 60.0
     ) -> list[dict[str, Any]]:
         """See ask_verify; signed by this client's key."""
-        return await ask_verify(self._require_nc(), self.key, project, repair=repair, timeout_s=timeout_s)
+        return await ask_verify(self.connection.require_nc(), self.key, project, repair=repair, timeout_s=timeout_s)
 
     async def reindex_nodes(
-        self: FleetCore, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
+        self, progress: Callable[[str, int, int], None] | None = None, *, timeout_s: float = 1800.0
     ) -> list[dict[str, Any]]:
         """See ask_reindex; signed by this client's key (an admin's)."""
-        return await ask_reindex(self._require_nc(), self.key, progress, timeout_s=timeout_s)
+        return await ask_reindex(self.connection.require_nc(), self.key, progress, timeout_s=timeout_s)
 
     async def recall(
-        self: FleetCore,
+        self,
         query: str,
         project: str,
         *,
@@ -158,10 +145,10 @@ class FleetRequests:
         request = recall_request(
             query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, audit=False
         )
-        return await ask_all(self._require_nc(), request, signer=self.key, timeout_s=timeout_s)
+        return await ask_all(self.connection.require_nc(), request, signer=self.key, timeout_s=timeout_s)
 
     async def audit_recall(
-        self: FleetCore,
+        self,
         query: str,
         project: str,
         *,
@@ -171,7 +158,7 @@ class FleetRequests:
     ) -> RecallAnswer:
         """The audit door: every mirrored item whatever its state, with that state (reviewers and admins)."""
         request = recall_request(query, project, k=k, kinds=kinds, include_resolved=True, as_of=None, audit=True)
-        return await ask_all(self._require_nc(), request, signer=self.key, timeout_s=timeout_s)
+        return await ask_all(self.connection.require_nc(), request, signer=self.key, timeout_s=timeout_s)
 
 
 async def ask_erase(

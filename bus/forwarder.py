@@ -17,7 +17,8 @@ from nats.js.api import PubAck
 
 from bus.admission import TimeBounds
 from bus.errors import Conflict, EpibusError, InvalidEvent, Unavailable
-from bus.outbox import Outbox, OutboxRow
+from bus.outbox import Outbox
+from bus.outbox_file import OutboxRow
 from bus.publish import send_batch
 
 log = logging.getLogger(__name__)

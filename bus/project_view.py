@@ -1,10 +1,11 @@
 """What a client knows before it changes state: a project's (or one artifact's) events folded from the stream
 with the stream's enrolment records, and the last stream sequence on each artifact's subjects, the value
-compare-and-set expects (`bus.subjects.cas_headers`)."""
+compare-and-set expects (`bus.subjects.cas_headers`); and a client's views, read on its connection."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
@@ -12,6 +13,7 @@ from nats.js import JetStreamContext
 from bus.admission import Admission, Delivery, Rejected
 from bus.authority import NO_RECORDS, Authority
 from bus.batch_context import EnrolmentLog, ForgottenArtifacts, forgets_in
+from bus.connection import Connection
 from bus.erasure import ErasedMap
 from bus.event import Envelope
 from bus.fold import Fold
@@ -20,6 +22,9 @@ from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.state import event_references
 from bus.subjects import STREAM, EventAddress, artifact_filter, events_filter, parse_event_subject
+from bus.tombstones import TombstoneRegistry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,3 +159,39 @@ async def load_artifact(
     )
     authority = await EnrolmentLog(js, admission).read_filtered()
     return ArtifactRead(_fold_view(project, read, forgets, authority))
+
+
+class ProjectViews:
+    """Views read on `connection`, with the agent registry it keeps."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self._tombstones: TombstoneRegistry | None = None
+        self._tombstones_js: JetStreamContext | None = None
+
+    async def project(self, project: str) -> ProjectView:
+        """The project folded from the stream now (the client's view for validating state changes)."""
+        return await load_project(self.connection.js, project, self.connection.registry)
+
+    async def for_change(self, event: Envelope) -> ProjectView:
+        """What deciding `event` reads: the artifacts it names and those they link to, read from their own
+        subjects (a cost that does not grow with the project), or the whole project when the decision reads
+        what only its fold knows (`bus.project_view.load_artifact`)."""
+        read = await load_artifact(self.connection.js, event, self.connection.registry)
+        if read.view is not None:
+            return read.view
+        log.debug(
+            "folding project %s to decide %s on %s: %s",
+            event.project,
+            event.kind,
+            event.artifact_id,
+            read.whole_project,
+        )
+        return await self.project(event.project)
+
+    @property
+    def tombstones(self) -> TombstoneRegistry:
+        js = self.connection.js
+        if self._tombstones is None or self._tombstones_js is not js:
+            self._tombstones, self._tombstones_js = TombstoneRegistry(js), js
+        return self._tombstones

@@ -18,7 +18,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from bus.errors import EpibusError, Unavailable
 from bus.nats_errors import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
-from bus.outbox import OutboxRow
+from bus.outbox_file import OutboxRow
 from bus.subjects import MSG_ID_HEADER
 from bus.vocab import ReceiptLevel
 

@@ -112,6 +112,48 @@ def journaled_receipt(receipt: Receipt, outcome: dict[str, Any]) -> Receipt:
     return replace(receipt, level=ReceiptLevel.journaled, flags=flags, rejected=rejected)
 
 
+def wanted_level(wait_for: ReceiptLevel | str, *, outbox: bool, offline: bool) -> ReceiptLevel:
+    """The level `wait_for` names, if a client with (or without) an outbox, offline or not, can reach it.
+    Raises ConfigError."""
+    allowed = [level.value for level in ReceiptLevel]
+    try:
+        level = ReceiptLevel(wait_for)
+    except ValueError:
+        raise ConfigError("wait_for", f"{wait_for!r} is not a receipt level", allowed=allowed) from None
+    if level is ReceiptLevel.outboxed and not outbox:
+        raise ConfigError("wait_for", "'outboxed' needs the outbox; connect with outbox=True", allowed=allowed)
+    if level in (ReceiptLevel.journaled, ReceiptLevel.indexed) and offline:
+        raise ConfigError(
+            "wait_for",
+            f"'{level.value}' needs a running node and none runs (this client only outboxes); "
+            "start one with `epibus up`, or wait for 'published' and get an `outboxed` receipt",
+        )
+    return level
+
+
+async def confirmed(
+    receipts: list[Receipt],
+    level: ReceiptLevel,
+    connection: Callable[[], NatsClient | None],
+    *,
+    signer: AgentKey,
+    deadline_s: float,
+) -> list[Receipt]:
+    """The receipts raised to `level` when it is `journaled` or `indexed`, both within one deadline: the
+    journals' confirmation first, then the mirrors' with what is left of it. Raises Unavailable, ConfigError."""
+    if level not in (ReceiptLevel.journaled, ReceiptLevel.indexed):
+        return receipts
+    started = asyncio.get_running_loop().time()
+    ids = [r.event_id for r in receipts]
+    outcomes = await wait_journaled(connection, ids, signer=signer, timeout_s=deadline_s)
+    receipts = [journaled_receipt(r, outcomes.get(str(r.event_id), {})) for r in receipts]
+    if level is ReceiptLevel.indexed:  # the rest of the same deadline
+        left_s = max(0.1, deadline_s - (asyncio.get_running_loop().time() - started))
+        await wait_indexed(connection, ids, signer=signer, timeout_s=left_s)
+        receipts = [replace(r, level=ReceiptLevel.indexed) for r in receipts]
+    return receipts
+
+
 async def wait_indexed(
     connection: Callable[[], NatsClient | None],
     event_ids: Sequence[uuid.UUID],

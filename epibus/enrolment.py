@@ -27,7 +27,7 @@ from bus.batch_context import EnrolmentLog
 from bus.errors import ConfigError, EpibusError, Unavailable
 from bus.fields import AGENT_PATTERN
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
-from bus.outbox import OutboxRow
+from bus.outbox_file import OutboxRow
 from bus.publish import retrying_unavailable, send_one
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest

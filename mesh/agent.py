@@ -1,5 +1,7 @@
 """One agent's handle on the mesh: every protocol message (propose, decide, start, complete, fail, cancel,
-acknowledge, expire), the coordinator roster and advertised capabilities.
+acknowledge, expire), the coordinator roster and advertised capabilities. The verbs are here; how a message
+becomes a step is `mesh.steps`, what the agent signs `mesh.signer`, asking a node to write `mesh.asker`, the
+roster and capabilities `mesh.roster`.
 
 Each message is read (verified) → `advance` → the step signed → a node asked to write it (mesh.service: the
 node re-checks everything and writes with compare-and-set on the task's KV revision) → one event on the bus.
@@ -9,69 +11,62 @@ outcome and re-sends the same event id (deduplicated by the stream and the journ
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from bus.client import EpibusClient
-from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
+from bus.errors import Forbidden, InvalidEvent, NotFound
 from bus.ids import new_event_id
 from bus.kinds import Evidence
-from bus.publish import Receipt
-from bus.subjects import MESH_STEP
-from mesh.events import opening_record, step_event, unsigned_step_event
-from mesh.protocol import NO_COORDINATORS, advance, awaits_acknowledgement, child_task_id, counter_record
+from mesh.asker import NodeAsker
+from mesh.protocol import awaits_acknowledgement, child_task_id
 from mesh.roster import RosterChanges
-from mesh.store import MeshStore, TaskEntry, retry_on_conflict, utc_now
-from mesh.task import Message, Roster, Step, Targets, TaskRecord, message_digest, parse_message
+from mesh.signer import MeshSigner
+from mesh.steps import STALE_BASIS as STALE_BASIS
+from mesh.steps import Outcome as Outcome
+from mesh.steps import StepSender
+from mesh.store import MeshStore, Roster, TaskEntry, utc_now
+from mesh.task import AgentCapabilities, Message, Targets, TaskRecord, parse_message
 from mesh.vocab import ActionCategory, TaskAction
 from mesh.wire import StepRequest
 
-log = logging.getLogger(__name__)
-# What deciding on a stale basis can raise: the message is decided again on a fresh read, which raises it anew
-# if it still holds.
-STALE_BASIS = (IllegalTransition, Forbidden, NotFound, InvalidEvent, Conflict)
 
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a message did: the task after it, the step it made, and whether it was a replay."""
-
-    record: TaskRecord
-    revision: int
-    step: Step
-    duplicate: bool
-    receipts: tuple[Receipt, ...]
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "task_id": self.record.task_id,
-            "project": self.record.proposal.project,
-            "state": self.record.state.value,
-            "revision": self.revision,
-            "action": self.step.action.value,
-            "message_id": str(self.step.message_id),
-            "duplicate": self.duplicate,
-            "events": [{"event_id": str(r.event_id), "level": r.level.value} for r in self.receipts],
-        }
-
-
-class MeshAgent(RosterChanges):
+class MeshAgent:
     """The mesh as one agent (the client's agent) sees it. Use while the client is connected."""
 
     def __init__(self, client: EpibusClient, *, clock: Callable[[], datetime] = utc_now) -> None:
         self.client = client
         self.clock = clock
+        self.agent = client.key.agent_id
         self._store: MeshStore | None = None
+        self.asker = NodeAsker(client)
+        self.signer = MeshSigner(client.key, client.session_id)
+        # Through `ask_node`, so that a caller wrapping it sees every request.
+        self.steps = StepSender(client, lambda: self.store, self.signer, self._ask, clock)
+        self.roster = RosterChanges(client, lambda: self.store, self.signer, self._ask, clock)
 
     @property
     def store(self) -> MeshStore:
         if self._store is None or self._store.js is not self.client.js:
             self._store = MeshStore(self.client.js, replicas=self.client.replicas)
         return self._store
+
+    async def _ask(self, subject: str, request: BaseModel) -> int:
+        return await self.ask_node(subject, request)
+
+    async def ask_node(self, subject: str, request: BaseModel) -> int:
+        """See NodeAsker.ask: a node asked to write; the revision it wrote."""
+        return await self.asker.ask(subject, request)
+
+    def signed_request(
+        self, record: TaskRecord, message: Message, revision: int, roster_version: int, at: datetime
+    ) -> StepRequest:
+        """See MeshSigner.step_request."""
+        return self.signer.step_request(record, message, revision, roster_version, at)
 
     # -- messages --------------------------------------------------------------------------------------
 
@@ -81,113 +76,7 @@ class MeshAgent(RosterChanges):
         MalformedRecord (the task or its roster cannot be read or trusted: quarantined, never acted on)."""
         if message.sender != self.agent:
             raise Forbidden(self.agent, f"send {message.action}", f"as {message.sender}", "an agent sends as itself")
-
-        fresh = False
-
-        async def attempt() -> Outcome:
-            nonlocal fresh
-            if not fresh:  # the first attempt decides on what this agent verified already, if it has it
-                fresh = True
-                basis = self._known_basis(message)
-                if basis is not None:
-                    try:
-                        decided = await self._decide(message, *basis)
-                    except STALE_BASIS as e:  # the basis may be stale: decided again on what the bucket holds
-                        log.debug("task %s: deciding again on a fresh read (%s)", message.task_id, e)
-                    else:
-                        return await self._apply(decided, basis[1])
-            entry = await self.store.get_task(message.project, message.task_id)
-            roster = (await self.store.get_roster(message.project)).roster
-            return await self._apply(await self._decide(message, entry, roster), roster)
-
-        return await retry_on_conflict(attempt, what=f"task {message.task_id}")
-
-    def _known_basis(self, message: Message) -> tuple[TaskEntry | None, Roster] | None:
-        """The task and roster this agent's store verified moments ago (its inbox keeps them current), or None
-        when it has not: then the basis is read."""
-        known = self.store.known_roster(message.project)
-        if known is None:
-            return None
-        entry = self.store.known_task(message.project, message.task_id, known.roster)
-        if entry is None and message.action is not TaskAction.propose:
-            return None
-        return entry, known.roster
-
-    async def _decide(
-        self, message: Message, entry: TaskEntry | None, roster: Roster
-    ) -> Outcome | tuple[StepRequest, TaskRecord]:
-        """What `message` does to the task at `entry` (None: absent) against `roster`, decided here, nothing
-        asked yet: the recorded outcome of a replay, or the signed request for the node and the record it makes."""
-        if entry is not None and (step := entry.record.step_for(message.message_id)) is not None:
-            return await self._replay(entry, step, message)
-        if entry is None and message.action is not TaskAction.propose:
-            raise NotFound("task", message.task_id, f"project {message.project} has no such task")
-        if message.action is TaskAction.propose and not roster.coordinators:
-            raise NotFound("project", message.project, f"task {message.task_id} cannot be proposed: {NO_COORDINATORS}")
-        at = self.clock()
-        record = advance(
-            entry.record if entry is not None else None,
-            message,
-            coordinators=frozenset(roster.coordinators),
-            now=at,
-            roster_version=roster.version,
-        )
-        request = self.signed_request(record, message, entry.revision if entry is not None else 0, roster.version, at)
-        return request, request.signed(record)
-
-    async def _apply(self, decided: Outcome | tuple[StepRequest, TaskRecord], roster: Roster) -> Outcome:
-        """Ask the node to write the decided step. Its refusals are raised as they are: decided on a revision or a
-        roster the node no longer holds, the refusal is a lost race, which is decided again on a fresh read."""
-        if isinstance(decided, Outcome):
-            return decided
-        request, signed = decided
-        revision = await self.ask_node(MESH_STEP, request)
-        # What the node wrote (it made the same record): the next message on the task decides on it unread.
-        self.store.made(signed, signed.model_dump_json().encode(), revision=revision, roster=roster)
-        return await self._follow_up(TaskEntry(signed, revision), len(signed.steps) - 1, duplicate=False)
-
-    async def _replay(self, entry: TaskEntry, step: Step, message: Message) -> Outcome:
-        same = (step.action, step.actor) == (message.action, message.sender)
-        if not same or (step.digest is not None and step.digest != message_digest(message)):
-            raise Conflict(
-                f"message {message.message_id}",
-                f"it was already applied to task {message.task_id} as {step.action} by {step.actor}, "
-                "with other content",
-                fix="send a new message id for a new message",
-            )
-        return await self._follow_up(entry, entry.record.steps.index(step), duplicate=True)
-
-    def signed_request(
-        self, record: TaskRecord, message: Message, revision: int, roster_version: int, at: datetime
-    ) -> StepRequest:
-        """The request for the node: `record` (what `message` makes, by `advance`) with its newest step signed by
-        this agent (and, for a change, the counter-proposal's first step)."""
-        key, session = self.client.key, self.client.session_id
-        counter = None
-        if record.last_step.action is TaskAction.change:
-            counter = key.sign_v1(unsigned_step_event(opening_record(record), 0, key.actor, session)).signature
-        signed = key.sign_v1(unsigned_step_event(record, len(record.steps) - 1, key.actor, session))
-        assert signed.signature is not None
-        return StepRequest(
-            message=message,
-            revision=revision,
-            roster_version=roster_version,
-            at=at,
-            public_key=key.public_key,
-            session_id=session,
-            signature=signed.signature,
-            counter_signature=counter,
-        )
-
-    async def _follow_up(self, entry: TaskEntry, index: int, *, duplicate: bool) -> Outcome:
-        """The step's event, published again on a replay (idempotent: the stream and the journal deduplicate
-        it by id; the node's MeshRecorder publishes it from the bucket if this agent stops first), and for a
-        change the counter-proposal's (the node created its task)."""
-        record, step = entry.record, entry.record.steps[index]
-        receipts = [await self.client.publish(step_event(record, index))]
-        if step.action is TaskAction.change:
-            receipts.append(await self.client.publish(step_event(counter_record(step), 0)))
-        return Outcome(record, entry.revision, step, duplicate, tuple(receipts))
+        return await self.steps.send(message)
 
     def message(self, action: TaskAction, project: str, task_id: str, **fields: Any) -> Message:
         """A validated message from this agent; InvalidEvent names the task and the field."""
@@ -381,3 +270,21 @@ class MeshAgent(RosterChanges):
     async def outbox(self, project: str | None = None) -> list[TaskEntry]:
         """Tasks this agent proposed."""
         return [e for e in await self.store.tasks(project) if e.record.proposal.proposer == self.agent]
+
+    # -- roster and capabilities (mesh.roster) ---------------------------------------------------------
+
+    async def coordinators(self, project: str) -> tuple[str, ...]:
+        return await self.roster.coordinators(project)
+
+    async def add_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
+        """Seat a coordinator (see mesh.roster for who may). Seating one already there changes nothing. Raises
+        Forbidden."""
+        return await self.roster.change(project, agent, "add", message_id or new_event_id())
+
+    async def remove_coordinator(self, project: str, agent: str, *, message_id: uuid.UUID | None = None) -> Roster:
+        """Remove a coordinator (an admin or a coordinator; the last one stays). Raises Forbidden, NotFound."""
+        return await self.roster.change(project, agent, "remove", message_id or new_event_id())
+
+    async def advertise(self, capabilities: Sequence[str]) -> AgentCapabilities:
+        """Say what this agent can do (the capability-match policy assigns by it), signed by this agent."""
+        return await self.roster.advertise(capabilities)

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
 from bus.event import Envelope
 from bus.nats_errors import JS_TIMEOUT_S
-from bus.outbox import OutboxRow
+from bus.outbox_file import OutboxRow
 from bus.publish import send_one
 from bus.streams import ensure_streams
 from mesh.events import step_event

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.outbox import Outbox, OutboxRow
+from bus.outbox import Outbox
+from bus.outbox_file import OutboxRow
 
 
 def rows(n: int, prefix: str = "e") -> list[OutboxRow]:
@@ -34,7 +35,7 @@ async def test_added_rows_are_on_disk_when_add_returns(outbox: Outbox):
 
 
 async def test_the_outbox_runs_with_synchronous_full(outbox: Outbox):
-    level = await outbox._run(lambda: outbox.conn.execute("PRAGMA synchronous").fetchone()[0])
+    level = await outbox.file.run(lambda: outbox.file.conn.execute("PRAGMA synchronous").fetchone()[0])
     assert level == 2  # FULL
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from bus.admission import Rejected, TimeBounds, check_message
 from bus.client import connect
 from bus.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Envelope, draft_event, encode_event
-from bus.outbox import Outbox, OutboxRow
+from bus.outbox import Outbox
+from bus.outbox_file import OutboxRow
 from bus.reader import dead_letters
 from bus.signing import (
     EVENT_DOMAIN,

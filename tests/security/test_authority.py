@@ -20,7 +20,8 @@ from bus import enrol
 from bus.client import EpibusClient, connect
 from bus.errors import Forbidden
 from bus.event import Envelope, encode_event
-from bus.outbox import Outbox, OutboxRow
+from bus.outbox import Outbox
+from bus.outbox_file import OutboxRow
 from bus.project_view import load_project
 from bus.reader import replay
 from bus.requests import EnrolRequest, build_request
