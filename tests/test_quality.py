@@ -28,7 +28,7 @@ def imported_layers(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_imports_go_one_way(layer: str):
+def test_imports_go_one_way(layer: str) -> None:
     offenders = {
         str(path.relative_to(ROOT)): sorted(imported_layers(path) - ALLOWED[layer] - {layer})
         for path in (ROOT / layer).rglob("*.py")
@@ -36,12 +36,12 @@ def test_imports_go_one_way(layer: str):
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_ruff_is_clean():
+def test_ruff_is_clean() -> None:
     result = subprocess.run([sys.executable, "-m", "ruff", "check", *LAYERS], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_strict_is_clean_on_the_layers():
+def test_mypy_strict_is_clean_on_the_layers() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "bus", "observers", "mesh"], cwd=ROOT, capture_output=True, text=True
     )
@@ -70,7 +70,7 @@ def citations_in(text: str) -> list[tuple[int, str]]:
     ]
 
 
-def test_no_file_cites_the_design_document():
+def test_no_file_cites_the_design_document() -> None:
     """The repository stands on its own: a reason is said in words, not by pointing at a section elsewhere."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
     if listed.returncode != 0:

@@ -60,7 +60,7 @@ def _outcome(encode: Any, value: Any) -> bytes | str:
 
 @settings(max_examples=400, deadline=None)
 @given(value=json_values)
-def test_canonical_json_is_byte_identical_to_json_dumps_with_the_canonical_arguments(value: Any):
+def test_canonical_json_is_byte_identical_to_json_dumps_with_the_canonical_arguments(value: Any) -> None:
     def reference(v: Any) -> bytes:
         return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
@@ -82,7 +82,7 @@ def _draft(text: str = "clean") -> Any:
 )
 def test_the_nul_check_agrees_with_the_walk_of_every_text(
     text: str, subject: str, session: str, goal: str | None, ref: str, excerpt: str | None
-):
+) -> None:
     # model_copy does not validate: the hostile texts reach the check exactly as a decoded event's would.
     base = _draft()
     evidence = Evidence.model_construct(kind=EvidenceKind.url, ref=ref, excerpt=excerpt, sha256=None)
@@ -93,7 +93,7 @@ def test_the_nul_check_agrees_with_the_walk_of_every_text(
 
 @settings(max_examples=200, deadline=None)
 @given(text=hostile_text.filter(bool), session=hostile_text.filter(bool))
-def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, session: str):
+def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, session: str) -> None:
     session = session[:128]
     fields = {"text": text, "impact": 0.5, "confidence": 0.5, "subject": "s"}
     if "\x00" not in text + session:
@@ -111,7 +111,7 @@ def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, ses
 @given(text=hostile_text.filter(lambda t: t and "\x00" not in t), legacy=st.booleans(), resign=st.booleans())
 def test_a_prepared_and_bulk_signed_event_gives_the_row_of_the_event_signed_alone(
     text: str, legacy: bool, resign: bool
-):
+) -> None:
     draft = draft_event("finding", finding(text=text), project="p", actor=ALICE.actor, session_id="s")
     if legacy:  # a legacy event, or an already signed one, is re-made as schema_version 2 by both paths
         draft = ALICE.sign_v1(draft)
@@ -129,7 +129,7 @@ def test_a_prepared_and_bulk_signed_event_gives_the_row_of_the_event_signed_alon
     assert ALICE.seal(prepared, signature) == ALICE.sign(draft)
 
 
-def test_a_forked_child_does_not_repeat_its_parents_event_ids():
+def test_a_forked_child_does_not_repeat_its_parents_event_ids() -> None:
     new_event_id()  # the pool holds bytes the child would inherit
     read, write = os.pipe()
     child = os.fork()
@@ -148,7 +148,7 @@ def test_a_forked_child_does_not_repeat_its_parents_event_ids():
 
 async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_journal_alike(
     nats_server, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
+) -> None:
     monkeypatch.setattr(client_module, "SIGN_CHUNK", 64)  # several chunks, and a partial last one
     at = datetime.now(UTC)
     async with connect(nats_server.url, agent="alice", home=home, outbox=False) as client:

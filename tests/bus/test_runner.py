@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
 from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner, Delivery
+from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
 from bus.subjects import event_subject
 from bus.vocab import ReceiptLevel
@@ -40,7 +41,7 @@ async def running(url: str, *observers: object, **options: object) -> AsyncItera
 
 
 @pytest.fixture
-def journal(sqlite_journal_url: str):
+def journal(sqlite_journal_url: str) -> Iterator[Journal]:
     store = Journal(sqlite_journal_url)
     store.migrate()
     yield store
@@ -48,8 +49,8 @@ def journal(sqlite_journal_url: str):
 
 
 async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_stays_intact(
-    nats_server, home, project, journal, tmp_path: Path
-):
+    nats_server, home: Path, project: str, journal: Journal, tmp_path: Path
+) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
         running(nats_server.url, JournalObserver(journal)) as (runner,),
@@ -110,7 +111,9 @@ class FailingObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats_server, home, project):
+async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = FailingObserver("always-fails", failures=10**6)
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -131,7 +134,9 @@ async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats
     assert consumer["pending"] == 0 and consumer["ack_pending"] == 0
 
 
-async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats_server, home, project):
+async def test_a_transient_observer_failure_is_redelivered_and_written_once(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = FailingObserver("flaky", failures=2)
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -147,7 +152,9 @@ async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats
     assert runner.stats.dead_lettered == {}
 
 
-async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(nats_server, home, project, journal):
+async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     first, second = JournalObserver(journal), JournalObserver(Journal(journal.url))
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -161,7 +168,9 @@ async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(na
     assert first.inserted + second.inserted == 1000
 
 
-async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal):
+async def test_an_empty_poll_resets_nothing(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     nc = await nats.connect(nats_server.url)
     runner = ConsumerRunner(nc, JournalObserver(journal), fetch_timeout_s=0.1)  # stepped by hand, no loop
     try:
@@ -180,7 +189,9 @@ async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal)
         await nc.close()
 
 
-async def test_journaled_receipt_is_confirmed_by_the_lookup_service(nats_server, home, project, journal):
+async def test_journaled_receipt_is_confirmed_by_the_lookup_service(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     observer = JournalObserver(journal)
     nc = await nats.connect(nats_server.url)
     await observer.serve_lookups(nc)
@@ -212,7 +223,9 @@ class OutageObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(nats_server, home, project):
+async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = OutageObserver("outage", down_calls=8)  # longer than max_deliver attempts would allow
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -242,7 +255,9 @@ class PoisonObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, home, project):
+async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=home) as client:
         events = [client.event("finding", finding(i), project=project) for i in range(10)]
         observer = PoisonObserver("poison", str(events[4].event_id))
@@ -256,7 +271,9 @@ async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, 
     assert sorted(observer.written) == sorted(str(e.event_id) for e in events if str(e.event_id) != observer.poison)
 
 
-async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_server, home, project, journal):
+async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
         running(nats_server.url, JournalObserver(journal), fetch_timeout_s=0.2) as (runner,),
@@ -271,7 +288,9 @@ async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_serv
     assert sorted(journal_event_ids(journal.url, project)) == sorted([str(first.event_id), str(second.event_id)])
 
 
-async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_deliver(nats_server, journal):
+async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_deliver(
+    nats_server: NatsServer, journal: Journal
+) -> None:
     nc = await nats.connect(nats_server.url)
     try:
         runner = ConsumerRunner(nc, JournalObserver(journal), max_deliver=3)
@@ -281,7 +300,9 @@ async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_de
         await nc.close()
 
 
-async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_stalled(nats_server, home, project):
+async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_stalled(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     """A store that stays down is held as degraded; once nothing has been acked for the stall limit while
     events wait, the observer is stalled (stats, an ERROR line), and it recovers when the store does."""
     observer = OutageObserver("stalling", down_calls=10_000)

@@ -32,7 +32,7 @@ class Loop:
             self.stopped = True
 
 
-async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_cancellation():
+async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_cancellation() -> None:
     stubborn, plain = Loop(swallow=3), Loop(swallow=0)
     running = asyncio.create_task(run_together({"stubborn": stubborn.run(), "plain": plain.run()}))
     while stubborn.rounds < 3:
@@ -45,7 +45,7 @@ async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_ca
     assert stubborn.rounds == rounds  # nothing runs on after the stop
 
 
-async def test_a_task_group_would_have_waited_on_that_loop_for_ever():
+async def test_a_task_group_would_have_waited_on_that_loop_for_ever() -> None:
     """Why run_together exists: the 3.11 TaskGroup cancels its children once, however often it is cancelled."""
     stubborn = Loop(swallow=1)
 
@@ -68,7 +68,7 @@ async def test_a_task_group_would_have_waited_on_that_loop_for_ever():
     assert stubborn.stopped
 
 
-async def test_a_failing_loop_stops_the_others_and_its_error_is_raised():
+async def test_a_failing_loop_stops_the_others_and_its_error_is_raised() -> None:
     plain = Loop(swallow=0)
 
     async def broken() -> None:
@@ -80,7 +80,7 @@ async def test_a_failing_loop_stops_the_others_and_its_error_is_raised():
     assert plain.stopped
 
 
-async def test_a_task_that_will_not_stop_is_reported_with_where_it_waits(caplog: pytest.LogCaptureFixture):
+async def test_a_task_that_will_not_stop_is_reported_with_where_it_waits(caplog: pytest.LogCaptureFixture) -> None:
     stubborn = Loop(swallow=10_000)
     running = asyncio.create_task(stubborn.run(), name="stubborn loop")
     await asyncio.sleep(0.02)

@@ -68,7 +68,7 @@ def point(seed: int, **payload: object) -> tuple[uuid.UUID, Point]:
     return event_id, Point(point_id(event_id), vector(seed), base | payload)
 
 
-async def test_point_ids_are_proven_against_storage(store_and_reopen):
+async def test_point_ids_are_proven_against_storage(store_and_reopen: tuple[object, object]) -> None:
     store, _ = store_and_reopen
     event_id, p = point(1)
     await store.upsert([p])
@@ -79,7 +79,9 @@ async def test_point_ids_are_proven_against_storage(store_and_reopen):
     assert (await store.describe()).count == 1
 
 
-async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # re-embedding must never duplicate a point
+async def test_reembedding_never_duplicates_a_point(
+    store_and_reopen: tuple[object, object],
+) -> None:  # re-embedding must never duplicate a point
     store, _ = store_and_reopen
     event_id, p = point(2)
     for _ in range(3):
@@ -91,7 +93,9 @@ async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # re-emb
     assert await store.point_ids() == [point_id(event_id)]
 
 
-async def test_delete_is_proven_by_reading_back(store_and_reopen):  # a delete that reports success is not proof
+async def test_delete_is_proven_by_reading_back(
+    store_and_reopen: tuple[object, object],
+) -> None:  # a delete that reports success is not proof
     store, _ = store_and_reopen
     kept, gone = point(4), point(5)
     await store.upsert([kept[1], gone[1]])
@@ -103,7 +107,7 @@ async def test_delete_is_proven_by_reading_back(store_and_reopen):  # a delete t
     assert point_id(gone[0]) not in {h.id for h in hits}
 
 
-async def test_search_filters_and_ranks(store_and_reopen):
+async def test_search_filters_and_ranks(store_and_reopen: tuple[object, object]) -> None:
     store, _ = store_and_reopen
     points = [
         point(i, project="p" if i % 2 else "q", trust="verified" if i % 3 else "contradicted") for i in range(1, 13)
@@ -121,18 +125,20 @@ async def test_search_filters_and_ranks(store_and_reopen):
     assert len(await store.search(vector(1), Filter(at_most={"impact": 0.5}), limit=20)) == len(points)
 
 
-async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen):
+async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen: tuple[object, object]) -> None:
     store, _ = store_and_reopen
     with pytest.raises(ValueError, match="boolean"):
         await store.search(vector(1), Filter(equals={"forgotten": False}), limit=3)
 
 
-async def test_nothing_matched_is_an_empty_list(store_and_reopen):
+async def test_nothing_matched_is_an_empty_list(store_and_reopen: tuple[object, object]) -> None:
     store, _ = store_and_reopen
     assert await store.search(vector(1), Filter(equals={"project": "nobody"}), limit=5) == []
 
 
-async def test_a_status_change_reaches_the_payload(store_and_reopen):  # or safe recall shows a retracted item
+async def test_a_status_change_reaches_the_payload(
+    store_and_reopen: tuple[object, object],
+) -> None:  # or safe recall shows a retracted item
     store, _ = store_and_reopen
     target, other = point(6, artifact_id="a1"), point(7, artifact_id="a2")
     await store.upsert([target[1], other[1]])
@@ -145,7 +151,9 @@ async def test_a_status_change_reaches_the_payload(store_and_reopen):  # or safe
         await store.set_payload(Filter(), {"trust": "x"})
 
 
-async def test_model_mismatch_is_refused(store_and_reopen):  # never mix vectors of two models
+async def test_model_mismatch_is_refused(
+    store_and_reopen: tuple[object, object],
+) -> None:  # never mix vectors of two models
     store, reopen = store_and_reopen
     with pytest.raises(ModelMismatch, match="5-d"):
         await store.upsert([Point(uuid.uuid4(), [0.1] * 5, {})])
@@ -157,7 +165,7 @@ async def test_model_mismatch_is_refused(store_and_reopen):  # never mix vectors
         await reopen(MODEL, DIM * 2)
 
 
-async def test_points_survive_reopening(store_and_reopen):
+async def test_points_survive_reopening(store_and_reopen: tuple[object, object]) -> None:
     store, reopen = store_and_reopen
     event_id, p = point(8)
     await store.upsert([p])
@@ -168,13 +176,15 @@ async def test_points_survive_reopening(store_and_reopen):
         await again.close()
 
 
-async def test_outage_is_not_an_empty_result(store_and_reopen):  # broken must not look like no matches
+async def test_outage_is_not_an_empty_result(
+    store_and_reopen: tuple[object, object],
+) -> None:  # broken must not look like no matches
     store, _ = store_and_reopen
     await store.close()
     with pytest.raises(Unavailable):
         await store.search(vector(1), Filter(), limit=3)
 
 
-async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path):
+async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="allowed: edge, server"):
         await open_store("faiss", tmp_path, MODEL, DIM)

@@ -56,7 +56,9 @@ def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subp
         stop_node_process(process)
 
 
-def test_up_publish_query_tail_stats_and_clean_stop(running_node):
+def test_up_publish_query_tail_stats_and_clean_stop(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, status, process = running_node
     assert status["embedded_server"] is True
     assert status["server_version"].startswith("2.")
@@ -143,7 +145,9 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
     assert "no epibus node is running" in error_json(stopped)["error"]
 
 
-def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_node):
+def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
     bad = epibus(
         home,
@@ -190,7 +194,9 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_
     assert stats["outbox_depth"] == 0
 
 
-def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
+def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
 
     async def publish_garbage() -> None:
@@ -238,7 +244,9 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
     assert missing.returncode == 1 and "999" in error_json(missing)["error"]
 
 
-def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: Path):
+def test_replay_rebuilds_a_lost_journal_from_the_stream(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]], tmp_path: Path
+) -> None:
     home, _, _ = running_node
     ids = [
         as_json(
@@ -268,14 +276,18 @@ def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: 
     assert [r["event_id"] for r in rebuilt] == ids
 
 
-def test_a_second_node_on_the_same_home_is_refused(running_node):
+def test_a_second_node_on_the_same_home_is_refused(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
     second = epibus(home, "up", "--json", check=False, timeout=30)
     assert second.returncode == 1
     assert str(status["pid"]) in error_json(second)["error"]
 
 
-def test_state_commands_from_publish_to_rollback(running_node):
+def test_state_commands_from_publish_to_rollback(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
 
     def publish(agent: str, text: str, *extra: str) -> str:
@@ -384,7 +396,9 @@ def test_state_commands_from_publish_to_rollback(running_node):
     assert before == []
 
 
-def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_node):
+def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
     assert status["mirror"].startswith("edge") and status["embedding_model"]
 
@@ -433,7 +447,9 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
     assert empty.returncode == 1 and "query" in empty.stderr
 
 
-def test_forget_from_the_cli_reports_every_store_clean(running_node):
+def test_forget_from_the_cli_reports_every_store_clean(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
     out = epibus(
         home,
@@ -474,7 +490,9 @@ def test_forget_from_the_cli_reports_every_store_clean(running_node):
     assert unknown.returncode == 1 and "not found" in unknown.stderr
 
 
-def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
+def test_health_says_when_the_node_is_well_and_when_none_runs(
+    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+) -> None:
     home, status, process = running_node
     assert status["name"]  # a unique name kept in its home
     report = eventually_sync(lambda: _healthy(home), timeout_s=30)

@@ -22,6 +22,7 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from bus.ask import fan_out
 from bus.client import EpibusClient
@@ -142,7 +143,7 @@ async def publish(client: EpibusClient, text: str) -> str:
     return str(event.event_id)
 
 
-async def operator(cluster: Cluster, name: str) -> nats.NATS:
+async def operator(cluster: Cluster, name: str) -> NatsClient:
     node = cluster.node(name)
     return await nats.connect(node["nats_url"], connect_timeout=5, **operator_credentials(Path(node["home"])))
 
@@ -218,7 +219,7 @@ async def test_published_on_node_1_journaled_on_node_2_recalled_from_node_3(
     await eventually(lambda: journaled(cluster, "node-2", event_id), timeout_s=30)
 
     # Enrolled through node-1; node-3's keeper applies the replicated registry to node-3's server.
-    async def on_node_3() -> nats.NATS | None:
+    async def on_node_3() -> NatsClient | None:
         try:
             return await nats.connect(cluster.node("node-3")["nats_url"], connect_timeout=2, allow_reconnect=False,
                                       **agent.nats_credentials)  # fmt: skip

@@ -39,7 +39,9 @@ def poison_messages(envelope: dict[str, object]) -> list[bytes]:
     ]
 
 
-async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(node, nats_server, home, project):
+async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(
+    node: Node, nats_server: NatsServer, home: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=home) as client:
         template = json.loads(client.event("finding", finding(0), project=project).model_dump_json())
         raw = await nats.connect(nats_server.url)
@@ -64,7 +66,9 @@ async def _letters_of(js, project: str, count: int):
     return found if len(found) >= count else None
 
 
-async def test_a_message_over_the_event_limit_is_refused_by_the_stream(node, nats_server, project):
+async def test_a_message_over_the_event_limit_is_refused_by_the_stream(
+    node: Node, nats_server: NatsServer, project: str
+) -> None:
     raw = await nats.connect(nats_server.url)
     try:
         js = raw.jetstream()
@@ -80,7 +84,7 @@ async def test_a_message_over_the_event_limit_is_refused_by_the_stream(node, nat
 
 async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_and_prefix(
     nats_server: NatsServer, home: Path, sqlite_journal_url: str, project: str
-):
+) -> None:
     """A stream an older epibus made before the size limit may hold a message near the server's max payload:
     its dead-letter copy once exceeded the max payload and the server closed the node's connection for good.
     The missing limit is the one setting a node restores without asking (any other drift stops its start)."""
@@ -108,13 +112,17 @@ async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_a
         assert info.config.max_msg_size == EVENT_MAX_MSG_BYTES  # the node put the limit on the old stream
 
 
-async def test_a_node_whose_connection_the_server_closes_restarts_its_services(node, nats_server, home, project):
+async def test_a_node_whose_connection_the_server_closes_restarts_its_services(
+    node: Node, nats_server: NatsServer, home: Path, project: str
+) -> None:
     """nats-py checks a message's payload against the max payload but not its headers; the server counts both
     and closes the connection for good on a violation. The node once kept running on the closed connection,
     journaling nothing while `epibus stats` still answered."""
     first = node.nc
     await first.publish("epibus.test.oversize", b"a" * (first.max_payload - 100), headers={"Pad": "b" * 1000})
-    await eventually(lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected, timeout_s=30)
+    await eventually(
+        lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected, timeout_s=30
+    )
     assert first.is_closed
     async with connect(nats_server.url, agent="alice", home=home) as client:
         event = client.event("finding", finding(1), project=project)
@@ -131,7 +139,7 @@ def _reported(node: Node, home: Path) -> dict | None:
     return report if report and report["nats"]["connection_restarts"] == node.connection_restarts else None
 
 
-async def test_two_nodes_on_one_machine_have_different_names_that_stay(nats_server, tmp_path: Path):
+async def test_two_nodes_on_one_machine_have_different_names_that_stay(nats_server: NatsServer, tmp_path: Path) -> None:
     def config(home: str, name: str | None = None) -> NodeConfig:
         return NodeConfig(home=tmp_path / home, nats_url=nats_server.url, mirror="off", name=name)
 

@@ -36,7 +36,7 @@ async def project_messages(url: str, project: str) -> int:
 
 async def test_nats_killed_while_publishing_5000_events_loses_and_doubles_nothing(
     nats_server: NatsServer, home: Path, project: str, sqlite_journal_url: str
-):
+) -> None:
     total, chunk = 5000, 50
     levels: dict[str, int] = {}
     expected: set[str] = set()
@@ -101,7 +101,7 @@ def wait_until_running(process: subprocess.Popen[bytes]) -> dict[str, object]:
 
 async def test_observer_process_killed_mid_stream_loses_and_doubles_nothing(
     nats_server: NatsServer, tmp_path: Path, home: Path, project: str, sqlite_journal_url: str
-):
+) -> None:
     node_home, log = tmp_path / "node-home", tmp_path / "node.log"
     total = 6000
     node = start_node_process(node_home, nats_server.url, sqlite_journal_url, log)
@@ -132,7 +132,7 @@ async def test_observer_process_killed_mid_stream_loses_and_doubles_nothing(
     assert report == {"missing": [], "extra": [], "doubled": []}
 
 
-async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Path, project: str):
+async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     async with Node(NodeConfig(home=home)) as node:
         assert node.server is not None

@@ -154,7 +154,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 
 
 async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_rest(
-    nats_server, model, tmp_path: Path, project: str
+    nats_server, model: FastEmbedder, tmp_path: Path, project: str
 ) -> None:
     """It once retried such a refusal forever as an outage: the mirror stayed degraded for good."""
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:

@@ -15,6 +15,7 @@ from bus.errors import Unavailable
 from bus.ids import point_id
 from bus.reader import replay
 from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
@@ -39,7 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 
 
 @pytest.fixture
-async def mirrored_node(nats_server, tmp_path: Path) -> AsyncIterator[Node]:
+async def mirrored_node(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Node]:
     config = NodeConfig(
         home=tmp_path / "node-a", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
     )
@@ -62,8 +63,8 @@ async def indexed(node: Node, count: int) -> None:
 
 
 async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_safe_door(
-    mirrored_node, nats_server, tmp_path, project
-):
+    mirrored_node, nats_server: NatsServer, tmp_path: Path, project
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         ids = await publish_topics(alice, project)
         await indexed(mirrored_node, len(TOPICS))
@@ -86,13 +87,17 @@ async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_s
         assert hit["state"]["resolution"] == "retracted"
 
 
-async def test_recall_without_any_mirror_is_an_error_not_an_empty_list(nats_server, tmp_path, project):
+async def test_recall_without_any_mirror_is_an_error_not_an_empty_list(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         with pytest.raises(Unavailable, match="no node with a mirror answered"):
             await alice.recall("anything", project, timeout_s=0.5)
 
 
-async def test_two_nodes_answer_and_hits_merge_by_event_id(mirrored_node, nats_server, tmp_path, project):
+async def test_two_nodes_answer_and_hits_merge_by_event_id(
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     config = NodeConfig(
         home=tmp_path / "node-b", nats_url=nats_server.url, name="node-b", journal_url=f"sqlite:///{tmp_path / 'b.db'}"
     )
@@ -107,7 +112,9 @@ async def test_two_nodes_answer_and_hits_merge_by_event_id(mirrored_node, nats_s
     assert answer.hits[0]["artifact_id"] == ids["nightly backups silently skip the largest table"]
 
 
-async def test_redelivery_and_reembedding_never_duplicate_a_point(mirrored_node, nats_server, tmp_path, project):
+async def test_redelivery_and_reembedding_never_duplicate_a_point(
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         events = [alice.event("finding", finding(i), project=project) for i in range(30)]
         await alice.publish_many(events)
@@ -164,7 +171,9 @@ class SwitchableStore:
         return list(await self.inner.point_ids(where))
 
 
-async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(nats_server, model, tmp_path, project):
+async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(
+    nats_server: NatsServer, model: FastEmbedder, tmp_path: Path, project: str
+) -> None:
     inner = await open_store("edge", tmp_path / "mirror", model.model_id, model.dimension)
     store = SwitchableStore(inner)
     embedder = CachedEmbedder(model, tmp_path / "cache.db")

@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
+from bus.server import NatsServer
 from bus.state import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
@@ -24,7 +25,7 @@ from tests.support import enrol_on_stream, eventually
 
 
 @pytest.fixture
-async def agents(nats_server, tmp_path: Path) -> AsyncIterator[dict[str, EpibusClient]]:
+async def agents(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[dict[str, EpibusClient]]:
     clients = {}
     for name in ("alice", "bob", "carol"):
         clients[name] = await connect(nats_server.url, agent=name, home=tmp_path / name, outbox=False)
@@ -54,7 +55,9 @@ async def settled(journal: Journal, client: EpibusClient, project: str) -> None:
     await eventually(caught_up, timeout_s=15)
 
 
-async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node: Node, agents, project):
+async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     term = "replication lag on shard seven"
     ids = {
@@ -101,7 +104,9 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node
     assert audit[ids["successor"]].state.supersedes == ids["superseded"]
 
 
-async def test_illegal_transitions_are_refused_before_anything_is_written(node: Node, agents, project):
+async def test_illegal_transitions_are_refused_before_anything_is_written(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     aid = await claim(alice, project, "the build is flaky")
     before = (await alice.project_view(project)).subject_seq[aid]
@@ -129,8 +134,8 @@ async def test_illegal_transitions_are_refused_before_anything_is_written(node: 
 
 
 async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_agree(
-    nats_server, agents, project, tmp_path: Path
-):
+    nats_server, agents: dict[str, EpibusClient], project: str, tmp_path: Path
+) -> None:
     second_journal = f"sqlite:///{tmp_path / 'second.db'}"
     async with (
         Node(
@@ -165,7 +170,9 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
         assert first.verifications == second.verifications
 
 
-async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: Node, agents, project, tmp_path: Path):
+async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(
+    node: Node, agents: dict[str, EpibusClient], project: str, tmp_path: Path
+) -> None:
     alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
     root = await claim(alice, project, "baseline latency is 4 ms")
     await bob.transition("verified", {}, project=project, artifact_id=root)
@@ -199,7 +206,9 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: 
     rebuilt.close()
 
 
-async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_the_journal(node: Node, agents, project):
+async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_the_journal(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     aid = await claim(alice, project, "Disk I/O is the bottleneck.")
     await alice.transition(
@@ -221,7 +230,9 @@ async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_t
     assert (await bob.publish(fresh, strict=True)).flags == ()
 
 
-async def test_as_of_reads_before_and_after_a_retraction(node: Node, agents, project):
+async def test_as_of_reads_before_and_after_a_retraction(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     aid = await claim(alice, project, "the queue never drops messages")
     await settled(node.journal, alice, project)
@@ -236,7 +247,9 @@ async def test_as_of_reads_before_and_after_a_retraction(node: Node, agents, pro
     assert [v.state.artifact_id for v in audit_artifacts(node.journal, project)] == [aid]
 
 
-async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(node: Node, agents, project):
+async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     base = await claim(alice, project, "v0")
     await bob.transition("verified", {}, project=project, artifact_id=base)
@@ -256,7 +269,7 @@ async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(nod
     assert states[base].trust is Trust.verified
 
 
-async def test_briefing_and_vocab_report(node: Node, agents, project):
+async def test_briefing_and_vocab_report(node: Node, agents: dict[str, EpibusClient], project: str) -> None:
     alice, bob = agents["alice"], agents["bob"]
     top = await claim(alice, project, "the deploy script skips migrations", source="search")
     unknown = alice.event("unknown", {"question": "why do migrations time out?", "impact": 0.7}, project=project)
@@ -295,7 +308,9 @@ async def test_briefing_and_vocab_report(node: Node, agents, project):
     assert not any("none of" in w for w in vocab_report(node.journal, project).warnings)
 
 
-async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(node: Node, agents, project):
+async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     aid = await claim(alice, project, "the author cannot vouch for this")
     own = alice.event("verified", {}, project=project, artifact_id=aid)
@@ -304,7 +319,9 @@ async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(n
     assert receipt.rejected is not None and "alice is the author" in receipt.rejected
 
 
-async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(node: Node, agents, project):
+async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     ghost = alice.event("finding", finding(text="builds on nothing") | {"revises": "ghost"}, project=project)
     with pytest.raises(IllegalTransition, match="revised artifact 'ghost' does not exist"):
@@ -312,7 +329,9 @@ async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is
     assert (await alice.project_view(project)).subject_seq == {}
 
 
-async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node: Node, agents, project):
+async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
     old = await claim(alice, project, "the limit is 100 requests per second")
     for other in (bob, carol):  # superseding alice's claim takes one of her identities or an admin: admins here
@@ -339,7 +358,9 @@ async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node:
     assert states[winner_id].supersedes == old
 
 
-async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_clock(node: Node, agents, project):
+async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_clock(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     from datetime import timedelta
 
     from bus.event import validate_event
@@ -355,7 +376,9 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
     assert [v.state.artifact_id for v in artifacts(node.journal, project)] == [late.artifact_id]
 
 
-async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, agents, project):
+async def test_migrating_a_journal_with_events_projects_them(
+    tmp_path: Path, agents: dict[str, EpibusClient], project: str
+) -> None:
     from bus.runner import Delivery
     from bus.subjects import event_subject
     from observers.schema import _v1_events, events, metadata, schema_versions
@@ -392,8 +415,8 @@ async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, age
 
 
 async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_them_again(
-    tmp_path: Path, agents, project
-):
+    tmp_path: Path, agents: dict[str, EpibusClient], project
+) -> None:
     """A journal upgraded from before enrolment records existed decided its events without them; the first batch
     that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
     from bus.admission import Delivery

@@ -9,6 +9,7 @@ from sqlalchemy import text
 
 from bus.client import connect
 from bus.ids import point_id
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.mirror.store import Filter
@@ -16,7 +17,9 @@ from tests.conftest import finding
 from tests.support import eventually, journal_event_ids
 
 
-async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(nats_server, tmp_path: Path, project):
+async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     config = NodeConfig(
         home=tmp_path / "node", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
     )
@@ -52,8 +55,8 @@ async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(na
 
 @pytest.mark.parametrize("mirror", ["edge", "server"])
 async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_events(
-    nats_server, tmp_path, project, mirror
-):
+    nats_server, tmp_path: Path, project: str, mirror
+) -> None:
     config = NodeConfig(
         home=tmp_path / "node",
         nats_url=nats_server.url,

@@ -87,7 +87,7 @@ async def _stream_state(node: Node, home: Path) -> dict[str, Any]:
         await nc.close()
 
 
-async def test_a_process_without_an_enrolled_key_cannot_connect(secured) -> None:
+async def test_a_process_without_an_enrolled_key_cannot_connect(secured: tuple[Node, Path]) -> None:
     node, _ = secured
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2)
@@ -126,7 +126,9 @@ async def test_an_enrolled_agent_cannot_delete_purge_or_reconfigure_the_stream_n
     assert await _stream_state(node, home) == before
 
 
-async def test_an_agent_reads_the_live_nodes_but_cannot_announce_itself_as_one(secured, project) -> None:
+async def test_an_agent_reads_the_live_nodes_but_cannot_announce_itself_as_one(
+    secured: tuple[Node, Path], project: str
+) -> None:
     node, home = secured
     mallory = AgentKey.generate("mallory")
     await _enrol(node, home, mallory, [project], [Role.agent])
@@ -147,7 +149,7 @@ async def test_an_agent_reads_the_live_nodes_but_cannot_announce_itself_as_one(s
     assert after.ignored == {}  # the forged record never reached the bucket
 
 
-async def test_an_agent_publishes_only_in_its_own_projects(secured, project) -> None:
+async def test_an_agent_publishes_only_in_its_own_projects(secured: tuple[Node, Path], project: str) -> None:
     node, home = secured
     mallory = AgentKey.generate("mallory")
     await _enrol(node, home, mallory, [project], [Role.agent])
@@ -162,7 +164,9 @@ async def test_an_agent_publishes_only_in_its_own_projects(secured, project) -> 
     assert (await _stream_state(node, home))["messages"] == before["messages"]
 
 
-async def test_an_agent_cannot_listen_to_other_inboxes_nor_to_node_requests(secured, project) -> None:
+async def test_an_agent_cannot_listen_to_other_inboxes_nor_to_node_requests(
+    secured: tuple[Node, Path], project: str
+) -> None:
     node, home = secured
     mallory = AgentKey.generate("mallory")
     await _enrol(node, home, mallory, [project], [Role.agent])
@@ -174,7 +178,9 @@ async def test_an_agent_cannot_listen_to_other_inboxes_nor_to_node_requests(secu
     await nc.close()
 
 
-async def test_only_an_admin_enrols_and_a_revoked_agent_can_no_longer_connect(secured, project) -> None:
+async def test_only_an_admin_enrols_and_a_revoked_agent_can_no_longer_connect(
+    secured: tuple[Node, Path], project: str
+) -> None:
     node, home = secured
     mallory = AgentKey.generate("mallory")
     await _enrol(node, home, mallory, [project], [Role.agent])
@@ -200,7 +206,9 @@ async def test_only_an_admin_enrols_and_a_revoked_agent_can_no_longer_connect(se
         await nats.connect(node.nats_url, allow_reconnect=False, connect_timeout=2, **mallory.nats_credentials)
 
 
-async def test_an_unsigned_or_forged_enrolment_request_is_answered_with_a_refusal(secured, project) -> None:
+async def test_an_unsigned_or_forged_enrolment_request_is_answered_with_a_refusal(
+    secured: tuple[Node, Path], project: str
+) -> None:
     node, home = secured
     mallory = AgentKey.generate("mallory")
     await _enrol(node, home, mallory, [project], [Role.agent])
@@ -223,7 +231,7 @@ async def test_an_unsigned_or_forged_enrolment_request_is_answered_with_a_refusa
     assert "x" not in agents
 
 
-async def test_an_agent_reads_its_own_projects_and_nothing_of_others(secured, project) -> None:
+async def test_an_agent_reads_its_own_projects_and_nothing_of_others(secured: tuple[Node, Path], project: str) -> None:
     node, home = secured
     other = f"{project}-x"
     async with connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
@@ -257,7 +265,9 @@ async def test_an_agent_reads_its_own_projects_and_nothing_of_others(secured, pr
     await nc.close()
 
 
-async def test_a_client_refuses_to_publish_outside_its_projects_before_anything_is_written(secured, project) -> None:
+async def test_a_client_refuses_to_publish_outside_its_projects_before_anything_is_written(
+    secured: tuple[Node, Path], project: str
+) -> None:
     node, home = secured
     bob = AgentKey.load_or_create(home, "bob")
     await _enrol(node, home, bob, [project], [Role.agent])
@@ -269,7 +279,7 @@ async def test_a_client_refuses_to_publish_outside_its_projects_before_anything_
     assert (await _stream_state(node, home))["messages"] == before["messages"]
 
 
-async def test_following_another_project_is_forbidden_not_a_hang(secured, project) -> None:
+async def test_following_another_project_is_forbidden_not_a_hang(secured: tuple[Node, Path], project: str) -> None:
     node, home = secured
     bob = AgentKey.load_or_create(home, "bob")
     await _enrol(node, home, bob, [project], [Role.agent])
@@ -281,7 +291,7 @@ async def test_following_another_project_is_forbidden_not_a_hang(secured, projec
     await nc.close()
 
 
-async def test_a_local_first_connect_never_changes_an_enrolled_agent(secured, project) -> None:
+async def test_a_local_first_connect_never_changes_an_enrolled_agent(secured: tuple[Node, Path], project: str) -> None:
     node, home = secured
     carol = AgentKey.load_or_create(home, "carol")
     await _enrol(node, home, carol, [project], [Role.admin])
