@@ -37,7 +37,8 @@ async def test_publish_round_trip_is_read_back_from_the_journal_by_sql(
         event = client.event("finding", finding(text="disk fills at 80% on node 3"), project=project)
         receipt = await client.publish(event, wait_for=ReceiptLevel.journaled)
     assert receipt.level is ReceiptLevel.journaled
-    assert receipt.stream_seq is not None and receipt.stream_seq >= 1
+    assert receipt.stream_seq is not None
+    assert receipt.stream_seq >= 1
     assert journal_event_ids(node.journal.url, project) == [str(event.event_id)]
     (row,) = node.journal.query(__import__("observers.journal").journal.EventQuery(project=project))
     assert row.event() == event
@@ -114,7 +115,7 @@ async def test_without_an_outbox_an_unreachable_nats_raises_unavailable(home: Pa
 
 def test_no_running_node_and_no_url_is_a_clear_config_error(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EPIBUS_NATS_URL", raising=False)
-    with pytest.raises(ConfigError, match="no epibus node is running.*epibus up"):
+    with pytest.raises(ConfigError, match=r"no epibus node is running.*epibus up"):
         connect(agent="alice", home=home)
 
 
@@ -221,8 +222,7 @@ def test_the_sync_facade_publishes_and_waits_for_the_journal(
                 NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")
             ):
                 ready.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(stop.wait)
 
         asyncio.run(main())
 
@@ -256,7 +256,8 @@ async def test_a_receipt_is_read_from_the_shared_outbox_when_another_forwarder_s
         receipt = await client.publish(event, timeout_s=15)
     assert receipt.level is ReceiptLevel.published
     assert receipt.stream_seq is not None
-    assert node.forwarder is not None and node.forwarder.stats.sent >= 1
+    assert node.forwarder is not None
+    assert node.forwarder.stats.sent >= 1
     await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)])
 
 

@@ -131,7 +131,8 @@ async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(
     assert "disk on fire" in letter.headers[DLQ_ERROR]
     assert json.loads(letter.data)["event_id"] == str(event.event_id)
     consumer = figures["EPI"]["consumers"]["always-fails"]
-    assert consumer["pending"] == 0 and consumer["ack_pending"] == 0
+    assert consumer["pending"] == 0
+    assert consumer["ack_pending"] == 0
 
 
 async def test_a_transient_observer_failure_is_redelivered_and_written_once(
@@ -237,8 +238,10 @@ async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(
         await eventually(lambda: len(observer.written) == 20, timeout_s=60)
         letters = await dead_letters(client.js)
     assert sorted(observer.written) == sorted(str(e.event_id) for e in events)
-    assert letters == [] and runner.stats.dead_lettered == {}
-    assert runner.stats.outage_retries == 8 and runner.stats.degraded is False
+    assert letters == []
+    assert runner.stats.dead_lettered == {}
+    assert runner.stats.outage_retries == 8
+    assert runner.stats.degraded is False
 
 
 class PoisonObserver:
@@ -317,7 +320,8 @@ async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_st
             events = [client.event("finding", finding(i), project=project) for i in range(5)]
             await client.publish_many(events)
             await eventually(lambda: runner.stats.stalled, timeout_s=15)
-            assert runner.stats.pending and runner.stats.pending >= 1
+            assert runner.stats.pending
+            assert runner.stats.pending >= 1
             observer.down_calls = 0
             await eventually(lambda: len(observer.written) == 5, timeout_s=20)
             await eventually(lambda: not runner.stats.stalled, timeout_s=10)

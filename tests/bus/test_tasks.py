@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from bus.tasks import cancel_and_wait, run_together
+from tests.support import eventually
 
 
 class Loop:
@@ -35,11 +36,11 @@ class Loop:
 async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_cancellation() -> None:
     stubborn, plain = Loop(swallow=3), Loop(swallow=0)
     running = asyncio.create_task(run_together({"stubborn": stubborn.run(), "plain": plain.run()}))
-    while stubborn.rounds < 3:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stubborn.rounds >= 3, interval_s=0.01)
     await cancel_and_wait([running], timeout_s=5)
     assert running.cancelled()
-    assert stubborn.stopped and plain.stopped
+    assert stubborn.stopped
+    assert plain.stopped
     rounds = stubborn.rounds
     await asyncio.sleep(0.05)
     assert stubborn.rounds == rounds  # nothing runs on after the stop
@@ -54,10 +55,10 @@ async def test_a_task_group_would_have_waited_on_that_loop_for_ever() -> None:
             group.create_task(stubborn.run())
 
     running = asyncio.create_task(grouped())
-    while stubborn.rounds < 2:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stubborn.rounds >= 2, interval_s=0.01)
     await cancel_and_wait([running], timeout_s=0.5)
-    assert not running.done() and not stubborn.stopped
+    assert not running.done()
+    assert not stubborn.stopped
     stubborn.swallow = 0
     await cancel_and_wait([running], timeout_s=0.5)  # still stuck: the group never cancels its child again
     assert not running.done()

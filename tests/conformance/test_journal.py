@@ -75,7 +75,8 @@ def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept
     assert written.inserted == []
     assert [(r.stream_seq, r.reason.value) for r in written.refused] == [(900, "duplicate_id_conflict")]
     (row,) = journal.query(EventQuery(project=project))
-    assert row.envelope["body"]["text"] == first.event.body.text and row.stream_seq == first.stream_seq
+    assert row.envelope["body"]["text"] == first.event.body.text
+    assert row.stream_seq == first.stream_seq
 
 
 def test_an_exact_resend_of_a_journaled_event_is_neither_written_nor_refused(
@@ -99,7 +100,8 @@ def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(
     assert written.inserted == [str(first.event.event_id)]
     assert [r.stream_seq for r in written.refused] == [60]
     (row,) = journal.query(EventQuery(project=project))
-    assert row.stream_seq == 50 and row.envelope["body"]["text"] == first.event.body.text
+    assert row.stream_seq == 50
+    assert row.envelope["body"]["text"] == first.event.body.text
 
 
 def test_zero_and_empty_values_are_stored_as_values(journal: Journal, keys: dict[str, AgentKey], project: str) -> None:
@@ -193,9 +195,11 @@ async def test_a_node_journals_published_events_on_this_backend(
     from bus.client import connect
     from bus.vocab import ReceiptLevel
 
-    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")):
-        async with connect(nats_server.url, agent="alice", home=home) as client:
-            events = [client.event("finding", finding(i), project=project) for i in range(50)]
-            await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)
+    async with (
+        Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")),
+        connect(nats_server.url, agent="alice", home=home) as client,
+    ):
+        events = [client.event("finding", finding(i), project=project) for i in range(50)]
+        await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)
     report = missing_and_extra({str(e.event_id) for e in events}, journal_event_ids(journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}

@@ -3,6 +3,8 @@ local mode (on disk and in memory) and, where a Docker engine answers, a real Qd
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import shutil
 import subprocess
 import uuid
@@ -30,28 +32,29 @@ def docker_engine_answers() -> bool:
 async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[object, object]]:
     """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
     kind = request.param
-    if kind == "server-docker":
-        if not docker_engine_answers():
-            pytest.skip("no Docker engine: the real Qdrant server case runs only where `docker info` answers")
-        from testcontainers.qdrant import QdrantContainer
+    with contextlib.ExitStack() as stack:
+        if kind == "server-docker":
+            if not docker_engine_answers():
+                pytest.skip("no Docker engine: the real Qdrant server case runs only where `docker info` answers")
+            from testcontainers.qdrant import QdrantContainer
 
-        container = QdrantContainer("qdrant/qdrant:v1.13.0")
-        container.start()
-        request.addfinalizer(container.stop)
-        location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
-        backend = "server"
-    elif kind == "edge":
-        location, backend = str(tmp_path / "edge"), "edge"
-    else:
-        location, backend = str(tmp_path / "local"), "server"
-    store = await open_store(backend, location, MODEL, DIM)
+            container = QdrantContainer("qdrant/qdrant:v1.13.0")
+            container.start()
+            stack.callback(container.stop)  # stopped last, after the store is closed, and if the setup fails
+            location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
+            backend = "server"
+        elif kind == "edge":
+            location, backend = str(tmp_path / "edge"), "edge"
+        else:
+            location, backend = str(tmp_path / "local"), "server"
+        store = await open_store(backend, location, MODEL, DIM)
 
-    async def reopen(model_id: str, dimension: int) -> object:
+        async def reopen(model_id: str, dimension: int) -> object:
+            await store.close()
+            return await open_store(backend, location, model_id, dimension)
+
+        yield store, reopen
         await store.close()
-        return await open_store(backend, location, model_id, dimension)
-
-    yield store, reopen
-    await store.close()
 
 
 def vector(seed: int) -> list[float]:
@@ -117,7 +120,7 @@ async def test_search_filters_and_ranks(store_and_reopen: tuple[object, object])
     expected = {p.id for _, p in points if p.payload["project"] == "p" and p.payload["trust"] != "contradicted"}
     assert {h.id for h in hits} == expected
     assert hits[0].id == points[4][1].id  # the query vector is point 5's own
-    assert all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
+    assert all(a.score >= b.score for a, b in itertools.pairwise(hits))
     anyof = await store.search(vector(1), Filter(any_of={"trust": ["contradicted"]}), limit=20)
     assert {h.payload["trust"] for h in anyof} == {"contradicted"}
     low = await store.search(vector(1), Filter(at_most={"impact": 0.4}), limit=20)
@@ -144,7 +147,8 @@ async def test_a_status_change_reaches_the_payload(
     await store.upsert([target[1], other[1]])
     await store.set_payload(Filter(equals={"artifact_id": "a1"}), {"trust": "rolled_back", "lifecycle": "active"})
     (found,) = await store.retrieve([point_id(target[0])])
-    assert found.payload["trust"] == "rolled_back" and found.payload["impact"] == 0.5
+    assert found.payload["trust"] == "rolled_back"
+    assert found.payload["impact"] == 0.5
     (untouched,) = await store.retrieve([point_id(other[0])])
     assert untouched.payload["trust"] == "unverified"
     with pytest.raises(ValueError, match="needs a filter"):

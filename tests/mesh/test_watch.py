@@ -136,9 +136,13 @@ async def test_an_empty_or_failed_poll_never_resets_what_was_seen(
     assert watcher.stats.empty_polls == 1
     nats_server.kill()
     watcher._checked_at = 0.0  # make the next empty poll ask the server for its consumer: a failed poll
-    with pytest.raises(RETRYABLE):
+
+    async def five_steps() -> None:
         for _ in range(5):
             await watcher.step()
+
+    with pytest.raises(RETRYABLE):
+        await five_steps()
     assert watcher.last_seen == seen
     assert cursor.load() == seen
     assert handled == [seen]

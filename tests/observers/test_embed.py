@@ -40,7 +40,8 @@ async def test_an_identical_text_is_embedded_once(model: FastEmbedder, tmp_path:
     assert again == [first[2], first[0]]
     cache.close()
     reopened = CachedEmbedder(model, tmp_path / "cache.db")  # persistent: read back by a new cache object
-    assert await reopened.embed(["queue lag"]) == [first[2]] and reopened.hits == 1
+    assert await reopened.embed(["queue lag"]) == [first[2]]
+    assert reopened.hits == 1
     reopened.close()
 
 
@@ -64,7 +65,7 @@ async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Pat
 
 
 async def test_an_unloadable_model_is_a_clear_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="EPIBUS_EMBED_MODEL.*no-such/model"):
+    with pytest.raises(ConfigError, match=r"EPIBUS_EMBED_MODEL.*no-such/model"):
         await FastEmbedder(tmp_path, "no-such/model").load()
 
 

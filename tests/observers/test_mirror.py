@@ -101,12 +101,14 @@ async def test_two_nodes_answer_and_hits_merge_by_event_id(
     config = NodeConfig(
         home=tmp_path / "node-b", nats_url=nats_server.url, name="node-b", journal_url=f"sqlite:///{tmp_path / 'b.db'}"
     )
-    async with Node(config) as second:
-        async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
-            ids = await publish_topics(alice, project)
-            await indexed(mirrored_node, len(TOPICS))
-            await indexed(second, len(TOPICS))
-            answer = await alice.recall("our backups miss a table", project, k=10)
+    async with (
+        Node(config) as second,
+        connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice,
+    ):
+        ids = await publish_topics(alice, project)
+        await indexed(mirrored_node, len(TOPICS))
+        await indexed(second, len(TOPICS))
+        answer = await alice.recall("our backups miss a table", project, k=10)
     assert sorted(answer.nodes) == ["node-a", "node-b"]
     assert len({h["event_id"] for h in answer.hits}) == len(answer.hits) == len(TOPICS)
     assert answer.hits[0]["artifact_id"] == ids["nightly backups silently skip the largest table"]
@@ -120,7 +122,8 @@ async def test_redelivery_and_reembedding_never_duplicate_a_point(
         await alice.publish_many(events)
         await indexed(mirrored_node, 30)
         store, mirror = mirrored_node.store, mirrored_node.mirror
-        assert store is not None and mirror is not None
+        assert store is not None
+        assert mirror is not None
         assert mirrored_node.journal is not None
         again = MirrorObserver(
             store, mirror.embedder, name="mirror-replay", journal=mirrored_node.journal, node="node-a"
@@ -195,7 +198,8 @@ async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(
             await eventually(lambda: observer.indexed == 40, timeout_s=60)
             task.cancel()
             journaling.cancel()
-        assert runner.stats.dead_lettered == {} and runner.stats.degraded is False
+        assert runner.stats.dead_lettered == {}
+        assert runner.stats.degraded is False
         assert sorted(await inner.point_ids()) == sorted(point_id(e.event_id) for e in events)
     finally:
         await nc.close()

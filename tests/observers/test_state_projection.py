@@ -160,8 +160,10 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
         )
         winners = [r for r in results if not isinstance(r, BaseException)]
         losers = [r for r in results if isinstance(r, BaseException)]
-        assert len(winners) == 1 and len(losers) == 1
-        assert isinstance(losers[0], Conflict) and "10071" in str(losers[0])
+        assert len(winners) == 1
+        assert len(losers) == 1
+        assert isinstance(losers[0], Conflict)
+        assert "10071" in str(losers[0])
         await settled(n1.journal, alice, project)
         await settled(n2.journal, alice, project)
         first, second = snapshot(n1.journal, project), snapshot(n2.journal, project)
@@ -200,7 +202,8 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(
         status = conn.execute(
             text("SELECT status, reason FROM events WHERE event_id = :e"), {"e": str(bad.event_id)}
         ).one()
-    assert status.status == "rejected" and "alice is the author" in status.reason
+    assert status.status == "rejected"
+    assert "alice is the author" in status.reason
     node.journal.rebuild_projection()
     assert snapshot(node.journal, project).states == live.states
     rebuilt.close()
@@ -301,7 +304,8 @@ async def test_briefing_and_vocab_report(node: Node, agents: dict[str, EpibusCli
     assert [v.state.artifact_id for v in brief.unearned_confidence] == [hunch.artifact_id]
     report = vocab_report(node.journal, project)
     assert report.resolutions == {"stale": 1, "superseded": 0, "retracted": 0, "mistyped": 0}
-    assert report.sources["intuition"] == 1 and report.sources["search"] == 1
+    assert report.sources["intuition"] == 1
+    assert report.sources["search"] == 1
     assert any("every resolution (1) is 'stale'" in w for w in report.warnings)
     await bob.transition("verified", {}, project=project, artifact_id=top)
     await settled(node.journal, alice, project)
@@ -316,7 +320,8 @@ async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(
     own = alice.event("verified", {}, project=project, artifact_id=aid)
     receipt = await alice.publish(own, wait_for=ReceiptLevel.journaled)  # raw publish, no client validation
     assert receipt.level is ReceiptLevel.journaled
-    assert receipt.rejected is not None and "alice is the author" in receipt.rejected
+    assert receipt.rejected is not None
+    assert "alice is the author" in receipt.rejected
 
 
 async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(
