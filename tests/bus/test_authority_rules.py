@@ -121,7 +121,7 @@ def test_agents_and_reviewers_verify_and_a_reviewers_verification_is_marked_a_hu
     ],
 )
 def test_only_the_author_or_an_admin_may_retract_resolve_roll_back_or_forget_a_claim(
-    keys, kind: str, body: dict[str, Any], action: str
+    keys: dict[str, AgentKey], kind: str, body: dict[str, Any], action: str
 ) -> None:
     lookup = {"a1": state("a1"), "a2": state("a2")}.get
     message = refusal(ev(keys["bob"], kind, body, artifact_id="a1"), NO_RECORDS, lookup)

@@ -22,6 +22,7 @@ from bus.event import Evidence, _holds_nul, canonical_json, draft_event, envelop
 from bus.ids import new_event_id
 from bus.outbox import OutboxRow
 from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
 from bus.subjects import STREAM, events_filter
 from bus.vocab import EvidenceKind
@@ -147,7 +148,7 @@ def test_a_forked_child_does_not_repeat_its_parents_event_ids() -> None:
 
 
 async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_journal_alike(
-    nats_server, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_server: NatsServer, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(client_module, "SIGN_CHUNK", 64)  # several chunks, and a partial last one
     at = datetime.now(UTC)

@@ -247,7 +247,7 @@ def test_the_sync_facade_publishes_and_waits_for_the_journal(
 
 
 async def test_a_receipt_is_read_from_the_shared_outbox_when_another_forwarder_sent_the_event(
-    node: Node, nats_server: NatsServer, home: Path, project
+    node: Node, nats_server: NatsServer, home: Path, project: str
 ) -> None:
     async with connect(nats_server.url, agent="alice", home=home) as client:
         for task in client._tasks:  # this client's forwarder stops: only the node's drains the shared outbox

@@ -53,7 +53,7 @@ slug_st = st.from_regex(r"^[a-z0-9][a-z0-9-]{0,20}$", fullmatch=True)
     text=text_st, impact=unit_st, confidence=unit_st, project=slug_st, source=st.sampled_from([None, *EpistemicSource])
 )
 def test_any_valid_finding_survives_encode_sign_decode_verify(
-    key: AgentKey, text, impact, confidence, project: str, source
+    key: AgentKey, text: str, impact: float, confidence: float, project: str, source: EpistemicSource | None
 ) -> None:
     event = key.sign(
         _draft(
@@ -73,14 +73,14 @@ def test_any_valid_finding_survives_encode_sign_decode_verify(
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(impact=st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.000001)).filter(lambda x: x == x))
-def test_impact_outside_zero_to_one_is_rejected_naming_the_field(key: AgentKey, impact) -> None:
+def test_impact_outside_zero_to_one_is_rejected_naming_the_field(key: AgentKey, impact: float) -> None:
     with pytest.raises(InvalidEvent, match=r"body\.impact"):
         _draft(key, "finding", {"text": "t", "impact": impact, "confidence": 0.5, "subject": "s"})
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(extra=st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=12))
-def test_any_extra_body_key_is_rejected(key: AgentKey, extra) -> None:
+def test_any_extra_body_key_is_rejected(key: AgentKey, extra: str) -> None:
     body = {"text": "t", "impact": 0.5, "confidence": 0.5, "subject": "s"}
     if extra in body or extra in FindingBody.model_fields:
         return
@@ -101,7 +101,7 @@ def test_bad_project_slug_is_rejected(key: AgentKey, project: str) -> None:
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=300))
-def test_arbitrary_bytes_never_decode_to_an_event(data) -> None:
+def test_arbitrary_bytes_never_decode_to_an_event(data: bytes) -> None:
     with pytest.raises(InvalidEvent):
         decode_event(data)
 

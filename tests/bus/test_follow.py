@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client as NatsClient
 
 from bus.client import connect
@@ -101,7 +102,7 @@ def record_node(home: Path, server: NatsServer) -> None:
 
 
 async def test_a_client_following_the_local_node_reconnects_where_node_json_says_it_moved(
-    tmp_path, home: Path, project: str, monkeypatch
+    tmp_path: Path, home: Path, project: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("EPIBUS_NATS_URL", raising=False)
     first, second = NatsServer(tmp_path / "first"), NatsServer(tmp_path / "second")

@@ -49,7 +49,7 @@ def journal(sqlite_journal_url: str) -> Iterator[Journal]:
 
 
 async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_stays_intact(
-    nats_server, home: Path, project: str, journal: Journal, tmp_path: Path
+    nats_server: NatsServer, home: Path, project: str, journal: Journal, tmp_path: Path
 ) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,

@@ -94,7 +94,7 @@ def state(
     list(itertools.product(Trust, [Lifecycle.active, Lifecycle.resolved], ResolutionKind)),
 )
 def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled_back(
-    agents, trust, lifecycle, resolution
+    agents: dict[str, AgentKey], trust: Trust, lifecycle: Lifecycle, resolution: ResolutionKind
 ) -> None:
     states = {
         "a1": state(
@@ -310,7 +310,7 @@ def test_relevance_combines_time_weight_and_impact() -> None:
     ],
     ids=["rolled_back", "contradicted", "resolved", "forgotten"],
 )
-def test_a_successor_that_could_not_be_shown_is_refused(agents: dict[str, AgentKey], successor) -> None:
+def test_a_successor_that_could_not_be_shown_is_refused(agents: dict[str, AgentKey], successor: ArtifactState) -> None:
     states = {"a": state("a"), "b": successor}
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
     with pytest.raises(IllegalTransition, match="a successor must be active"):

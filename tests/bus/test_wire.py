@@ -148,7 +148,7 @@ def _reordered(wire: WireMessage) -> bytes:
 
 
 async def test_legacy_events_in_the_stream_are_journaled_and_reserialised_ones_are_dead_lettered(
-    nats_server, home: Path, project: str, journal
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
 ) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,

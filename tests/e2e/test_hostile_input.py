@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -79,7 +80,7 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
     rng = random.Random(20261203)
     async with Node(config) as node, connect(nats_server.url, agent="alice", home=tmp_path / "alice") as alice:
 
-        def make_event(text: str, event_id=None) -> Envelope:
+        def make_event(text: str, event_id: uuid.UUID | None = None) -> Envelope:
             return alice.event("finding", finding(text=text), project=project, event_id=event_id)
 
         valid = [make_event(f"valid claim number {i} about queue lag") for i in range(20)]

@@ -11,6 +11,8 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from bus.client import connect
 from bus.errors import ConfigError
@@ -61,7 +63,7 @@ async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(
         assert node.runner.stats.internal_errors == 0
 
 
-async def _letters_of(js, project: str, count: int):
+async def _letters_of(js: JetStreamContext, project: str, count: int) -> list[Msg] | None:
     found = [m for m in await dead_letters(js) if f"epi.{project}." in (m.headers or {}).get("Epibus-Dlq-Subject", "")]
     return found if len(found) >= count else None
 

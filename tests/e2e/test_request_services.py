@@ -73,7 +73,7 @@ async def refusals(nc: NatsClient, subject: str, bodies: list[HostileRequest]) -
 
 @pytest.mark.parametrize("subject", [VERIFY, PROVE_FORGOTTEN, REINDEX, JOURNAL_LOOKUP])
 async def test_every_hostile_request_gets_a_reply_naming_the_field_it_got_wrong(
-    node: Node, raw: NatsClient, subject
+    node: Node, raw: NatsClient, subject: str
 ) -> None:
     bodies = hostile_requests(subject)
     assert await refusals(raw, subject, bodies) == {}
@@ -82,7 +82,7 @@ async def test_every_hostile_request_gets_a_reply_naming_the_field_it_got_wrong(
 
 
 async def test_recall_refuses_every_hostile_request_and_then_finds_a_published_event(
-    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project
+    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
     bodies = hostile_requests(RECALL)
     assert await refusals(raw, RECALL, bodies) == {}
@@ -181,7 +181,7 @@ async def test_verify_with_only_garbage_replies_is_unavailable_and_names_them(
 
 
 async def test_recall_uses_the_real_answer_and_reports_the_garbage_in_failed_nodes(
-    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project
+    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         event = alice.event("finding", finding(text="the cache is flushed on every deploy"), project=project)

@@ -23,7 +23,7 @@ TOKEN = "t" * 43
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "example.com"])
-def test_a_non_loopback_or_wildcard_address_is_refused_naming_the_option(host) -> None:
+def test_a_non_loopback_or_wildcard_address_is_refused_naming_the_option(host: str) -> None:
     with pytest.raises(ConfigError, match="--ui-host"):
         check_bind_host(host, allow_remote=False)
 
@@ -82,7 +82,9 @@ async def ask(gate: TokenGate, path: str, headers: list[tuple[str, str]]) -> htt
         ([("cookie", f"{COOKIE}={TOKEN}"), ("host", "localhost:9")], 200),
     ],
 )
-async def test_the_gate_lets_only_the_token_holder_in_at_its_own_address(gate: TokenGate, headers, status) -> None:
+async def test_the_gate_lets_only_the_token_holder_in_at_its_own_address(
+    gate: TokenGate, headers: list[tuple[str, str]], status: int
+) -> None:
     answer = await ask(gate, "/x", headers)
     assert answer.status_code == status, answer.text
     assert (answer.text == "inside") is (status == 200)

@@ -25,6 +25,7 @@ from bus.ids import point_id
 from bus.jetstream import translate_publish_error
 from bus.reader import dead_letters
 from bus.runner import DLQ_ERROR, DLQ_REASON, ConsumerRunner
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver, database_failure
 from observers.mirror.backends import open_store
@@ -154,7 +155,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 
 
 async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_rest(
-    nats_server, model: FastEmbedder, tmp_path: Path, project: str
+    nats_server: NatsServer, model: FastEmbedder, tmp_path: Path, project: str
 ) -> None:
     """It once retried such a refusal forever as an outage: the mirror stayed degraded for good."""
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:

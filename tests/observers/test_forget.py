@@ -191,7 +191,7 @@ async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, proj
 
 
 async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrubbable(
-    nats_server, tmp_path: Path, project: str
+    nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
     home = tmp_path / "home"
     text_, token = secret_claim()

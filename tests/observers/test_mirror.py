@@ -63,7 +63,7 @@ async def indexed(node: Node, count: int) -> None:
 
 
 async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_safe_door(
-    mirrored_node, nats_server: NatsServer, tmp_path: Path, project
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         ids = await publish_topics(alice, project)

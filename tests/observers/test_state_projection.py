@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
+from bus.event import Envelope
 from bus.server import NatsServer
 from bus.state import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import ReceiptLevel, Role, Trust
@@ -134,7 +135,7 @@ async def test_illegal_transitions_are_refused_before_anything_is_written(
 
 
 async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_agree(
-    nats_server, agents: dict[str, EpibusClient], project: str, tmp_path: Path
+    nats_server: NatsServer, agents: dict[str, EpibusClient], project: str, tmp_path: Path
 ) -> None:
     second_journal = f"sqlite:///{tmp_path / 'second.db'}"
     async with (
@@ -420,7 +421,7 @@ async def test_migrating_a_journal_with_events_projects_them(
 
 
 async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_them_again(
-    tmp_path: Path, agents: dict[str, EpibusClient], project
+    tmp_path: Path, agents: dict[str, EpibusClient], project: str
 ) -> None:
     """A journal upgraded from before enrolment records existed decided its events without them; the first batch
     that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
@@ -434,7 +435,7 @@ async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_t
     rollback = bob.event("rolled_back", {"reason": "it runs once"}, project=project, artifact_id=claim_.artifact_id)
     later = alice.event("finding", finding(text="the cron job runs at noon"), project=project)
 
-    def delivery(event, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
+    def delivery(event: Envelope, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
         return Delivery(event, event_subject(project, event.kind, event.artifact_id), seq, 1, authority=authority)
 
     journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")

@@ -60,7 +60,7 @@ async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(
 
 @pytest.mark.parametrize("mirror", ["edge", "server"])
 async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_events(
-    nats_server, tmp_path: Path, project: str, mirror
+    nats_server: NatsServer, tmp_path: Path, project: str, mirror: str
 ) -> None:
     config = NodeConfig(
         home=tmp_path / "node",

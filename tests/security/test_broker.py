@@ -97,7 +97,7 @@ async def test_a_process_without_an_enrolled_key_cannot_connect(secured: tuple[N
 
 
 async def test_an_enrolled_agent_cannot_delete_purge_or_reconfigure_the_stream_nor_write_the_registry(
-    secured, project
+    secured: tuple[Node, Path], project: str
 ) -> None:
     node, home = secured
     async with connect(node.nats_url, agent="alice", home=home, outbox=False) as alice:
@@ -305,7 +305,7 @@ async def test_a_local_first_connect_never_changes_an_enrolled_agent(secured: tu
 
 
 async def test_a_local_enrolment_the_keeper_wrote_but_has_not_applied_yet_still_lets_the_agent_in(
-    secured, project
+    secured: tuple[Node, Path], project: str
 ) -> None:
     node, home = secured
     dora = AgentKey.generate("dora")  # not under the home: the keeper does not enrol it on its own
