@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import nats
 import nats.errors
@@ -31,7 +31,15 @@ from observers.journal import make_engine
 T = TypeVar("T")
 
 
-async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> T:
+@overload
+async def eventually(check: Callable[[], Awaitable[T]], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+
+
+@overload
+async def eventually(check: Callable[[], T], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+
+
+async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail with its last value after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -39,7 +47,7 @@ async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout_s: float 
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s; last value: {result!r}")
         await asyncio.sleep(interval_s)

@@ -185,6 +185,7 @@ async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_jou
         journal = Journal(url)
         journal.migrate()
         try:
+            assert client.nc is not None
             runner = ConsumerRunner(
                 client.nc, JournalObserver(journal, name="bulk"), filter_subject=events_filter(project)
             )

@@ -39,6 +39,7 @@ async def test_publish_round_trip_is_read_back_from_the_journal_by_sql(
     assert receipt.level is ReceiptLevel.journaled
     assert receipt.stream_seq is not None
     assert receipt.stream_seq >= 1
+    assert node.journal is not None
     assert journal_event_ids(node.journal.url, project) == [str(event.event_id)]
     (row,) = node.journal.query(__import__("observers.journal").journal.EventQuery(project=project))
     assert row.event() == event
@@ -55,6 +56,7 @@ async def test_same_event_twice_gives_one_stream_message_and_one_row(
     assert (first.duplicate, second.duplicate) == (False, True)
     assert first.stream_seq == second.stream_seq
     assert await stream_messages(nats_server.url, artifact_filter(project, event.artifact_id)) == 1
+    assert node.journal is not None
     assert journal_event_ids(node.journal.url, project) == [str(event.event_id)]
 
 
@@ -66,6 +68,7 @@ async def test_publish_many_without_outbox_lands_every_event_once(
         receipts = await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=60)
     assert [r.event_id for r in receipts] == [e.event_id for e in events]
     assert {r.level for r in receipts} == {ReceiptLevel.journaled}
+    assert node.journal is not None
     assert sorted(journal_event_ids(node.journal.url, project)) == sorted(str(e.event_id) for e in events)
 
 
@@ -258,7 +261,9 @@ async def test_a_receipt_is_read_from_the_shared_outbox_when_another_forwarder_s
     assert receipt.stream_seq is not None
     assert node.forwarder is not None
     assert node.forwarder.stats.sent >= 1
-    await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)])
+    assert node.journal is not None
+    journal_url = node.journal.url
+    await eventually(lambda: journal_event_ids(journal_url, project) == [str(event.event_id)])
 
 
 async def test_wait_for_accepts_strings_and_refuses_levels_it_cannot_reach(
@@ -270,6 +275,7 @@ async def test_wait_for_accepts_strings_and_refuses_levels_it_cannot_reach(
         unindexed = client.event("finding", finding(), project=project)
         with pytest.raises(ConfigError, match="not indexed: this node has no mirror"):  # at once, not at a timeout
             await asyncio.wait_for(client.publish(unindexed, wait_for="indexed", timeout_s=30), timeout=10)
+        assert node.journal is not None
         assert str(unindexed.event_id) in journal_event_ids(node.journal.url, project)  # published all the same
         with pytest.raises(ConfigError, match="allowed: outboxed, published, journaled"):
             await client.publish(client.event("finding", finding(), project=project), wait_for="soon")

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -36,7 +37,8 @@ def epibus(home: Path, *args: str, check: bool = True, timeout: float = 60) -> s
     return result
 
 
-def as_json(result: subprocess.CompletedProcess[str]) -> object:
+def as_json(result: subprocess.CompletedProcess[str]) -> Any:
+    """The last line of stdout as parsed JSON: an object or a list, as the command prints it."""
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -47,7 +49,7 @@ def error_json(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subprocess.Popen[str]]]:
+def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any], subprocess.Popen[str]]]:
     home = tmp_path / "epibus-home"
     process, status = start_node_process(home)
     try:
@@ -57,7 +59,7 @@ def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subp
 
 
 def test_up_publish_query_tail_stats_and_clean_stop(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, status, process = running_node
     assert status["embedded_server"] is True
@@ -139,6 +141,7 @@ def test_up_publish_query_tail_stats_and_clean_stop(
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+    assert process.stdout is not None
     assert json.loads(process.stdout.read().strip().splitlines()[-1])["status"] == "stopped"
     assert not (home / "node.json").exists()
     with pytest.raises(urllib.error.URLError):
@@ -149,7 +152,7 @@ def test_up_publish_query_tail_stats_and_clean_stop(
 
 
 def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, _, _ = running_node
     bad = epibus(
@@ -201,7 +204,7 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(
 
 
 def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, status, _ = running_node
 
@@ -252,7 +255,7 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(
 
 
 def test_replay_rebuilds_a_lost_journal_from_the_stream(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]], tmp_path: Path
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]], tmp_path: Path
 ) -> None:
     home, _, _ = running_node
     ids = [
@@ -284,7 +287,7 @@ def test_replay_rebuilds_a_lost_journal_from_the_stream(
 
 
 def test_a_second_node_on_the_same_home_is_refused(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, status, _ = running_node
     second = epibus(home, "up", "--json", check=False, timeout=30)
@@ -293,7 +296,7 @@ def test_a_second_node_on_the_same_home_is_refused(
 
 
 def test_state_commands_from_publish_to_rollback(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, _, _ = running_node
 
@@ -319,7 +322,7 @@ def test_state_commands_from_publish_to_rollback(
             "--json",
             *extra,
         )
-        return as_json(out)["artifact_id"]
+        return str(as_json(out)["artifact_id"])
 
     base = publish("alice", "the scheduler starves small jobs")
     as_json(epibus(home, "verify", base, "-p", "st", "--agent", "bob", "--note", "reproduced", "--json"))
@@ -411,7 +414,7 @@ def test_state_commands_from_publish_to_rollback(
 
 
 def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, status, _ = running_node
     assert status["mirror"].startswith("edge")
@@ -434,7 +437,7 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(
             "ops",
             "--json",
         )
-        return as_json(out)["artifact_id"]
+        return str(as_json(out)["artifact_id"])
 
     cold = publish("the cache is cold after every deploy")
     publish("bananas are yellow when ripe")
@@ -464,7 +467,7 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(
 
 
 def test_forget_from_the_cli_reports_every_store_clean(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, _, _ = running_node
     out = epibus(
@@ -511,11 +514,12 @@ def test_forget_from_the_cli_reports_every_store_clean(
 
 
 def test_health_says_when_the_node_is_well_and_when_none_runs(
-    running_node: tuple[Path, dict[str, object], subprocess.Popen[str]],
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
 ) -> None:
     home, status, process = running_node
     assert status["name"]  # a unique name kept in its home
     report = eventually_sync(lambda: _healthy(home), timeout_s=30)
+    assert report is not None
     assert report["ok"] is True
     assert report["problems"] == []
     assert report["report"]["name"] == status["name"]
@@ -532,6 +536,6 @@ def test_health_says_when_the_node_is_well_and_when_none_runs(
     assert as_json(epibus(home, "health", "--json", check=False))["ok"] is False
 
 
-def _healthy(home: Path) -> dict | None:
+def _healthy(home: Path) -> dict[str, Any] | None:
     result = epibus(home, "health", "--json", check=False)
     return as_json(result) if result.returncode == 0 else None

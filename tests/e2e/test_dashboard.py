@@ -156,7 +156,7 @@ async def test_the_dashboard_shows_the_node_live_and_safely(
 
         # Recall through the safe door, as an operator types it; a retraction takes the hit out of it.
         assert ui_node.mirror is not None
-        await eventually(lambda: ui_node.mirror.indexed >= 2, timeout_s=30)
+        await eventually(lambda: ui_node.mirror is not None and ui_node.mirror.indexed >= 2, timeout_s=30)
         query = "backups miss the biggest table"
         assert (await recall_in_page(page, query, project))[0] == plain.artifact_id
         await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=plain.artifact_id)

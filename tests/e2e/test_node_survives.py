@@ -55,11 +55,13 @@ async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(
         after = client.event("finding", finding(1), project=project)
         await client.publish(after)
 
+        assert node.journal is not None
         journal_url = node.journal.url
         await eventually(lambda: journal_event_ids(journal_url, project) == [str(after.event_id)], timeout_s=20)
         letters = await eventually(lambda: _letters_of(client.js, project, 3), timeout_s=20)
         assert sorted(m.headers[DLQ_REASON] for m in letters) == ["invalid_event"] * 3
         assert not any(task.done() for task in node._tasks), "a node service stopped"
+        assert node.runner is not None
         assert node.runner.stats.internal_errors == 0
 
 
@@ -81,6 +83,7 @@ async def test_a_message_over_the_event_limit_is_refused_by_the_stream(
         assert (await js.stream_info(STREAM)).state.last_seq == before
     finally:
         await raw.close()
+    assert node.nc is not None
     assert node.nc.is_connected
 
 
@@ -109,6 +112,7 @@ async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_a
         assert letter.headers[DLQ_DIGEST] == hashlib.sha256(huge).hexdigest()
         assert int(letter.headers[DLQ_TRUNCATED]) == len(letter.data) < HUGE
         assert letter.data == huge[: len(letter.data)]
+        assert node.nc is not None
         assert node.nc.is_connected
         info = await client.js.stream_info(STREAM)
         assert info.config.max_msg_size == EVENT_MAX_MSG_BYTES  # the node put the limit on the old stream
@@ -120,16 +124,20 @@ async def test_a_node_whose_connection_the_server_closes_restarts_its_services(
     """nats-py checks a message's payload against the max payload but not its headers; the server counts both
     and closes the connection for good on a violation. The node once kept running on the closed connection,
     journaling nothing while `epibus stats` still answered."""
+    assert node.nc is not None
     first = node.nc
     await first.publish("epibus.test.oversize", b"a" * (first.max_payload - 100), headers={"Pad": "b" * 1000})
     await eventually(
-        lambda: node.connection_restarts == 1 and node.nc is not first and node.nc.is_connected, timeout_s=30
+        lambda: node.connection_restarts == 1 and node.nc is not first and node.nc is not None and node.nc.is_connected,
+        timeout_s=30,
     )
     assert first.is_closed
     async with connect(nats_server.url, agent="alice", home=home) as client:
         event = client.event("finding", finding(1), project=project)
         await client.publish(event)
-        await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(event.event_id)], timeout_s=20)
+        assert node.journal is not None
+        journal_url = node.journal.url
+        await eventually(lambda: journal_event_ids(journal_url, project) == [str(event.event_id)], timeout_s=20)
     report = await eventually(lambda: _reported(node, home), timeout_s=10)
     assert report["nats"]["connection_restarts"] == 1
     assert report["nats"]["connected"] is True

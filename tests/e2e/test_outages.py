@@ -58,7 +58,9 @@ async def test_nats_killed_while_publishing_5000_events_loses_and_doubles_nothin
                 return await c.outbox_depth() == 0
 
             await eventually(drained, timeout_s=120, interval_s=0.2)
-        await eventually(lambda: len(journal_event_ids(node.journal.url, project)) >= total, timeout_s=120)
+        assert node.journal is not None
+        journal_url = node.journal.url
+        await eventually(lambda: len(journal_event_ids(journal_url, project)) >= total, timeout_s=120)
     assert levels.get("outboxed", 0) > 0, f"the outage never showed: {levels}"
     report = missing_and_extra(expected, journal_event_ids(sqlite_journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}

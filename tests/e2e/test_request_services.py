@@ -91,7 +91,7 @@ async def test_recall_refuses_every_hostile_request_and_then_finds_a_published_e
         event = alice.event("finding", finding(text="the nightly backup skips the largest table"), project=project)
         await alice.publish(event)
         assert mirrored_node.mirror is not None
-        await eventually(lambda: mirrored_node.mirror.indexed >= 1, timeout_s=30)
+        await eventually(lambda: mirrored_node.mirror is not None and mirrored_node.mirror.indexed >= 1, timeout_s=30)
         answer = await alice.recall("backups miss the biggest table", project, k=3)
     assert [h["artifact_id"] for h in answer.hits] == [event.artifact_id]
     assert answer.nodes == ["node-a"]
@@ -187,7 +187,7 @@ async def test_recall_uses_the_real_answer_and_reports_the_garbage_in_failed_nod
         event = alice.event("finding", finding(text="the cache is flushed on every deploy"), project=project)
         await alice.publish(event)
         assert mirrored_node.mirror is not None
-        await eventually(lambda: mirrored_node.mirror.indexed >= 1, timeout_s=30)
+        await eventually(lambda: mirrored_node.mirror is not None and mirrored_node.mirror.indexed >= 1, timeout_s=30)
         answer_after(mirrored_node, RECALL, await answer_with_garbage(raw, RECALL))
         answer = await alice.recall("deploys empty the cache", project, k=3)
     assert answer.nodes == ["node-a"]

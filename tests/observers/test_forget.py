@@ -47,7 +47,7 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(
             await bob.transition(
                 "verified", {"note": "saw hunter2 in the log"}, project=project, artifact_id=secret.artifact_id
             )
-            await eventually(lambda: node.mirror.indexed == 2, timeout_s=30)
+            await eventually(lambda: node.mirror is not None and node.mirror.indexed == 2, timeout_s=30)
 
             report = await alice.forget(project, secret.artifact_id, reason="personal data")
             assert len(report.messages) == 2  # the claim and its verification

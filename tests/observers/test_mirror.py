@@ -59,7 +59,7 @@ async def publish_topics(client: EpibusClient, project: str) -> dict[str, str]:
 
 async def indexed(node: Node, count: int) -> None:
     assert node.mirror is not None
-    await eventually(lambda: node.mirror.indexed >= count, timeout_s=30)
+    await eventually(lambda: node.mirror is not None and node.mirror.indexed >= count, timeout_s=30)
 
 
 async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_safe_door(

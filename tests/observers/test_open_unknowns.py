@@ -52,6 +52,7 @@ async def test_the_open_unknowns_count_agrees_with_the_briefing_in_every_project
         await alice.transition("resolved", {"resolution": "stale"}, project=settled, artifact_id=answered)
 
         def counted() -> dict[str, int] | None:
+            assert node.journal is not None
             counts = {p: n for p, n in open_unknown_counts(node.journal).items() if p in (busy, quiet, settled)}
             return counts if counts == {busy: 2, quiet: 1} else None
 

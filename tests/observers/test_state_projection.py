@@ -91,6 +91,7 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(
         project=project,
         artifact_id=ids["superseded"],
     )
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     safe = {v.state.artifact_id for v in artifacts(node.journal, project)}
@@ -165,7 +166,9 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
         assert len(losers) == 1
         assert isinstance(losers[0], Conflict)
         assert "10071" in str(losers[0])
+        assert n1.journal is not None
         await settled(n1.journal, alice, project)
+        assert n2.journal is not None
         await settled(n2.journal, alice, project)
         first, second = snapshot(n1.journal, project), snapshot(n2.journal, project)
         assert first.states == second.states
@@ -186,6 +189,7 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(
     await claim(carol, project, "latency regression is in the allocator")  # repeats a retracted claim
     bad = alice.event("verified", {}, project=project, artifact_id=root)  # the author verifying: illegal
     await alice.publish(bad)  # published raw, past client validation: the projection must reject it
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     rebuilt = Journal(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -221,6 +225,7 @@ async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_t
     again = bob.event("finding", finding(text="disk i/o is the   bottleneck"), project=project)
     receipt = await bob.publish(again, wait_for=ReceiptLevel.journaled)
     assert FLAG_PREVIOUSLY_RETRACTED in receipt.flags
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     state = snapshot(node.journal, project).states[again.artifact_id]
     assert FLAG_PREVIOUSLY_RETRACTED in state.flags
@@ -239,6 +244,7 @@ async def test_as_of_reads_before_and_after_a_retraction(
 ) -> None:
     alice = agents["alice"]
     aid = await claim(alice, project, "the queue never drops messages")
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     before = datetime.now(UTC)
     await eventually(lambda: datetime.now(UTC) > before)  # the retraction is recorded strictly later
@@ -267,6 +273,7 @@ async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(
     assert set(plan.tainted) == {chain[4], chain[5], branch}
     plan, receipts = await bob.rollback(project, chain[3], reason="premise was wrong", cascade=True)
     assert len(receipts) == 6
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     states = snapshot(node.journal, project).states
     assert {a for a, s in states.items() if s.trust is Trust.rolled_back} == set(chain[1:]) | {branch}
@@ -296,6 +303,7 @@ async def test_briefing_and_vocab_report(node: Node, agents: dict[str, EpibusCli
     await alice.publish(hunch)
     stale = await claim(alice, project, "migrations take 10 s")
     await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=stale)
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     brief = briefing(node.journal, project)
@@ -357,6 +365,7 @@ async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(
     rejected = [r for r in landed if r.rejected]
     assert len(landed) - len(rejected) == 1
     assert all("already resolved" in r.rejected for r in rejected)
+    assert node.journal is not None
     states = snapshot(node.journal, project).states
     winner = next(r for r in landed if not r.rejected)
     winner_id = first.artifact_id if winner.event_id == first.event_id else second.artifact_id
@@ -378,6 +387,7 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
     )
     await alice.publish(late, wait_for=ReceiptLevel.journaled)
     half_an_hour_ago = datetime.now(UTC) - timedelta(minutes=30)
+    assert node.journal is not None
     assert artifacts(node.journal, project, as_of=half_an_hour_ago) == []  # it had not reached the stream yet
     assert [v.state.artifact_id for v in artifacts(node.journal, project)] == [late.artifact_id]
 

@@ -30,7 +30,7 @@ async def test_verify_finds_what_each_store_lacks_and_repair_makes_them_agree(
         async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
             events = [alice.event("finding", finding(i), project=project) for i in range(6)]
             await alice.publish_many(events, wait_for=ReceiptLevel.journaled)
-            await eventually(lambda: node.mirror.indexed == 6, timeout_s=30)
+            await eventually(lambda: node.mirror is not None and node.mirror.indexed == 6, timeout_s=30)
             (clean,) = await alice.verify_nodes(project)
             assert clean["clean"] is True
             assert clean["stream_events"] == 6
@@ -76,7 +76,7 @@ async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_ev
         async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
             before = [alice.event("finding", finding(i), project=project) for i in range(8)]
             await alice.publish_many(before, wait_for=ReceiptLevel.journaled)
-            await eventually(lambda: node.mirror.indexed == 8, timeout_s=30)
+            await eventually(lambda: node.mirror is not None and node.mirror.indexed == 8, timeout_s=30)
             old_store_id = (await node.store.describe()).store_id
             seen: list[tuple[str, int, int]] = []
             (answer,) = await alice.reindex_nodes(lambda n, d, t: seen.append((n, d, t)))
