@@ -17,6 +17,7 @@ from typing import Any, TypeVar, overload
 
 import nats
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import text
 
@@ -184,3 +185,9 @@ async def enrol_on_stream(
         revoked_at=at if revoked else None,
     )
     return await record_enrolment(js, node_event_key(AgentKey.generate("node")), enrolment, session_id="tests")
+
+
+def headers_of(msg: Msg) -> dict[str, str]:
+    """A message's headers, which a dead letter always carries (each names its reason)."""
+    assert msg.headers is not None, f"a message on {msg.subject} without headers"
+    return msg.headers

@@ -7,7 +7,7 @@ import string
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +19,9 @@ from bus.errors import ConfigError, InvalidEvent
 from bus.event import (
     MAX_EVENT_BYTES,
     Body,
+    Envelope,
     FindingBody,
+    ResolvedBody,
     decode_event,
     draft_event,
     encode_event,
@@ -36,13 +38,13 @@ def key(tmp_path_factory: pytest.TempPathFactory) -> AgentKey:
     return AgentKey.load_or_create(tmp_path_factory.mktemp("keys"), "alice")
 
 
-def _draft(key: AgentKey, kind: str, body: dict[str, object], **kw: object) -> object:
+def _draft(key: AgentKey, kind: str, body: dict[str, object], **kw: Any) -> Envelope:
     return draft_event(kind, body, project=kw.pop("project", "demo"), actor=key.actor, session_id="s1", **kw)
 
 
 # NUL is refused (a PostgreSQL journal cannot store it): see the test below.
 text_st = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=200
+    alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), min_size=1, max_size=200
 )
 unit_st = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
 slug_st = st.from_regex(r"^[a-z0-9][a-z0-9-]{0,20}$", fullmatch=True)
@@ -160,6 +162,7 @@ def test_superseded_needs_a_successor_and_only_superseded_may_name_one(key: Agen
     with pytest.raises(InvalidEvent, match="superseded_by"):
         _draft(key, "resolved", {"resolution": "stale", "superseded_by": "a2"}, artifact_id="a1")
     ok = _draft(key, "resolved", {"resolution": "superseded", "superseded_by": "a2"}, artifact_id="a1")
+    assert isinstance(ok.body, ResolvedBody)
     assert ok.body.superseded_by == "a2"
 
 
@@ -295,7 +298,9 @@ def test_an_event_is_refused_for_a_nul_exactly_when_one_of_its_texts_holds_one(
         with pytest.raises(InvalidEvent, match="NUL"):
             draft_event("finding", body, project="p", actor=key.actor, session_id="s")
     else:
-        assert draft_event("finding", body, project="p", actor=key.actor, session_id="s").body.text == text
+        drafted = draft_event("finding", body, project="p", actor=key.actor, session_id="s").body
+        assert isinstance(drafted, FindingBody)
+        assert drafted.text == text
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -23,7 +24,7 @@ T0 = datetime(2024, 5, 1, tzinfo=UTC)
 LINKS = ("revises", "supersedes", "superseded_by", "contradicted_by")
 
 
-def art(aid: str, order: int = 0, **kw: object) -> ArtifactState:
+def art(aid: str, order: int = 0, **kw: Any) -> ArtifactState:
     base = ArtifactState(
         project=P,
         artifact_id=aid,
@@ -215,7 +216,7 @@ def steps_to(states: Mapping[str, ArtifactState], start: str, goal: str) -> int 
     """How many `revises` steps lead from `start` to `goal`, walked by brute force with a bound."""
     current: str | None = start
     for step in range(1, len(states) + 2):
-        current = states[current].revises if current in states else None
+        current = states[current].revises if current is not None and current in states else None
         if current is None:
             return None
         if current == goal:

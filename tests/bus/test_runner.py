@@ -21,7 +21,7 @@ from bus.subjects import event_subject
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding
-from tests.support import eventually, journal_event_ids, missing_and_extra
+from tests.support import eventually, headers_of, journal_event_ids, missing_and_extra
 
 
 @asynccontextmanager
@@ -63,7 +63,9 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
         await js.publish(f"epi.{project}.finding.junk", b'{"kind": "finding"}')
         wrong_subject = client.event("finding", finding(2), project=project)
         await js.publish(
-            f"epi.{project}.finding.elsewhere", encode_event(wrong_subject), headers=wire_message(wrong_subject).headers
+            f"epi.{project}.finding.elsewhere",
+            encode_event(wrong_subject),
+            headers=dict(wire_message(wrong_subject).headers),
         )
         tampered = json.loads(encode_event(client.event("finding", finding(3), project=project)))
         tampered["body"]["impact"] = 1.0
@@ -82,13 +84,13 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
 
         await eventually(lambda: runner.stats.handled == 2 and sum(runner.stats.dead_lettered.values()) == 5)
         letters = await dead_letters(client.js)
-    reasons = sorted(m.headers[DLQ_REASON] for m in letters)
+    reasons = sorted(headers_of(m)[DLQ_REASON] for m in letters)
     assert reasons == ["bad_signature", "invalid_event", "invalid_event", "subject_mismatch", "unknown_actor_key"]
     for letter in letters:
-        assert letter.headers[DLQ_ERROR]
-        assert letter.headers[DLQ_SUBJECT].startswith(f"epi.{project}.")
-        assert int(letter.headers[DLQ_STREAM_SEQ]) > 0
-    garbage = [m for m in letters if m.headers[DLQ_REASON] == "invalid_event"]
+        assert headers_of(letter)[DLQ_ERROR]
+        assert headers_of(letter)[DLQ_SUBJECT].startswith(f"epi.{project}.")
+        assert int(headers_of(letter)[DLQ_STREAM_SEQ]) > 0
+    garbage = [m for m in letters if headers_of(m)[DLQ_REASON] == "invalid_event"]
     assert {m.data for m in garbage} == {b"\x00\xffnot json at all", b'{"kind": "finding"}'}  # kept as received
     report = missing_and_extra({str(good.event_id), str(last.event_id)}, journal_event_ids(journal.url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
@@ -127,8 +129,8 @@ async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(
         (letter,) = await dead_letters(client.js)
         figures = await stream_figures(client.js)
     assert observer.calls == 3
-    assert letter.headers[DLQ_REASON] == "max_deliver"
-    assert "disk on fire" in letter.headers[DLQ_ERROR]
+    assert headers_of(letter)[DLQ_REASON] == "max_deliver"
+    assert "disk on fire" in headers_of(letter)[DLQ_ERROR]
     assert json.loads(letter.data)["event_id"] == str(event.event_id)
     consumer = figures["EPI"]["consumers"]["always-fails"]
     assert consumer["pending"] == 0

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,7 +57,9 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> dict[str, AgentKey]:
     return {name: AgentKey.load_or_create(root, name) for name in ("alice", "bob", "carol")}
 
 
-def ev(key: AgentKey, kind: str, body: dict, *, artifact_id: str | None = None, source: str | None = None) -> Envelope:
+def ev(
+    key: AgentKey, kind: str, body: dict[str, Any], *, artifact_id: str | None = None, source: str | None = None
+) -> Envelope:
     return draft_event(kind, body, project=P, actor=key.actor, session_id="s", artifact_id=artifact_id, source=source)
 
 
@@ -66,7 +69,7 @@ def claim(key: AgentKey, aid: str, text: str = "the cache is cold", **extra: obj
 
 
 def state(
-    aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: object
+    aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: Any
 ) -> ArtifactState:
     base = ArtifactState(
         project=P,
@@ -154,7 +157,11 @@ def test_self_contradiction_and_a_missing_contradictor_are_refused(agents: dict[
 def test_a_transition_on_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition, match="absent"):
         decide(
-            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False, STAFF
+            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"),
+            2,
+            lambda _aid: None,
+            lambda _h: False,
+            STAFF,
         )
 
 
@@ -194,7 +201,7 @@ def test_superseded_by_a_missing_artifact_is_refused(agents: dict[str, AgentKey]
 
 def test_revising_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition, match="revised artifact 'ghost'"):
-        decide(claim(agents["alice"], "a1", revises="ghost"), 1, {}.get, lambda _h: False, STAFF)
+        decide(claim(agents["alice"], "a1", revises="ghost"), 1, lambda _aid: None, lambda _h: False, STAFF)
 
 
 def test_an_artifact_id_cannot_be_created_twice(agents: dict[str, AgentKey]) -> None:

@@ -8,7 +8,7 @@ import itertools
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -16,10 +16,12 @@ import pytest
 from bus.errors import ConfigError, ModelMismatch, Unavailable
 from bus.ids import new_event_id, point_id
 from observers.mirror.backends import open_store
-from observers.mirror.store import Filter, Point
+from observers.mirror.store import Filter, Point, VectorStore
 
 DIM = 8
 MODEL = "test/model-8d"
+# Opens the collection of the fixture's store again, for another model id and dimension.
+Reopen = Callable[[str, int], Awaitable[VectorStore]]
 
 
 def docker_engine_answers() -> bool:
@@ -29,7 +31,7 @@ def docker_engine_answers() -> bool:
 
 
 @pytest.fixture(params=["edge", "server-local", "server-docker"])
-async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[object, object]]:
+async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[VectorStore, Reopen]]:
     """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
     kind = request.param
     with contextlib.ExitStack() as stack:
@@ -49,7 +51,7 @@ async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> As
             location, backend = str(tmp_path / "local"), "server"
         store = await open_store(backend, location, MODEL, DIM)
 
-        async def reopen(model_id: str, dimension: int) -> object:
+        async def reopen(model_id: str, dimension: int) -> VectorStore:
             await store.close()
             return await open_store(backend, location, model_id, dimension)
 
@@ -71,7 +73,7 @@ def point(seed: int, **payload: object) -> tuple[uuid.UUID, Point]:
     return event_id, Point(point_id(event_id), vector(seed), base | payload)
 
 
-async def test_point_ids_are_proven_against_storage(store_and_reopen: tuple[object, object]) -> None:
+async def test_point_ids_are_proven_against_storage(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     event_id, p = point(1)
     await store.upsert([p])
@@ -83,7 +85,7 @@ async def test_point_ids_are_proven_against_storage(store_and_reopen: tuple[obje
 
 
 async def test_reembedding_never_duplicates_a_point(
-    store_and_reopen: tuple[object, object],
+    store_and_reopen: tuple[VectorStore, Reopen],
 ) -> None:  # re-embedding must never duplicate a point
     store, _ = store_and_reopen
     event_id, p = point(2)
@@ -97,7 +99,7 @@ async def test_reembedding_never_duplicates_a_point(
 
 
 async def test_delete_is_proven_by_reading_back(
-    store_and_reopen: tuple[object, object],
+    store_and_reopen: tuple[VectorStore, Reopen],
 ) -> None:  # a delete that reports success is not proof
     store, _ = store_and_reopen
     kept, gone = point(4), point(5)
@@ -110,7 +112,7 @@ async def test_delete_is_proven_by_reading_back(
     assert point_id(gone[0]) not in {h.id for h in hits}
 
 
-async def test_search_filters_and_ranks(store_and_reopen: tuple[object, object]) -> None:
+async def test_search_filters_and_ranks(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     points = [
         point(i, project="p" if i % 2 else "q", trust="verified" if i % 3 else "contradicted") for i in range(1, 13)
@@ -128,19 +130,19 @@ async def test_search_filters_and_ranks(store_and_reopen: tuple[object, object])
     assert len(await store.search(vector(1), Filter(at_most={"impact": 0.5}), limit=20)) == len(points)
 
 
-async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen: tuple[object, object]) -> None:
+async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     with pytest.raises(ValueError, match="boolean"):
         await store.search(vector(1), Filter(equals={"forgotten": False}), limit=3)
 
 
-async def test_nothing_matched_is_an_empty_list(store_and_reopen: tuple[object, object]) -> None:
+async def test_nothing_matched_is_an_empty_list(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     assert await store.search(vector(1), Filter(equals={"project": "nobody"}), limit=5) == []
 
 
 async def test_a_status_change_reaches_the_payload(
-    store_and_reopen: tuple[object, object],
+    store_and_reopen: tuple[VectorStore, Reopen],
 ) -> None:  # or safe recall shows a retracted item
     store, _ = store_and_reopen
     target, other = point(6, artifact_id="a1"), point(7, artifact_id="a2")
@@ -156,7 +158,7 @@ async def test_a_status_change_reaches_the_payload(
 
 
 async def test_model_mismatch_is_refused(
-    store_and_reopen: tuple[object, object],
+    store_and_reopen: tuple[VectorStore, Reopen],
 ) -> None:  # never mix vectors of two models
     store, reopen = store_and_reopen
     with pytest.raises(ModelMismatch, match="5-d"):
@@ -169,7 +171,7 @@ async def test_model_mismatch_is_refused(
         await reopen(MODEL, DIM * 2)
 
 
-async def test_points_survive_reopening(store_and_reopen: tuple[object, object]) -> None:
+async def test_points_survive_reopening(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, reopen = store_and_reopen
     event_id, p = point(8)
     await store.upsert([p])
@@ -181,7 +183,7 @@ async def test_points_survive_reopening(store_and_reopen: tuple[object, object])
 
 
 async def test_outage_is_not_an_empty_result(
-    store_and_reopen: tuple[object, object],
+    store_and_reopen: tuple[VectorStore, Reopen],
 ) -> None:  # broken must not look like no matches
     store, _ = store_and_reopen
     await store.close()

@@ -25,7 +25,7 @@ from bus.subjects import STREAM, event_subject
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
-from tests.support import eventually, journal_event_ids
+from tests.support import eventually, headers_of, journal_event_ids
 
 # The size that made the dead-letter copy (message + headers) exceed the server's 1 MiB max payload.
 HUGE = 1_048_376
@@ -59,7 +59,7 @@ async def test_poison_messages_are_dead_lettered_and_the_node_goes_on(
         journal_url = node.journal.url
         await eventually(lambda: journal_event_ids(journal_url, project) == [str(after.event_id)], timeout_s=20)
         letters = await eventually(lambda: _letters_of(client.js, project, 3), timeout_s=20)
-        assert sorted(m.headers[DLQ_REASON] for m in letters) == ["invalid_event"] * 3
+        assert sorted(headers_of(m)[DLQ_REASON] for m in letters) == ["invalid_event"] * 3
         assert not any(task.done() for task in node._tasks), "a node service stopped"
         assert node.runner is not None
         assert node.runner.stats.internal_errors == 0
@@ -107,10 +107,10 @@ async def test_a_huge_message_already_in_the_stream_is_dead_lettered_as_digest_a
         await client.publish(after)
         await eventually(lambda: journal_event_ids(sqlite_journal_url, project) == [str(after.event_id)], timeout_s=20)
         (letter,) = await eventually(lambda: _letters_of(client.js, project, 1), timeout_s=20)
-        assert letter.headers[DLQ_STREAM_SEQ] == str(ack.seq)
-        assert letter.headers[DLQ_SIZE] == str(HUGE)
-        assert letter.headers[DLQ_DIGEST] == hashlib.sha256(huge).hexdigest()
-        assert int(letter.headers[DLQ_TRUNCATED]) == len(letter.data) < HUGE
+        assert headers_of(letter)[DLQ_STREAM_SEQ] == str(ack.seq)
+        assert headers_of(letter)[DLQ_SIZE] == str(HUGE)
+        assert headers_of(letter)[DLQ_DIGEST] == hashlib.sha256(huge).hexdigest()
+        assert int(headers_of(letter)[DLQ_TRUNCATED]) == len(letter.data) < HUGE
         assert letter.data == huge[: len(letter.data)]
         assert node.nc is not None
         assert node.nc.is_connected

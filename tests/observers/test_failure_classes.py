@@ -34,7 +34,7 @@ from observers.mirror.observer import MirrorObserver
 from observers.mirror.server import ServerVectorStore
 from observers.mirror.store import Point
 from tests.conftest import finding
-from tests.support import eventually
+from tests.support import eventually, headers_of
 
 
 def api_error(code: int, err_code: int, description: str = "refused") -> nats.js.errors.APIError:
@@ -184,9 +184,9 @@ async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_re
             assert runner.stats.outage_retries == 0
             kept = sorted(point_id(e.event_id) for e in events if e is not poison)
             assert sorted(await inner.point_ids()) == kept
-            (letter,) = [m for m in await dead_letters(alice.js) if m.headers[DLQ_REASON] == "max_deliver"]
-            assert "ComponentFailed" in letter.headers[DLQ_ERROR]
-            assert "HTTP 400" in letter.headers[DLQ_ERROR]
+            (letter,) = [m for m in await dead_letters(alice.js) if headers_of(m)[DLQ_REASON] == "max_deliver"]
+            assert "ComponentFailed" in headers_of(letter)[DLQ_ERROR]
+            assert "HTTP 400" in headers_of(letter)[DLQ_ERROR]
         finally:
             await nc.close()
             embedder.close()
