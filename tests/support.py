@@ -32,12 +32,15 @@ from observers.journal import make_engine
 T = TypeVar("T")
 
 
+# What a check returns once it holds is truthy, so never None: `X | None` comes back as X.
 @overload
-async def eventually(check: Callable[[], Awaitable[T]], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+async def eventually(
+    check: Callable[[], Awaitable[T | None]], *, timeout_s: float = ..., interval_s: float = ...
+) -> T: ...
 
 
 @overload
-async def eventually(check: Callable[[], T], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+async def eventually(check: Callable[[], T | None], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
 
 
 async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> Any:
@@ -76,7 +79,7 @@ def missing_and_extra(expected: set[str], found: list[str]) -> dict[str, Any]:
     }
 
 
-def eventually_sync(check: Callable[[], T], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> T:
+def eventually_sync(check: Callable[[], T | None], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> T:
     """`eventually` for tests that drive subprocesses without an event loop."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -519,7 +519,6 @@ def test_health_says_when_the_node_is_well_and_when_none_runs(
     home, status, process = running_node
     assert status["name"]  # a unique name kept in its home
     report = eventually_sync(lambda: _healthy(home), timeout_s=30)
-    assert report is not None
     assert report["ok"] is True
     assert report["problems"] == []
     assert report["report"]["name"] == status["name"]
