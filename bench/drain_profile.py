@@ -175,7 +175,7 @@ async def drain_round(url: str, root: Path, n: int, profile: bool) -> dict[str, 
     profiler = cProfile.Profile() if profile else None
     to_thread = asyncio.to_thread
     if profiler is not None:
-        asyncio.to_thread = inline  # type: ignore[assignment]  # cProfile sees only its own thread
+        asyncio.to_thread = inline  # cProfile sees only its own thread
         profiler.enable()
     try:
         epibus_s = await epibus_drain(nc, journal, project, n)

@@ -42,13 +42,13 @@ def test_an_event_outside_the_actors_projects_is_refused_naming_the_membership_r
         f"agent 'bob' may not publish finding in project {P}: rule membership: it is not a member of project {P} "
         "(its projects: other)"
     )
-    assert decide(claim(keys["alice"], "b2"), 10, {}.get, never, authority).artifacts[0].author == "alice"
+    assert decide(claim(keys["alice"], "b2"), 10, lambda _aid: None, never, authority).artifacts[0].author == "alice"
 
 
 def test_an_agent_without_a_record_stands_as_a_first_use_agent_of_every_project_but_the_fleets_own(
     keys: dict[str, AgentKey],
 ) -> None:
-    change = decide(claim(keys["bob"], "b1"), 10, {}.get, never, NO_RECORDS)
+    change = decide(claim(keys["bob"], "b1"), 10, lambda _aid: None, never, NO_RECORDS)
     assert [s.artifact_id for s in change.artifacts] == ["b1"]
     into_policy = draft_event(
         "finding",
@@ -161,7 +161,7 @@ def test_an_enrolment_record_counts_only_from_a_node_identity_filed_under_the_ag
     record = standing("bob", Role.admin)
     genuine = enrolment_event(node, record)
     assert enrolment_record(genuine) == record
-    assert decide(genuine, 3, {}.get, never, NO_RECORDS).artifacts == ()  # it changes who may, not what is
+    assert decide(genuine, 3, lambda _aid: None, never, NO_RECORDS).artifacts == ()  # it changes who may, not what is
     by_agent = enrolment_event(keys["bob"], record)  # an agent granting itself a role
     assert enrolment_record(by_agent) is None
     assert "rule enrolment-records: only a node publishes enrolment records" in refusal(by_agent, NO_RECORDS)

@@ -95,7 +95,12 @@ async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_s
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         seen.append(request)
         check = {"missing": 0, "extra": 0, "stale": 0, "mismatched": 0, "clean": True}
-        samples = {"sample_missing": [], "sample_extra": [], "sample_stale": [], "sample_mismatched": []}
+        samples: dict[str, list[str]] = {
+            "sample_missing": [],
+            "sample_extra": [],
+            "sample_stale": [],
+            "sample_mismatched": [],
+        }
         return {"stream_events": 0, "journal": check | samples, "mirror": None, "repaired": False, "clean": True}
 
     responder = await serving(nc, handle)
@@ -143,5 +148,8 @@ async def test_a_responder_answers_one_request_at_a_time_by_default(nc: NatsClie
 
 
 def test_a_responder_needs_room_for_one_request_at_least(nc: NatsClient) -> None:
+    async def never_called(_request: VerifyRequest) -> dict[str, Any]:
+        raise AssertionError("a responder without room answers nothing")
+
     with pytest.raises(ConfigError, match="concurrency"):
-        Responder(nc, SUBJECT, VerifyRequest, VerifyReply, lambda r: r, node="node-t", concurrency=0)
+        Responder(nc, SUBJECT, VerifyRequest, VerifyReply, never_called, node="node-t", concurrency=0)

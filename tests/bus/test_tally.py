@@ -43,7 +43,7 @@ def test_a_key_of_the_wrong_width_is_refused() -> None:
 
 
 def test_fold_top_keeps_the_largest_and_sums_the_rest_under_other() -> None:
-    counts = {("a",): 5, ("b",): 1, ("c",): 3, ("d",): 2}
+    counts: dict[tuple[str, ...], int] = {("a",): 5, ("b",): 1, ("c",): 3, ("d",): 2}
     assert fold_top(counts, 2) == {("a",): 5, ("c",): 3, (OTHER,): 3}
     assert fold_top(counts, 4) == counts
 
