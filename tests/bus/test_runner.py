@@ -11,10 +11,11 @@ from pathlib import Path
 import nats
 import pytest
 
+from bus.admission import Delivery
 from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
-from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner, Delivery
+from bus.runner import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, ConsumerRunner
 from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
 from bus.subjects import event_subject

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from bus.admission import Delivery
 from bus.errors import ConfigError, Unavailable
-from bus.event import draft_event
-from bus.runner import Delivery
+from bus.event import FindingBody, draft_event
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import event_subject
@@ -75,6 +75,7 @@ def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept
     assert written.inserted == []
     assert [(r.stream_seq, r.reason.value) for r in written.refused] == [(900, "duplicate_id_conflict")]
     (row,) = journal.query(EventQuery(project=project))
+    assert isinstance(first.event.body, FindingBody)
     assert row.envelope["body"]["text"] == first.event.body.text
     assert row.stream_seq == first.stream_seq
 
@@ -101,6 +102,7 @@ def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(
     assert [r.stream_seq for r in written.refused] == [60]
     (row,) = journal.query(EventQuery(project=project))
     assert row.stream_seq == 50
+    assert isinstance(first.event.body, FindingBody)
     assert row.envelope["body"]["text"] == first.event.body.text
 
 

@@ -6,6 +6,7 @@ process behind, and the cluster started again keeps its ports and its data. One 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -259,7 +260,7 @@ async def test_a_killed_node_is_started_again_and_catches_up(cluster: Cluster, p
         await eventually(lambda: stream_leader(cluster, "node-1", not_on="node-3"), timeout_s=30, interval_s=0.25)
         event_id = await publish(publisher, "published while node three was down")
         for name in ("node-1", "node-2"):
-            await eventually(lambda n=name: journaled(cluster, n, event_id), timeout_s=30)  # type: ignore[misc]
+            await eventually(functools.partial(journaled, cluster, name, event_id), timeout_s=30)
         assert not journaled(cluster, "node-3", event_id)
     finally:
         os.kill(cluster.process.pid, signal.SIGCONT)

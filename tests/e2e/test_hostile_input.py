@@ -138,6 +138,7 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
         await eventually(journaled, timeout_s=240, interval_s=1.0)
 
         assert node.runner is not None
+        assert node.mirror_runner is not None
         runners = (node.runner, node.mirror_runner)
         # Every accepted hostile message, dead-lettered once by each observer's runner (counted as it happens).
         await eventually(

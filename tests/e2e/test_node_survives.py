@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.js.errors
@@ -144,7 +145,7 @@ async def test_a_node_whose_connection_the_server_closes_restarts_its_services(
     assert problems(home, read_node_info(home), report) == []
 
 
-def _reported(node: Node, home: Path) -> dict | None:
+def _reported(node: Node, home: Path) -> dict[str, Any] | None:
     report = read_health(home)
     return report if report and report["nats"]["connection_restarts"] == node.connection_restarts else None
 

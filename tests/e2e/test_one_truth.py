@@ -234,7 +234,7 @@ async def test_a_reused_event_id_keeps_the_first_event_in_every_store(
                     Point(
                         point_id(first.event_id),
                         vectors[0],
-                        point.payload | {"content": second.body.content_text(), "event_digest": "0" * 64},
+                        dict(point.payload) | {"content": second.body.content_text(), "event_digest": "0" * 64},
                     )
                 ]
             )

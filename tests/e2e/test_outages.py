@@ -96,7 +96,7 @@ def wait_until_running(process: subprocess.Popen[bytes]) -> dict[str, object]:
     assert process.stdout is not None
     line = process.stdout.readline()
     assert line, f"node exited with {process.poll()} before reporting"
-    status = json.loads(line)
+    status: dict[str, object] = json.loads(line)
     assert status["status"] == "running"
     return status
 
@@ -140,7 +140,9 @@ async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Pat
         assert node.server is not None
         url = node.server.url
         node.server.kill()
-        await eventually(lambda: node.server_restarts == 1 and node.server.running(), timeout_s=20)
+        await eventually(
+            lambda: node.server_restarts == 1 and node.server is not None and node.server.running(), timeout_s=20
+        )
         assert node.server.url == url
         async with connect(url, agent="alice", home=home, outbox=False) as client:
             receipt = await client.publish(

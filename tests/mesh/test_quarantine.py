@@ -20,7 +20,7 @@ from bus.ids import new_event_id
 from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
-from bus.vocab import TaskAction
+from bus.vocab import ActionCategory, TaskAction
 from epibus.node import Node, service_failures
 from mesh.agent import MeshAgent
 from mesh.protocol import advance
@@ -39,7 +39,9 @@ TASK = "t-1"
 
 def good_record() -> dict[str, Any]:
     """A task record as `advance` makes it (server-free), in the JSON the bucket holds."""
-    proposal = Proposal(task_id=TASK, project=PROJECT, title="t", summary="s", proposer="alice", category="operational")
+    proposal = Proposal(
+        task_id=TASK, project=PROJECT, title="t", summary="s", proposer="alice", category=ActionCategory.operational
+    )
     message = Message(
         message_id=new_event_id(),
         action=TaskAction.propose,

@@ -29,6 +29,7 @@ from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver, database_failure
 from observers.mirror.backends import open_store
+from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.server import ServerVectorStore
@@ -119,6 +120,7 @@ async def test_a_qdrant_server_that_is_not_there_is_unavailable() -> None:
 
 async def test_the_edge_engine_refusing_a_call_is_a_failure_and_its_files_failing_an_outage(tmp_path: Path) -> None:
     store = await open_store("edge", tmp_path / "edge", "m", 4)
+    assert isinstance(store, EdgeVectorStore)
     try:
         with pytest.raises(ComponentFailed, match="TypeError"):
             store._engine(store._shard.retrieve, "not a list of ids", None, None)  # the engine's own refusal

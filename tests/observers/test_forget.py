@@ -52,7 +52,7 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(
             report = await alice.forget(project, secret.artifact_id, reason="personal data")
             assert len(report.messages) == 2  # the claim and its verification
 
-            async def proven() -> object:
+            async def proven() -> ForgetProof | None:
                 proof = await alice.prove_forgotten(report)
                 return proof if proof.complete else None  # not clean: the server is not the node's own
 

@@ -173,6 +173,9 @@ class SwitchableStore:
         self._check()
         return list(await self.inner.point_ids(where))
 
+    async def close(self) -> None:
+        await self.inner.close()
+
 
 async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(
     nats_server: NatsServer, model: FastEmbedder, tmp_path: Path, project: str

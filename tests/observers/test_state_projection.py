@@ -253,7 +253,9 @@ async def test_as_of_reads_before_and_after_a_retraction(
     assert [v.state.artifact_id for v in artifacts(node.journal, project, as_of=before)] == [aid]
     assert artifacts(node.journal, project) == []
     assert snapshot(node.journal, project, as_of=before).states[aid].trust is Trust.unverified
-    assert snapshot(node.journal, project).states[aid].resolution.value == "retracted"
+    resolution = snapshot(node.journal, project).states[aid].resolution
+    assert resolution is not None
+    assert resolution.value == "retracted"
     assert [v.state.artifact_id for v in audit_artifacts(node.journal, project)] == [aid]
 
 
@@ -364,7 +366,7 @@ async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(
     assert all(isinstance(r, IllegalTransition | Conflict) for r in refused)
     rejected = [r for r in landed if r.rejected]
     assert len(landed) - len(rejected) == 1
-    assert all("already resolved" in r.rejected for r in rejected)
+    assert all(r.rejected is not None and "already resolved" in r.rejected for r in rejected)
     assert node.journal is not None
     states = snapshot(node.journal, project).states
     winner = next(r for r in landed if not r.rejected)
@@ -395,7 +397,7 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
 async def test_migrating_a_journal_with_events_projects_them(
     tmp_path: Path, agents: dict[str, EpibusClient], project: str
 ) -> None:
-    from bus.runner import Delivery
+    from bus.admission import Delivery
     from bus.subjects import event_subject
     from observers.schema import _v1_events, events, metadata, schema_versions
 

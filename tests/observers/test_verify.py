@@ -12,6 +12,7 @@ from bus.ids import point_id
 from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
+from observers.mirror.server import ServerVectorStore
 from observers.mirror.store import Filter
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids
@@ -95,6 +96,7 @@ async def test_reindex_rebuilds_the_mirror_and_swaps_it_in_without_losing_new_ev
         assert len(found) == 9
         assert not (tmp_path / "node" / "mirror.new").exists()
         if mirror == "server":  # the alias now names the rebuilt collection, and the old one is gone
+            assert isinstance(node.store, ServerVectorStore)
             client = node.store.client
             (alias,) = [a for a in client.get_aliases().aliases if a.alias_name == "epibus"]
             assert alias.collection_name == node.store.real_collection

@@ -19,10 +19,10 @@ import nats
 import nats.errors
 import pytest
 
+from bus.ask import fan_out
 from bus.client import EpibusClient
 from bus.errors import Forbidden
 from bus.ids import new_event_id
-from bus.recall import fan_out
 from bus.requests import ErrorReply
 from bus.signing import node_key
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key
@@ -245,7 +245,7 @@ async def test_steps_appended_around_the_node_are_quarantined_and_mesh_ack_refus
     # the acceptance signed by mallory's registered key: a valid signature by one not allowed to take the step
     mallory = fleet.keys["mallory"]
     mine = step("accept", "mallory", ("proposed", "accepted"), roles=["coordinator"], assignee="mallory", policy="m")
-    completion = {"sha": SHA, "evidence": [], "note": None}
+    completion: dict[str, Any] = {"sha": SHA, "evidence": [], "note": None}
     rest = [
         step("start", "bob", ("accepted", "working")),
         step("complete", "bob", ("working", "completed"), completion=completion),
