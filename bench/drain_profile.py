@@ -33,6 +33,7 @@ sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
 ]
 
 import nats  # noqa: E402
+from nats.aio.client import Client as NatsClient  # noqa: E402
 from nats.js import JetStreamContext  # noqa: E402
 
 from bus.event import Envelope, draft_event  # noqa: E402
@@ -133,7 +134,7 @@ async def bare_drain(js: JetStreamContext, db: sqlite3.Connection, project: str,
     return elapsed
 
 
-async def epibus_drain(nc: nats.NATS, journal: Journal, project: str, n: int) -> float:
+async def epibus_drain(nc: NatsClient, journal: Journal, project: str, n: int) -> float:
     observer = JournalObserver(journal, name=f"bench-{uuid.uuid4().hex[:8]}")
     runner = ConsumerRunner(nc, observer, filter_subject=events_filter(project), batch_size=BATCH)
     start, cpu = time.perf_counter(), time.process_time()
@@ -174,7 +175,7 @@ async def drain_round(url: str, root: Path, n: int, profile: bool) -> dict[str, 
     profiler = cProfile.Profile() if profile else None
     to_thread = asyncio.to_thread
     if profiler is not None:
-        asyncio.to_thread = inline  # type: ignore[assignment]  # cProfile sees only its own thread
+        asyncio.to_thread = inline  # cProfile sees only its own thread
         profiler.enable()
     try:
         epibus_s = await epibus_drain(nc, journal, project, n)

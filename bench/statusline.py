@@ -121,7 +121,9 @@ def main(n: int, as_json: bool) -> None:
         table.add_column(column)
     for r in results:
         ratio = r["ratio_vs_baseline"]
-        table.add_row(r["what"], f"{r['p50_ms']}", f"{r['p95_ms']}", "baseline" if ratio is None else f"{ratio:.2f}")
+        table.add_row(
+            str(r["what"]), f"{r['p50_ms']}", f"{r['p95_ms']}", "baseline" if ratio is None else f"{ratio:.2f}"
+        )
     Console().print(table)
 
 

@@ -80,7 +80,8 @@ class StreamFuzzer:
         return dict(wire_message(event).headers)
 
     def _raw(self, event: Envelope) -> dict[str, Any]:
-        return json.loads(encode_event(event))
+        raw: dict[str, Any] = json.loads(encode_event(event))
+        return raw
 
     def _garbage_subject(self) -> str:
         return event_subject(self.project, self.rng.choice(["finding", "decision", "unknown"]), f"h{self.counter}")

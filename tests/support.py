@@ -13,10 +13,11 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import nats
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import text
 
@@ -31,7 +32,18 @@ from observers.journal import make_engine
 T = TypeVar("T")
 
 
-async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> T:
+# What a check returns once it holds is truthy, so never None: `X | None` comes back as X.
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T | None]], *, timeout_s: float = ..., interval_s: float = ...
+) -> T: ...
+
+
+@overload
+async def eventually(check: Callable[[], T | None], *, timeout_s: float = ..., interval_s: float = ...) -> T: ...
+
+
+async def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy; fail with its last value after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -39,7 +51,7 @@ async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout_s: float 
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s; last value: {result!r}")
         await asyncio.sleep(interval_s)
@@ -67,7 +79,7 @@ def missing_and_extra(expected: set[str], found: list[str]) -> dict[str, Any]:
     }
 
 
-def eventually_sync(check: Callable[[], T], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> T:
+def eventually_sync(check: Callable[[], T | None], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> T:
     """`eventually` for tests that drive subprocesses without an event loop."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -176,3 +188,9 @@ async def enrol_on_stream(
         revoked_at=at if revoked else None,
     )
     return await record_enrolment(js, node_event_key(AgentKey.generate("node")), enrolment, session_id="tests")
+
+
+def headers_of(msg: Msg) -> dict[str, str]:
+    """A message's headers, which a dead letter always carries (each names its reason)."""
+    assert msg.headers is not None, f"a message on {msg.subject} without headers"
+    return msg.headers

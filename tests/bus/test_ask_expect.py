@@ -4,6 +4,7 @@ nodes it knows, one of them just restarted and not announced yet."""
 from __future__ import annotations
 
 import nats
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from bus.ask import fan_out
@@ -14,7 +15,7 @@ from bus.signing import AgentKey
 SUBJECT = "epibus.test.lookup"
 
 
-async def answer_as(nc: nats.NATS, node: str) -> None:
+async def answer_as(nc: NatsClient, node: str) -> None:
     async def reply(msg: Msg) -> None:
         await msg.respond(IndexedReply(node=node, mirror=True, indexed=[]).model_dump_json().encode())
 

@@ -35,18 +35,20 @@ def refusal(event: Envelope, authority: Authority, lookup: Any = None, seq: int 
     return str(raised.value)
 
 
-def test_an_event_outside_the_actors_projects_is_refused_naming_the_membership_rule(keys) -> None:
+def test_an_event_outside_the_actors_projects_is_refused_naming_the_membership_rule(keys: dict[str, AgentKey]) -> None:
     authority = Authority.of([(1, standing("bob", projects=("other",)))])
     message = refusal(claim(keys["bob"], "b1"), authority)
     assert message == (
         f"agent 'bob' may not publish finding in project {P}: rule membership: it is not a member of project {P} "
         "(its projects: other)"
     )
-    assert decide(claim(keys["alice"], "b2"), 10, {}.get, never, authority).artifacts[0].author == "alice"
+    assert decide(claim(keys["alice"], "b2"), 10, lambda _aid: None, never, authority).artifacts[0].author == "alice"
 
 
-def test_an_agent_without_a_record_stands_as_a_first_use_agent_of_every_project_but_the_fleets_own(keys) -> None:
-    change = decide(claim(keys["bob"], "b1"), 10, {}.get, never, NO_RECORDS)
+def test_an_agent_without_a_record_stands_as_a_first_use_agent_of_every_project_but_the_fleets_own(
+    keys: dict[str, AgentKey],
+) -> None:
+    change = decide(claim(keys["bob"], "b1"), 10, lambda _aid: None, never, NO_RECORDS)
     assert [s.artifact_id for s in change.artifacts] == ["b1"]
     into_policy = draft_event(
         "finding",
@@ -58,7 +60,9 @@ def test_an_agent_without_a_record_stands_as_a_first_use_agent_of_every_project_
     assert "rule enrolment-records: project epibus holds only enrolment records" in refusal(into_policy, NO_RECORDS)
 
 
-def test_a_revocation_refuses_what_comes_after_it_in_the_stream_and_keeps_what_came_before(keys) -> None:
+def test_a_revocation_refuses_what_comes_after_it_in_the_stream_and_keeps_what_came_before(
+    keys: dict[str, AgentKey],
+) -> None:
     revoked = standing("bob").revoked(standing("bob").enrolled_at)
     authority = Authority.of([(1, standing("bob")), (5, revoked)])
     fold = Fold(authority=authority)
@@ -70,7 +74,7 @@ def test_a_revocation_refuses_what_comes_after_it_in_the_stream_and_keeps_what_c
     assert "rule revoked" in fold.rejected[str(after.event_id)]
 
 
-def test_a_role_granted_later_in_the_stream_does_not_reach_back_to_earlier_events(keys) -> None:
+def test_a_role_granted_later_in_the_stream_does_not_reach_back_to_earlier_events(keys: dict[str, AgentKey]) -> None:
     """The same events with the same records give the same state whatever order a reader learns them in."""
     authority = Authority.of([(3, standing("bob", Role.agent, Role.admin))])
     early = ev(keys["bob"], "rolled_back", {"reason": "r"}, artifact_id="a1")
@@ -80,7 +84,7 @@ def test_a_role_granted_later_in_the_stream_does_not_reach_back_to_earlier_event
     assert decide(late, 4, lookup, never, authority).artifacts[0].trust is Trust.rolled_back
 
 
-def test_another_identity_of_the_authors_owner_may_not_verify_and_another_owner_may(keys) -> None:
+def test_another_identity_of_the_authors_owner_may_not_verify_and_another_owner_may(keys: dict[str, AgentKey]) -> None:
     authority = Authority.of([(1, standing("alice", owner="alice@corp")), (2, standing("alice2", owner="alice@corp"))])
     message = refusal(ev(keys["alice2"], "verified", {}, artifact_id="a1"), authority)
     assert "rule one-owner: it and the author alice have one owner (alice@corp); another owner must verify" in message
@@ -91,7 +95,9 @@ def test_another_identity_of_the_authors_owner_may_not_verify_and_another_owner_
         decide(ev(keys["alice"], "verified", {}, artifact_id="a1"), 10, {"a1": state("a1")}.get, never, authority)
 
 
-def test_agents_and_reviewers_verify_and_a_reviewers_verification_is_marked_a_human_review(keys) -> None:
+def test_agents_and_reviewers_verify_and_a_reviewers_verification_is_marked_a_human_review(
+    keys: dict[str, AgentKey],
+) -> None:
     authority = Authority.of([(1, standing("rita", Role.reviewer)), (1, standing("root", Role.admin))])
     lookup = {"a1": state("a1")}.get
     by_reviewer = decide(ev(keys["rita"], "verified", {}, artifact_id="a1"), 10, lookup, never, authority)
@@ -115,7 +121,7 @@ def test_agents_and_reviewers_verify_and_a_reviewers_verification_is_marked_a_hu
     ],
 )
 def test_only_the_author_or_an_admin_may_retract_resolve_roll_back_or_forget_a_claim(
-    keys, kind: str, body: dict[str, Any], action: str
+    keys: dict[str, AgentKey], kind: str, body: dict[str, Any], action: str
 ) -> None:
     lookup = {"a1": state("a1"), "a2": state("a2")}.get
     message = refusal(ev(keys["bob"], kind, body, artifact_id="a1"), NO_RECORDS, lookup)
@@ -129,7 +135,9 @@ def test_only_the_author_or_an_admin_may_retract_resolve_roll_back_or_forget_a_c
         assert change.event_id
 
 
-def test_superseding_anothers_claim_with_a_new_finding_is_a_resolution_and_takes_the_author_or_an_admin(keys) -> None:
+def test_superseding_anothers_claim_with_a_new_finding_is_a_resolution_and_takes_the_author_or_an_admin(
+    keys: dict[str, AgentKey],
+) -> None:
     lookup = {"old": state("old")}.get
     message = refusal(claim(keys["bob"], "new", supersedes="old"), NO_RECORDS, lookup)
     assert "may not supersede alice's claim old" in message
@@ -139,19 +147,21 @@ def test_superseding_anothers_claim_with_a_new_finding_is_a_resolution_and_takes
     assert revising.artifacts[0].revises == "old"
 
 
-def test_contradicting_anothers_claim_stays_open_to_every_member(keys) -> None:
+def test_contradicting_anothers_claim_stays_open_to_every_member(keys: dict[str, AgentKey]) -> None:
     lookup = {"a1": state("a1"), "b1": state("b1", author="bob")}.get
     body = {"contradicted_by": "b1", "reason": "measured"}
     change = decide(ev(keys["bob"], "contradicted", body, artifact_id="a1"), 10, lookup, never, NO_RECORDS)
     assert change.artifacts[0].trust is Trust.contradicted
 
 
-def test_an_enrolment_record_counts_only_from_a_node_identity_filed_under_the_agent_it_enrols(keys) -> None:
+def test_an_enrolment_record_counts_only_from_a_node_identity_filed_under_the_agent_it_enrols(
+    keys: dict[str, AgentKey],
+) -> None:
     node = node_event_key(AgentKey.generate("node"))
     record = standing("bob", Role.admin)
     genuine = enrolment_event(node, record)
     assert enrolment_record(genuine) == record
-    assert decide(genuine, 3, {}.get, never, NO_RECORDS).artifacts == ()  # it changes who may, not what is
+    assert decide(genuine, 3, lambda _aid: None, never, NO_RECORDS).artifacts == ()  # it changes who may, not what is
     by_agent = enrolment_event(keys["bob"], record)  # an agent granting itself a role
     assert enrolment_record(by_agent) is None
     assert "rule enrolment-records: only a node publishes enrolment records" in refusal(by_agent, NO_RECORDS)
@@ -167,7 +177,7 @@ def test_no_enrolment_can_make_an_agent_a_member_of_the_fleets_own_project() -> 
     assert not standing("bob", projects=(ANY_PROJECT,)).member_of(POLICY_PROJECT)
 
 
-def test_a_record_names_its_change_in_words_for_tail_and_recall(keys) -> None:
+def test_a_record_names_its_change_in_words_for_tail_and_recall(keys: dict[str, AgentKey]) -> None:
     node = node_event_key(AgentKey.generate("node"))
     record = standing("bob", Role.reviewer, owner="bob@corp", projects=("ops", "web"))
     text = enrolment_event(node, record).body.content_text()

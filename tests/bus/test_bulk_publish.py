@@ -24,6 +24,7 @@ from bus.ids import new_event_id
 from bus.kinds import Evidence
 from bus.outbox_file import OutboxRow
 from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
 from bus.subjects import STREAM, events_filter
 from bus.vocab import EvidenceKind
@@ -63,7 +64,7 @@ def _outcome(encode: Any, value: Any) -> bytes | str:
 
 @settings(max_examples=400, deadline=None)
 @given(value=json_values)
-def test_canonical_json_is_byte_identical_to_json_dumps_with_the_canonical_arguments(value: Any):
+def test_canonical_json_is_byte_identical_to_json_dumps_with_the_canonical_arguments(value: Any) -> None:
     def reference(v: Any) -> bytes:
         return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
@@ -85,7 +86,7 @@ def _draft(text: str = "clean") -> Any:
 )
 def test_the_nul_check_agrees_with_the_walk_of_every_text(
     text: str, subject: str, session: str, goal: str | None, ref: str, excerpt: str | None
-):
+) -> None:
     # model_copy does not validate: the hostile texts reach the check exactly as a decoded event's would.
     base = _draft()
     evidence = Evidence.model_construct(kind=EvidenceKind.url, ref=ref, excerpt=excerpt, sha256=None)
@@ -96,7 +97,7 @@ def test_the_nul_check_agrees_with_the_walk_of_every_text(
 
 @settings(max_examples=200, deadline=None)
 @given(text=hostile_text.filter(bool), session=hostile_text.filter(bool))
-def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, session: str):
+def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, session: str) -> None:
     session = session[:128]
     fields = {"text": text, "impact": 0.5, "confidence": 0.5, "subject": "s"}
     if LONE_SURROGATE.search(text + session):  # not Unicode text at all: refused by the field, NUL or not
@@ -118,7 +119,7 @@ def test_validation_refuses_a_nul_exactly_when_the_walk_finds_one(text: str, ses
 @given(text=hostile_text.filter(lambda t: t and "\x00" not in t), legacy=st.booleans(), resign=st.booleans())
 def test_a_prepared_and_bulk_signed_event_gives_the_row_of_the_event_signed_alone(
     text: str, legacy: bool, resign: bool
-):
+) -> None:
     if LONE_SURROGATE.search(text):  # cannot be UTF-8: refused when the event is made, before any signing path
         with pytest.raises(InvalidEvent, match=r"body\.text"):
             draft_event("finding", finding(text=text), project="p", actor=ALICE.actor, session_id="s")
@@ -135,7 +136,7 @@ def test_a_prepared_and_bulk_signed_event_gives_the_row_of_the_event_signed_alon
     assert ALICE.seal(prepared, signature) == ALICE.sign(draft)
 
 
-def test_a_forked_child_does_not_repeat_its_parents_event_ids():
+def test_a_forked_child_does_not_repeat_its_parents_event_ids() -> None:
     new_event_id()  # the pool holds bytes the child would inherit
     read, write = os.pipe()
     child = os.fork()
@@ -153,8 +154,8 @@ def test_a_forked_child_does_not_repeat_its_parents_event_ids():
 
 
 async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_journal_alike(
-    nats_server, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
+    nats_server: NatsServer, home: Path, project: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(signer_module, "SIGN_CHUNK", 64)  # several chunks, and a partial last one
     at = datetime.now(UTC)
     async with connect(nats_server.url, agent="alice", home=home, outbox=False) as client:
@@ -173,7 +174,9 @@ async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_jou
         batch = [*drafts[:100], signed_alone[100], *drafts[101:]]
         receipts = await client.publish_many(batch)
         assert [r.event_id for r in receipts] == [d.event_id for d in drafts]
-        assert [r.stream_seq for r in receipts] == sorted(r.stream_seq for r in receipts)
+        seqs = [r.stream_seq for r in receipts if r.stream_seq is not None]
+        assert len(seqs) == len(receipts)
+        assert seqs == sorted(seqs)
         js = client.js
         for receipt, alone in zip(receipts, signed_alone, strict=True):
             stored = await js.get_msg(STREAM, receipt.stream_seq)
@@ -190,6 +193,7 @@ async def test_bulk_signed_drafts_are_the_messages_single_publishes_send_and_jou
         journal = Journal(url)
         journal.migrate()
         try:
+            assert client.nc is not None
             runner = ConsumerRunner(
                 client.nc, JournalObserver(journal, name="bulk"), filter_subject=events_filter(project)
             )

@@ -62,13 +62,13 @@ def state(seq: int, trust: Trust = Trust.unverified) -> ArtifactState:
 RECORD = ErasedRecord(forget_seq=10, history=(shell(3), shell(6, Trust.verified)), digests={"e1": "d1"})
 
 
-def test_an_erased_artifact_is_absent_before_its_claim_and_from_its_forget_on():
+def test_an_erased_artifact_is_absent_before_its_claim_and_from_its_forget_on() -> None:
     assert erased_state_at(RECORD, "p", "a", 3) is None  # its claim is at 3: not there yet
     assert erased_state_at(RECORD, "p", "a", 10) is None
     assert erased_state_at(RECORD, "p", "a", 11) is None
 
 
-def test_an_erased_artifact_has_the_last_state_recorded_before_the_sequence_without_content():
+def test_an_erased_artifact_has_the_last_state_recorded_before_the_sequence_without_content() -> None:
     at_4 = erased_state_at(RECORD, "p", "a", 4)
     at_9 = erased_state_at(RECORD, "p", "a", 9)
     assert at_4 is not None
@@ -77,7 +77,7 @@ def test_an_erased_artifact_has_the_last_state_recorded_before_the_sequence_with
     assert (at_9.content, at_9.erased, at_9.created_event_id) == ("", True, str(CREATED))
 
 
-def test_a_forgotten_marker_in_a_history_means_absent():
+def test_a_forgotten_marker_in_a_history_means_absent() -> None:
     record = ErasedRecord(forget_seq=20, history=(shell(3), shell(8, forgotten=True), shell(12)))
     assert erased_state_at(record, "p", "a", 9) is None
     found = erased_state_at(record, "p", "a", 13)
@@ -85,7 +85,7 @@ def test_a_forgotten_marker_in_a_history_means_absent():
     assert found.last_seq == 12
 
 
-def test_the_store_wins_and_the_first_later_forget_describes_an_erased_artifact():
+def test_the_store_wins_and_the_first_later_forget_describes_an_erased_artifact() -> None:
     first = ErasedRecord(forget_seq=10, history=(shell(3),))
     second = ErasedRecord(forget_seq=30, history=(shell(3), shell(10, forgotten=True), shell(20, Trust.verified)))
     erased = {("p", "a"): (first, second)}
@@ -101,7 +101,7 @@ def test_the_store_wins_and_the_first_later_forget_describes_an_erased_artifact(
     assert with_erased(lambda _aid: live, erased, "p", 5)("a") is live
 
 
-def test_erased_digests_are_every_forgets_ids():
+def test_erased_digests_are_every_forgets_ids() -> None:
     erased = {
         ("p", "a"): (RECORD, ErasedRecord(30, (), {"e2": "d2"})),
         ("p", "b"): (ErasedRecord(40, (), {"e3": "d3"}),),
@@ -109,7 +109,7 @@ def test_erased_digests_are_every_forgets_ids():
     assert erased_digests(erased) == {"e1": "d1", "e2": "d2", "e3": "d3"}
 
 
-def test_a_second_forget_carries_the_first_forgets_states_and_ids_forward():
+def test_a_second_forget_carries_the_first_forgets_states_and_ids_forward() -> None:
     e1, e2 = "01a23a00-0000-7000-8000-000000000001", "01a23a00-0000-7000-8000-000000000002"
     d1, d2 = "1" * 64, "2" * 64
     earlier = (ErasedRecord(forget_seq=10, history=(shell(3), shell(6, Trust.verified)), digests={e1: d1}),)
@@ -125,7 +125,7 @@ def test_a_second_forget_carries_the_first_forgets_states_and_ids_forward():
     assert [(str(e.event_id), e.digest) for e in events] == [(e1, d1), (e2, d2)]
 
 
-def test_states_rebuilt_from_a_history_are_never_recorded_again():
+def test_states_rebuilt_from_a_history_are_never_recorded_again() -> None:
     erased_state = erased_state_at(RECORD, "p", "a", 9)
     assert erased_state is not None
     assert erased_history([erased_state]) == ()
@@ -148,7 +148,7 @@ def full_state(seq: int) -> ArtifactState:
     )
 
 
-def test_a_state_kept_by_a_forget_comes_back_whole_but_for_its_content():
+def test_a_state_kept_by_a_forget_comes_back_whole_but_for_its_content() -> None:
     kept = full_state(7)
     record = ErasedRecord(forget_seq=9, history=erased_history([kept]))
     back = erased_state_at(record, "p", "a", 8)
@@ -157,7 +157,7 @@ def test_a_state_kept_by_a_forget_comes_back_whole_but_for_its_content():
     assert found == back
 
 
-def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is():
+def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is() -> None:
     key = AgentKey.generate("alice")
     e1, d1 = uuid.UUID("01a23a00-0000-7000-8000-000000000001"), "1" * 64
     history = erased_history([full_state(7)])
@@ -174,7 +174,7 @@ def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is():
     assert erased_record(claim, 43, NO_RECORDS) is None
 
 
-def test_a_forget_its_actor_may_not_make_records_nothing_and_takes_no_event_id():
+def test_a_forget_its_actor_may_not_make_records_nothing_and_takes_no_event_id() -> None:
     """Every path rejects bob's forget of alice's claim (bus/authority.py), so no path may treat what it lists as
     erased: a reader of the stream would skip events the live nodes kept."""
     bob = AgentKey.generate("bob")
@@ -190,7 +190,7 @@ def test_a_forget_its_actor_may_not_make_records_nothing_and_takes_no_event_id()
     assert erased_record(forget, 42, as_admin) == ErasedRecord(42, history, {str(CREATED): "1" * 64})
 
 
-def test_the_marker_of_an_earlier_forget_copies_its_last_state_and_later_states_start_after_it():
+def test_the_marker_of_an_earlier_forget_copies_its_last_state_and_later_states_start_after_it() -> None:
     earlier = (ErasedRecord(forget_seq=10, history=(shell(3), shell(5), shell(6, Trust.verified))),)
     history = erased_history([state(10), state(11)], earlier)
     assert [(h.seq, h.trust, h.forgotten) for h in history] == [

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client as NatsClient
 
 from bus.client import connect
@@ -52,7 +53,9 @@ async def publish(nc: NatsClient, project: str, *payloads: bytes) -> None:
         await js.publish(f"epi.{project}.finding.a1", payload, timeout=10)
 
 
-async def test_a_follower_resumes_after_a_server_restart_missing_and_repeating_nothing(nats_server, project):
+async def test_a_follower_resumes_after_a_server_restart_missing_and_repeating_nothing(
+    nats_server: NatsServer, project: str
+) -> None:
     nc = await open_nats([nats_server.url], name="follower", timeout_s=5)
     try:
         await ensure_streams(nc.jetstream())
@@ -68,7 +71,9 @@ async def test_a_follower_resumes_after_a_server_restart_missing_and_repeating_n
         await nc.close()
 
 
-async def test_a_follower_that_saw_nothing_before_a_restart_does_not_replay_older_events(nats_server, project):
+async def test_a_follower_that_saw_nothing_before_a_restart_does_not_replay_older_events(
+    nats_server: NatsServer, project: str
+) -> None:
     nc = await open_nats([nats_server.url], name="follower", timeout_s=5)
     try:
         await ensure_streams(nc.jetstream())
@@ -98,8 +103,8 @@ def record_node(home: Path, server: NatsServer) -> None:
 
 
 async def test_a_client_following_the_local_node_reconnects_where_node_json_says_it_moved(
-    tmp_path, home, project, monkeypatch
-):
+    tmp_path: Path, home: Path, project: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("EPIBUS_NATS_URL", raising=False)
     first, second = NatsServer(tmp_path / "first"), NatsServer(tmp_path / "second")
     try:

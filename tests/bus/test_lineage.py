@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -24,7 +25,7 @@ T0 = datetime(2024, 5, 1, tzinfo=UTC)
 LINKS = ("revises", "supersedes", "superseded_by", "contradicted_by")
 
 
-def art(aid: str, order: int = 0, **kw: object) -> ArtifactState:
+def art(aid: str, order: int = 0, **kw: Any) -> ArtifactState:
     base = ArtifactState(
         project=P,
         artifact_id=aid,
@@ -49,7 +50,7 @@ def ids(members: tuple[Member, ...]) -> list[str]:
     return [m.artifact_id for m in members]
 
 
-def test_ancestors_walk_revises_nearest_first_and_descendants_come_breadth_first_with_their_depth():
+def test_ancestors_walk_revises_nearest_first_and_descendants_come_breadth_first_with_their_depth() -> None:
     states = states_of(
         art("root", 0),
         art("a", 1, revises="root"),
@@ -67,7 +68,7 @@ def test_ancestors_walk_revises_nearest_first_and_descendants_come_breadth_first
     assert (found.cycle, found.missing) == ((), ())
 
 
-def test_a_supersession_chain_is_shown_whole_from_any_of_its_members():
+def test_a_supersession_chain_is_shown_whole_from_any_of_its_members() -> None:
     states = states_of(
         art("A", 0, superseded_by="B", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.superseded),
         art(
@@ -85,7 +86,7 @@ def test_a_supersession_chain_is_shown_whole_from_any_of_its_members():
     assert (ids(lineage(states, "C").supersedes), ids(lineage(states, "C").superseded_by)) == (["B", "A"], [])
 
 
-def test_what_contradicts_an_artifact_and_what_it_contradicts_are_both_shown():
+def test_what_contradicts_an_artifact_and_what_it_contradicts_are_both_shown() -> None:
     states = states_of(
         art("claim", 0, trust=Trust.contradicted, contradicted_by="proof"),
         art("proof", 1),
@@ -99,7 +100,7 @@ def test_what_contradicts_an_artifact_and_what_it_contradicts_are_both_shown():
     assert proof.contradicts[0].trust is Trust.contradicted
 
 
-def test_each_member_shows_its_state_and_a_forgotten_ones_content_as_the_states_hold_it():
+def test_each_member_shows_its_state_and_a_forgotten_ones_content_as_the_states_hold_it() -> None:
     states = states_of(
         art("old", 0, content="[forgotten]", forgotten=True, trust=Trust.verified, author="bob", kind="assumption"),
         art("new", 1, revises="old"),
@@ -111,7 +112,7 @@ def test_each_member_shows_its_state_and_a_forgotten_ones_content_as_the_states_
     assert (shown["content"], shown["trust"], shown["lifecycle"]) == ("[forgotten]", "verified", "active")
 
 
-def test_a_revises_cycle_is_reported_by_its_ids_and_the_walk_ends():
+def test_a_revises_cycle_is_reported_by_its_ids_and_the_walk_ends() -> None:
     states = states_of(art("a", 0, revises="c"), art("b", 1, revises="a"), art("c", 2, revises="b"), art("x", 3))
     found = lineage(states, "a")
     assert found.cycle == (Cycle("revises", ("a", "c", "b")),)
@@ -122,14 +123,14 @@ def test_a_revises_cycle_is_reported_by_its_ids_and_the_walk_ends():
     assert ids(tail.ancestors) == ["b", "a", "c"]
 
 
-def test_a_supersession_cycle_is_reported_in_both_directions():
+def test_a_supersession_cycle_is_reported_in_both_directions() -> None:
     states = states_of(art("a", 0, supersedes="b", superseded_by="b"), art("b", 1, supersedes="a", superseded_by="a"))
     found = lineage(states, "a")
     assert found.cycle == (Cycle("supersedes", ("a", "b")), Cycle("superseded_by", ("a", "b")))
     assert (ids(found.supersedes), ids(found.superseded_by)) == (["b"], ["b"])
 
 
-def test_links_to_absent_artifacts_are_reported_as_missing_not_dropped():
+def test_links_to_absent_artifacts_are_reported_as_missing_not_dropped() -> None:
     states = states_of(
         art("a", 0, revises="gone", supersedes="older", superseded_by="b", contradicted_by="erased"),
         art("b", 1, supersedes="a", superseded_by="lost"),
@@ -145,7 +146,7 @@ def test_links_to_absent_artifacts_are_reported_as_missing_not_dropped():
     assert found.contradicted_by is None
 
 
-def test_an_unknown_artifact_is_not_found_naming_it_and_its_project():
+def test_an_unknown_artifact_is_not_found_naming_it_and_its_project() -> None:
     with pytest.raises(NotFound) as raised:
         lineage(states_of(art("a")), "ghost")
     assert str(raised.value).startswith("artifact 'ghost' not found; project 'proj' holds no such artifact")
@@ -153,7 +154,7 @@ def test_an_unknown_artifact_is_not_found_naming_it_and_its_project():
         lineage({}, "ghost", project="empty")
 
 
-def test_the_lineage_as_a_dict_is_json_and_names_every_field():
+def test_the_lineage_as_a_dict_is_json_and_names_every_field() -> None:
     states = states_of(art("a", 0), art("b", 1, revises="a", trust=Trust.contradicted, contradicted_by="a"))
     shown = json.loads(json.dumps(lineage(states, "a").as_dict()))
     assert shown["descendants"] == [Member.of(states["b"]).as_dict() | {"depth": 1}]
@@ -216,7 +217,7 @@ def steps_to(states: Mapping[str, ArtifactState], start: str, goal: str) -> int 
     """How many `revises` steps lead from `start` to `goal`, walked by brute force with a bound."""
     current: str | None = start
     for step in range(1, len(states) + 2):
-        current = states[current].revises if current in states else None
+        current = states[current].revises if current is not None and current in states else None
         if current is None:
             return None
         if current == goal:
@@ -257,7 +258,7 @@ def assert_links_are_as_named(states: Mapping[str, ArtifactState], found: Lineag
 
 
 @given(hostile_graphs())
-def test_every_member_of_any_lineage_is_reachable_through_the_links_it_names(states: dict[str, ArtifactState]):
+def test_every_member_of_any_lineage_is_reachable_through_the_links_it_names(states: dict[str, ArtifactState]) -> None:
     for aid in states:
         found = lineage(states, aid)
         assert_members_are_reachable(found)
@@ -269,7 +270,7 @@ def test_every_member_of_any_lineage_is_reachable_through_the_links_it_names(sta
 
 
 @given(hostile_graphs())
-def test_each_member_of_a_revises_chain_sees_the_same_chain(states: dict[str, ArtifactState]):
+def test_each_member_of_a_revises_chain_sees_the_same_chain(states: dict[str, ArtifactState]) -> None:
     for aid in states:
         chain = revision_chain(lineage(states, aid))
         looped = any(c.link == "revises" for c in lineage(states, aid).cycle)
@@ -282,7 +283,7 @@ def test_each_member_of_a_revises_chain_sees_the_same_chain(states: dict[str, Ar
 
 
 @given(consistent_graphs())
-def test_a_consistent_history_shows_each_chain_whole_from_any_member(states: dict[str, ArtifactState]):
+def test_a_consistent_history_shows_each_chain_whole_from_any_member(states: dict[str, ArtifactState]) -> None:
     for aid in states:
         found = lineage(states, aid)
         assert (found.cycle, found.missing) == ((), ())

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from bus.outbox import Outbox
 from bus.outbox_file import OutboxRow
+from bus.server import NatsServer
 
 
 def rows(n: int, prefix: str = "e") -> list[OutboxRow]:
@@ -23,35 +25,35 @@ def stored(path: Path, *, unsent_only: bool = False) -> list[tuple[str, bytes]]:
 
 
 @pytest.fixture
-async def outbox(tmp_path: Path):
+async def outbox(tmp_path: Path) -> AsyncIterator[Outbox]:
     box = await Outbox(tmp_path / "outbox.db").open()
     yield box
     await box.close()
 
 
-async def test_added_rows_are_on_disk_when_add_returns(outbox: Outbox):
+async def test_added_rows_are_on_disk_when_add_returns(outbox: Outbox) -> None:
     await outbox.add(rows(3))
     assert stored(outbox.path) == [("e0", b"payload 0"), ("e1", b"payload 1"), ("e2", b"payload 2")]
 
 
-async def test_the_outbox_runs_with_synchronous_full(outbox: Outbox):
+async def test_the_outbox_runs_with_synchronous_full(outbox: Outbox) -> None:
     level = await outbox.file.run(lambda: outbox.file.conn.execute("PRAGMA synchronous").fetchone()[0])
     assert level == 2  # FULL
 
 
-async def test_concurrent_adds_share_commits_and_lose_nothing(outbox: Outbox):
+async def test_concurrent_adds_share_commits_and_lose_nothing(outbox: Outbox) -> None:
     batches = [rows(5, prefix=f"b{i}-") for i in range(40)]
     await asyncio.gather(*(outbox.add(b) for b in batches))
     assert sorted(e for e, _ in stored(outbox.path)) == sorted(r.event_id for b in batches for r in b)
 
 
-async def test_adding_an_event_id_twice_keeps_one_row(outbox: Outbox):
+async def test_adding_an_event_id_twice_keeps_one_row(outbox: Outbox) -> None:
     await outbox.add(rows(2))
     await outbox.add(rows(2))
     assert [e for e, _ in stored(outbox.path)] == ["e0", "e1"]
 
 
-async def test_a_leased_row_is_not_claimed_by_another_forwarder_until_the_lease_ends(tmp_path: Path):
+async def test_a_leased_row_is_not_claimed_by_another_forwarder_until_the_lease_ends(tmp_path: Path) -> None:
     first = await Outbox(tmp_path / "o.db").open()
     second = await Outbox(tmp_path / "o.db").open()
     try:
@@ -71,7 +73,7 @@ async def test_a_leased_row_is_not_claimed_by_another_forwarder_until_the_lease_
         await second.close()
 
 
-async def test_a_refused_row_is_parked_with_its_reason_not_deleted(outbox: Outbox):
+async def test_a_refused_row_is_parked_with_its_reason_not_deleted(outbox: Outbox) -> None:
     await outbox.add(rows(2))
     await outbox.claim(10, lease_s=60)
     await outbox.park({"e0": "refused: maximum payload exceeded"})
@@ -82,7 +84,7 @@ async def test_a_refused_row_is_parked_with_its_reason_not_deleted(outbox: Outbo
     assert {e for e, _ in stored(outbox.path)} == {"e0", "e1"}
 
 
-async def test_publishing_a_sent_event_again_sends_it_again(outbox: Outbox):
+async def test_publishing_a_sent_event_again_sends_it_again(outbox: Outbox) -> None:
     await outbox.add(rows(1))
     await outbox.claim(10, lease_s=60)
     await outbox.complete({"e0": (7, False)})
@@ -92,7 +94,7 @@ async def test_publishing_a_sent_event_again_sends_it_again(outbox: Outbox):
     assert [r.event_id for r in await outbox.claim(10, lease_s=60)] == ["e0"]
 
 
-async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stays_parked(outbox: Outbox):
+async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stays_parked(outbox: Outbox) -> None:
     await outbox.add(rows(2))
     await outbox.claim(10, lease_s=60)
     await outbox.park({"e1": "refused"})
@@ -101,7 +103,7 @@ async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stay
     assert await outbox.claim(10, lease_s=60) == []  # e0 is still leased by the first claim
 
 
-async def test_forgetting_an_artifact_leaves_no_byte_of_its_rows_in_the_outbox_files(outbox: Outbox):
+async def test_forgetting_an_artifact_leaves_no_byte_of_its_rows_in_the_outbox_files(outbox: Outbox) -> None:
     secret = b"the combination of the vault is 7-3-9-1-5"
     await outbox.add(
         [
@@ -119,8 +121,8 @@ async def test_forgetting_an_artifact_leaves_no_byte_of_its_rows_in_the_outbox_f
 
 
 async def test_an_event_held_longer_than_nodes_admit_is_parked_with_the_reason_not_sent(
-    outbox: Outbox, nats_server, tmp_path: Path
-):
+    outbox: Outbox, nats_server: NatsServer, tmp_path: Path
+) -> None:
     from datetime import UTC, datetime, timedelta
 
     import nats

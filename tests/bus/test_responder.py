@@ -39,7 +39,9 @@ async def ask(nc: NatsClient, body: bytes = b"{}") -> dict[str, Any]:
     return reply
 
 
-async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_counted(nc, caplog):
+async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_counted(
+    nc: NatsClient, caplog: pytest.LogCaptureFixture
+) -> None:
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         raise RuntimeError(f"the store fell over while checking {request.project}")
 
@@ -53,7 +55,7 @@ async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_c
     assert "test_responder.py" in record.getMessage()  # where it was raised
 
 
-async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_message(nc):
+async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_message(nc: NatsClient) -> None:
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         raise ValueError("x" * (3 << 20))
 
@@ -65,7 +67,7 @@ async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_messag
     assert responder.counts.failed == 1
 
 
-async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_error(nc):
+async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_error(nc: NatsClient) -> None:
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         return {"stream_events": "many"}
 
@@ -75,7 +77,7 @@ async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_err
     assert responder.counts.failed == 1
 
 
-async def test_an_answer_over_the_servers_max_payload_is_answered_as_an_error(nc):
+async def test_an_answer_over_the_servers_max_payload_is_answered_as_an_error(nc: NatsClient) -> None:
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         return {"padding": "x" * (nc.max_payload + 1)}
 
@@ -85,13 +87,20 @@ async def test_an_answer_over_the_servers_max_payload_is_answered_as_an_error(nc
     assert responder.counts.failed == 1
 
 
-async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_sent_with_the_node(nc):
+async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_sent_with_the_node(
+    nc: NatsClient,
+) -> None:
     seen: list[VerifyRequest] = []
 
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         seen.append(request)
         check = {"missing": 0, "extra": 0, "stale": 0, "mismatched": 0, "clean": True}
-        samples = {"sample_missing": [], "sample_extra": [], "sample_stale": [], "sample_mismatched": []}
+        samples: dict[str, list[str]] = {
+            "sample_missing": [],
+            "sample_extra": [],
+            "sample_stale": [],
+            "sample_mismatched": [],
+        }
         return {"stream_events": 0, "journal": check | samples, "mirror": None, "repaired": False, "clean": True}
 
     responder = await serving(nc, handle)
@@ -101,7 +110,7 @@ async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_s
     assert (responder.counts.answered, responder.counts.refused, responder.counts.failed) == (1, 0, 0)
 
 
-async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc):
+async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc: NatsClient) -> None:
     async def handle(request: VerifyRequest) -> dict[str, Any]:
         return {}
 
@@ -126,18 +135,21 @@ async def _two_requests_where_the_first_waits_for_the_second(nc: NatsClient, con
     return [await first, second]
 
 
-async def test_a_concurrent_responder_answers_a_request_while_another_waits(nc):
+async def test_a_concurrent_responder_answers_a_request_while_another_waits(nc: NatsClient) -> None:
     first, second = await _two_requests_where_the_first_waits_for_the_second(nc, concurrency=2)
     assert first["error"] == "RuntimeError: answered first"
     assert second["error"] == "RuntimeError: answered second"
 
 
-async def test_a_responder_answers_one_request_at_a_time_by_default(nc):
+async def test_a_responder_answers_one_request_at_a_time_by_default(nc: NatsClient) -> None:
     first, second = await _two_requests_where_the_first_waits_for_the_second(nc, concurrency=1)
     assert first["error"].startswith("TimeoutError")  # the second waited behind it
     assert second["error"] == "RuntimeError: answered second"
 
 
-def test_a_responder_needs_room_for_one_request_at_least(nc):
+def test_a_responder_needs_room_for_one_request_at_least(nc: NatsClient) -> None:
+    async def never_called(_request: VerifyRequest) -> dict[str, Any]:
+        raise AssertionError("a responder without room answers nothing")
+
     with pytest.raises(ConfigError, match="concurrency"):
-        Responder(nc, SUBJECT, VerifyRequest, VerifyReply, lambda r: r, node="node-t", concurrency=0)
+        Responder(nc, SUBJECT, VerifyRequest, VerifyReply, never_called, node="node-t", concurrency=0)

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import nats
 import pytest
 
+from bus.admission import Delivery
 from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
-from bus.runner import ConsumerRunner, Delivery
+from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
 from bus.subjects import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, event_subject
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding
-from tests.support import eventually, journal_event_ids, missing_and_extra
+from tests.support import eventually, headers_of, journal_event_ids, missing_and_extra
 
 
 @asynccontextmanager
@@ -40,7 +42,7 @@ async def running(url: str, *observers: object, **options: object) -> AsyncItera
 
 
 @pytest.fixture
-def journal(sqlite_journal_url: str):
+def journal(sqlite_journal_url: str) -> Iterator[Journal]:
     store = Journal(sqlite_journal_url)
     store.migrate()
     yield store
@@ -48,8 +50,8 @@ def journal(sqlite_journal_url: str):
 
 
 async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_stays_intact(
-    nats_server, home, project, journal, tmp_path: Path
-):
+    nats_server: NatsServer, home: Path, project: str, journal: Journal, tmp_path: Path
+) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
         running(nats_server.url, JournalObserver(journal)) as (runner,),
@@ -62,7 +64,9 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
         await js.publish(f"epi.{project}.finding.junk", b'{"kind": "finding"}')
         wrong_subject = client.event("finding", finding(2), project=project)
         await js.publish(
-            f"epi.{project}.finding.elsewhere", encode_event(wrong_subject), headers=wire_message(wrong_subject).headers
+            f"epi.{project}.finding.elsewhere",
+            encode_event(wrong_subject),
+            headers=dict(wire_message(wrong_subject).headers),
         )
         tampered = json.loads(encode_event(client.event("finding", finding(3), project=project)))
         tampered["body"]["impact"] = 1.0
@@ -81,13 +85,13 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
 
         await eventually(lambda: runner.stats.handled == 2 and sum(runner.stats.dead_lettered.values()) == 5)
         letters = await dead_letters(client.js)
-    reasons = sorted(m.headers[DLQ_REASON] for m in letters)
+    reasons = sorted(headers_of(m)[DLQ_REASON] for m in letters)
     assert reasons == ["bad_signature", "invalid_event", "invalid_event", "subject_mismatch", "unknown_actor_key"]
     for letter in letters:
-        assert letter.headers[DLQ_ERROR]
-        assert letter.headers[DLQ_SUBJECT].startswith(f"epi.{project}.")
-        assert int(letter.headers[DLQ_STREAM_SEQ]) > 0
-    garbage = [m for m in letters if m.headers[DLQ_REASON] == "invalid_event"]
+        assert headers_of(letter)[DLQ_ERROR]
+        assert headers_of(letter)[DLQ_SUBJECT].startswith(f"epi.{project}.")
+        assert int(headers_of(letter)[DLQ_STREAM_SEQ]) > 0
+    garbage = [m for m in letters if headers_of(m)[DLQ_REASON] == "invalid_event"]
     assert {m.data for m in garbage} == {b"\x00\xffnot json at all", b'{"kind": "finding"}'}  # kept as received
     report = missing_and_extra({str(good.event_id), str(last.event_id)}, journal_event_ids(journal.url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
@@ -110,7 +114,9 @@ class FailingObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats_server, home, project):
+async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = FailingObserver("always-fails", failures=10**6)
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -124,14 +130,17 @@ async def test_an_observer_that_always_fails_dead_letters_after_max_deliver(nats
         (letter,) = await dead_letters(client.js)
         figures = await stream_figures(client.js)
     assert observer.calls == 3
-    assert letter.headers[DLQ_REASON] == "max_deliver"
-    assert "disk on fire" in letter.headers[DLQ_ERROR]
+    assert headers_of(letter)[DLQ_REASON] == "max_deliver"
+    assert "disk on fire" in headers_of(letter)[DLQ_ERROR]
     assert json.loads(letter.data)["event_id"] == str(event.event_id)
     consumer = figures["EPI"]["consumers"]["always-fails"]
-    assert consumer["pending"] == 0 and consumer["ack_pending"] == 0
+    assert consumer["pending"] == 0
+    assert consumer["ack_pending"] == 0
 
 
-async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats_server, home, project):
+async def test_a_transient_observer_failure_is_redelivered_and_written_once(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = FailingObserver("flaky", failures=2)
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -147,7 +156,9 @@ async def test_a_transient_observer_failure_is_redelivered_and_written_once(nats
     assert runner.stats.dead_lettered == {}
 
 
-async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(nats_server, home, project, journal):
+async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     first, second = JournalObserver(journal), JournalObserver(Journal(journal.url))
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -161,7 +172,9 @@ async def test_wiring_the_journal_observer_twice_still_writes_each_event_once(na
     assert first.inserted + second.inserted == 1000
 
 
-async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal):
+async def test_an_empty_poll_resets_nothing(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     nc = await nats.connect(nats_server.url)
     runner = ConsumerRunner(nc, JournalObserver(journal), fetch_timeout_s=0.1)  # stepped by hand, no loop
     try:
@@ -180,7 +193,9 @@ async def test_an_empty_poll_resets_nothing(nats_server, home, project, journal)
         await nc.close()
 
 
-async def test_journaled_receipt_is_confirmed_by_the_lookup_service(nats_server, home, project, journal):
+async def test_journaled_receipt_is_confirmed_by_the_lookup_service(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     observer = JournalObserver(journal)
     nc = await nats.connect(nats_server.url)
     await observer.serve_lookups(nc)
@@ -212,7 +227,9 @@ class OutageObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(nats_server, home, project):
+async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = OutageObserver("outage", down_calls=8)  # longer than max_deliver attempts would allow
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
@@ -224,8 +241,10 @@ async def test_a_store_outage_holds_events_instead_of_dead_lettering_them(nats_s
         await eventually(lambda: len(observer.written) == 20, timeout_s=60)
         letters = await dead_letters(client.js)
     assert sorted(observer.written) == sorted(str(e.event_id) for e in events)
-    assert letters == [] and runner.stats.dead_lettered == {}
-    assert runner.stats.outage_retries == 8 and runner.stats.degraded is False
+    assert letters == []
+    assert runner.stats.dead_lettered == {}
+    assert runner.stats.outage_retries == 8
+    assert runner.stats.degraded is False
 
 
 class PoisonObserver:
@@ -242,7 +261,9 @@ class PoisonObserver:
         self.written.extend(str(d.event.event_id) for d in batch)
 
 
-async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, home, project):
+async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=home) as client:
         events = [client.event("finding", finding(i), project=project) for i in range(10)]
         observer = PoisonObserver("poison", str(events[4].event_id))
@@ -256,7 +277,9 @@ async def test_one_poison_event_does_not_take_its_batch_to_the_dlq(nats_server, 
     assert sorted(observer.written) == sorted(str(e.event_id) for e in events if str(e.event_id) != observer.poison)
 
 
-async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_server, home, project, journal):
+async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
         running(nats_server.url, JournalObserver(journal), fetch_timeout_s=0.2) as (runner,),
@@ -271,7 +294,9 @@ async def test_a_deleted_consumer_is_recreated_and_consumption_resumes(nats_serv
     assert sorted(journal_event_ids(journal.url, project)) == sorted([str(first.event_id), str(second.event_id)])
 
 
-async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_deliver(nats_server, journal):
+async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_deliver(
+    nats_server: NatsServer, journal: Journal
+) -> None:
     nc = await nats.connect(nats_server.url)
     try:
         runner = ConsumerRunner(nc, JournalObserver(journal), max_deliver=3)
@@ -281,7 +306,9 @@ async def test_the_server_never_gives_up_on_a_message_the_runner_enforces_max_de
         await nc.close()
 
 
-async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_stalled(nats_server, home, project):
+async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_stalled(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     """A store that stays down is held as degraded; once nothing has been acked for the stall limit while
     events wait, the observer is stalled (stats, an ERROR line), and it recovers when the store does."""
     observer = OutageObserver("stalling", down_calls=10_000)
@@ -296,7 +323,8 @@ async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_st
             events = [client.event("finding", finding(i), project=project) for i in range(5)]
             await client.publish_many(events)
             await eventually(lambda: runner.stats.stalled, timeout_s=15)
-            assert runner.stats.pending and runner.stats.pending >= 1
+            assert runner.stats.pending
+            assert runner.stats.pending >= 1
             observer.down_calls = 0
             await eventually(lambda: len(observer.written) == 5, timeout_s=20)
             await eventually(lambda: not runner.stats.stalled, timeout_s=10)

@@ -101,7 +101,9 @@ def publish_and_read_back(url: str) -> bytes:
     return asyncio.run(roundtrip())
 
 
-def test_a_second_server_on_a_store_directory_in_use_is_refused_naming_the_pid_and_the_directory(store_dir):
+def test_a_second_server_on_a_store_directory_in_use_is_refused_naming_the_pid_and_the_directory(
+    store_dir: Path,
+) -> None:
     with NatsServer(store_dir) as first:
         with pytest.raises(Conflict) as refused:
             NatsServer(store_dir).start()
@@ -112,14 +114,14 @@ def test_a_second_server_on_a_store_directory_in_use_is_refused_naming_the_pid_a
         assert nats_servers_on(store_dir) == [first.pid]
 
 
-def test_the_first_server_keeps_serving_after_a_second_is_refused(store_dir):
+def test_the_first_server_keeps_serving_after_a_second_is_refused(store_dir: Path) -> None:
     with NatsServer(store_dir) as first:
         with pytest.raises(Conflict):
             NatsServer(store_dir).start()
         assert publish_and_read_back(first.url) == b"still serving"
 
 
-def test_a_killed_server_keeps_its_directory_for_its_owner_and_restarts_on_the_same_port(store_dir):
+def test_a_killed_server_keeps_its_directory_for_its_owner_and_restarts_on_the_same_port(store_dir: Path) -> None:
     server = NatsServer(store_dir)
     server.start()
     try:
@@ -134,13 +136,13 @@ def test_a_killed_server_keeps_its_directory_for_its_owner_and_restarts_on_the_s
         server.stop()
 
 
-def test_a_stopped_server_frees_its_directory_for_another(store_dir):
+def test_a_stopped_server_frees_its_directory_for_another(store_dir: Path) -> None:
     NatsServer(store_dir).__enter__().stop()
     with NatsServer(store_dir) as second:
         assert nats_servers_on(store_dir) == [second.pid]
 
 
-def test_a_server_outlives_the_short_lived_thread_that_started_it(store_dir):
+def test_a_server_outlives_the_short_lived_thread_that_started_it(store_dir: Path) -> None:
     # Linux sends the parent-death signal when the thread that forked exits, not the process.
     server = NatsServer(store_dir)
     starter = threading.Thread(target=server.start)
@@ -156,7 +158,7 @@ def test_a_server_outlives_the_short_lived_thread_that_started_it(store_dir):
         server.stop()
 
 
-def test_a_server_dies_when_the_process_that_started_it_is_killed(store_dir):
+def test_a_server_dies_when_the_process_that_started_it_is_killed(store_dir: Path) -> None:
     holder, server_pid = start_holder(store_dir)
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(timeout=10)
@@ -164,7 +166,7 @@ def test_a_server_dies_when_the_process_that_started_it_is_killed(store_dir):
     assert nats_servers_on(store_dir) == []
 
 
-def test_a_leftover_server_whose_owner_died_without_the_death_signal_is_stopped_and_replaced(store_dir):
+def test_a_leftover_server_whose_owner_died_without_the_death_signal_is_stopped_and_replaced(store_dir: Path) -> None:
     holder, leftover = start_holder(store_dir, "no-death-signal", "exit")
     holder.wait(timeout=10)
     assert alive(leftover), "the leftover should outlive its owner for this test to mean anything"
@@ -173,7 +175,7 @@ def test_a_leftover_server_whose_owner_died_without_the_death_signal_is_stopped_
         assert nats_servers_on(store_dir) == [server.pid]
 
 
-def test_a_stray_server_started_by_hand_on_the_store_directory_is_stopped_not_doubled(store_dir):
+def test_a_stray_server_started_by_hand_on_the_store_directory_is_stopped_not_doubled(store_dir: Path) -> None:
     store_dir.mkdir()
     stray = subprocess.Popen(
         [str(nats_server_binary()), "-js", "-sd", str(store_dir), "-a", "127.0.0.1", "-p", "-1"],
@@ -192,7 +194,7 @@ def test_a_stray_server_started_by_hand_on_the_store_directory_is_stopped_not_do
         stray.wait(timeout=10)
 
 
-def test_restart_keeps_the_port_and_runs_one_server(store_dir):
+def test_restart_keeps_the_port_and_runs_one_server(store_dir: Path) -> None:
     with NatsServer(store_dir) as server:
         port, first_pid = server.port, server.pid
         server.restart()

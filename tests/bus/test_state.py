@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,9 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> dict[str, AgentKey]:
     return {name: AgentKey.load_or_create(root, name) for name in ("alice", "bob", "carol")}
 
 
-def ev(key: AgentKey, kind: str, body: dict, *, artifact_id: str | None = None, source: str | None = None) -> Envelope:
+def ev(
+    key: AgentKey, kind: str, body: dict[str, Any], *, artifact_id: str | None = None, source: str | None = None
+) -> Envelope:
     return draft_event(kind, body, project=P, actor=key.actor, session_id="s", artifact_id=artifact_id, source=source)
 
 
@@ -59,7 +62,7 @@ def claim(key: AgentKey, aid: str, text: str = "the cache is cold", **extra: obj
 
 
 def state(
-    aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: object
+    aid: str, trust: Trust = Trust.unverified, lifecycle: Lifecycle = Lifecycle.active, **kw: Any
 ) -> ArtifactState:
     base = ArtifactState(
         project=P,
@@ -87,8 +90,8 @@ def state(
     list(itertools.product(Trust, [Lifecycle.active, Lifecycle.resolved], ResolutionKind)),
 )
 def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled_back(
-    agents, trust, lifecycle, resolution
-):
+    agents: dict[str, AgentKey], trust: Trust, lifecycle: Lifecycle, resolution: ResolutionKind
+) -> None:
     states = {
         "a1": state(
             "a1", trust, lifecycle, resolution=ResolutionKind.stale if lifecycle is Lifecycle.resolved else None
@@ -108,13 +111,13 @@ def test_every_resolution_is_legal_only_on_an_active_artifact_that_is_not_rolled
             decide(event, 10, states.get, lambda _h: False, STAFF)
 
 
-def test_the_author_cannot_verify_their_own_claim(agents):
+def test_the_author_cannot_verify_their_own_claim(agents: dict[str, AgentKey]) -> None:
     states = {"a1": state("a1")}
     with pytest.raises(IllegalTransition, match="alice is the author"):
         decide(ev(agents["alice"], "verified", {}, artifact_id="a1"), 2, states.get, lambda _h: False, STAFF)
 
 
-def test_verifying_a_verified_claim_appends_a_second_record(agents):
+def test_verifying_a_verified_claim_appends_a_second_record(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     fold.apply(ev(agents["bob"], "verified", {"note": "ran it"}, artifact_id="a1"), 2)
@@ -124,7 +127,7 @@ def test_verifying_a_verified_claim_appends_a_second_record(agents):
     assert fold.rejected == {}
 
 
-def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
+def test_self_contradiction_and_a_missing_contradictor_are_refused(agents: dict[str, AgentKey]) -> None:
     states = {"a1": state("a1")}
     with pytest.raises(IllegalTransition, match="cannot contradict itself"):
         decide(
@@ -144,14 +147,18 @@ def test_self_contradiction_and_a_missing_contradictor_are_refused(agents):
         )
 
 
-def test_a_transition_on_a_missing_artifact_is_refused(agents):
+def test_a_transition_on_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition, match="absent"):
         decide(
-            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"), 2, {}.get, lambda _h: False, STAFF
+            ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="nope"),
+            2,
+            lambda _aid: None,
+            lambda _h: False,
+            STAFF,
         )
 
 
-def test_supersession_sets_both_sides_or_nothing(agents):
+def test_supersession_sets_both_sides_or_nothing(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "old"), 1)
     fold.apply(claim(agents["alice"], "new", text="the cache is warm"), 2)
@@ -169,7 +176,7 @@ def test_supersession_sets_both_sides_or_nothing(agents):
     assert fold.artifacts == before
 
 
-def test_a_finding_that_supersedes_resolves_its_predecessor(agents):
+def test_a_finding_that_supersedes_resolves_its_predecessor(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "v1"), 1)
     fold.apply(claim(agents["bob"], "v2", text="revised claim", supersedes="v1"), 2)
@@ -178,19 +185,19 @@ def test_a_finding_that_supersedes_resolves_its_predecessor(agents):
     assert fold.artifacts["v2"].supersedes == "v1"
 
 
-def test_superseded_by_a_missing_artifact_is_refused(agents):
+def test_superseded_by_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     states = {"a1": state("a1")}
     body = {"resolution": "superseded", "superseded_by": "ghost"}
     with pytest.raises(IllegalTransition, match="successor 'ghost' does not exist"):
         decide(ev(agents["bob"], "resolved", body, artifact_id="a1"), 2, states.get, lambda _h: False, STAFF)
 
 
-def test_revising_a_missing_artifact_is_refused(agents):
+def test_revising_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition, match="revised artifact 'ghost'"):
-        decide(claim(agents["alice"], "a1", revises="ghost"), 1, {}.get, lambda _h: False, STAFF)
+        decide(claim(agents["alice"], "a1", revises="ghost"), 1, lambda _aid: None, lambda _h: False, STAFF)
 
 
-def test_an_artifact_id_cannot_be_created_twice(agents):
+def test_an_artifact_id_cannot_be_created_twice(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     again = claim(agents["bob"], "a1", text="different")
@@ -198,7 +205,7 @@ def test_an_artifact_id_cannot_be_created_twice(agents):
     assert "already exists" in fold.rejected[str(again.event_id)]
 
 
-def test_retraction_leaves_a_tombstone_and_the_same_claim_is_flagged_later(agents):
+def test_retraction_leaves_a_tombstone_and_the_same_claim_is_flagged_later(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1", text="The cache is COLD!"), 1)
     fold.apply(ev(agents["alice"], "resolved", {"resolution": "retracted"}, artifact_id="a1"), 2)
@@ -207,14 +214,14 @@ def test_retraction_leaves_a_tombstone_and_the_same_claim_is_flagged_later(agent
     assert FLAG_PREVIOUSLY_RETRACTED in fold.artifacts["a2"].flags
 
 
-def test_rollback_leaves_a_tombstone(agents):
+def test_rollback_leaves_a_tombstone(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     fold.apply(claim(agents["alice"], "a1"), 1)
     fold.apply(ev(agents["bob"], "rolled_back", {"reason": "r"}, artifact_id="a1"), 2)
     assert fold.tombstones[content_hash("the cache is cold")].reason == "rolled_back"
 
 
-def test_unearned_confidence_is_flagged_only_for_confident_intuition(agents):
+def test_unearned_confidence_is_flagged_only_for_confident_intuition(agents: dict[str, AgentKey]) -> None:
     fold = Fold(authority=STAFF)
     body = {"text": "x", "impact": 0.5, "subject": "s"}
     fold.apply(ev(agents["alice"], "finding", body | {"confidence": 0.8}, artifact_id="a", source="intuition"), 1)
@@ -232,7 +239,7 @@ def chain(length: int, verified_at: int) -> dict[str, ArtifactState]:
     return states
 
 
-def test_rollback_over_a_chain_of_ten_with_a_branch():
+def test_rollback_over_a_chain_of_ten_with_a_branch() -> None:
     states = chain(10, verified_at=3)
     states["branch"] = state("branch", revises="c6")  # built on an intermediate
     states["leaf"] = state("leaf", revises="branch")
@@ -246,14 +253,14 @@ def test_rollback_over_a_chain_of_ten_with_a_branch():
     assert cascade.to_roll_back == ("c8", "c7", "c6", "c5", "c4", "c9", "branch", "leaf")
 
 
-def test_rollback_with_a_cycle_is_an_error_not_a_loop():
+def test_rollback_with_a_cycle_is_an_error_not_a_loop() -> None:
     states = chain(5, verified_at=99)
     states["c0"] = replace(states["c0"], revises="c4")
     with pytest.raises(IllegalTransition, match="cycle: c4 → c3 → c2 → c1 → c0 → c4"):
         plan_rollback(states, "c4")
 
 
-def test_rollback_with_a_broken_chain_or_no_verified_ancestor_is_an_error():
+def test_rollback_with_a_broken_chain_or_no_verified_ancestor_is_an_error() -> None:
     states = chain(4, verified_at=99)
     with pytest.raises(IllegalTransition, match="no verified ancestor"):
         plan_rollback(states, "c3")
@@ -262,7 +269,7 @@ def test_rollback_with_a_broken_chain_or_no_verified_ancestor_is_an_error():
         plan_rollback(states, "c3")
 
 
-def test_a_descendant_cycle_does_not_hang_taint_reporting():
+def test_a_descendant_cycle_does_not_hang_taint_reporting() -> None:
     states = chain(4, verified_at=0)
     states["x"] = state("x", revises="c3")
     states["y"] = state("y", revises="x")
@@ -271,21 +278,21 @@ def test_a_descendant_cycle_does_not_hang_taint_reporting():
     assert plan.tainted == ("c3", "x", "y")
 
 
-def test_a_thirty_day_old_item_with_zero_longevity_weighs_one_over_e():
+def test_a_thirty_day_old_item_with_zero_longevity_weighs_one_over_e() -> None:
     assert time_weight(30.0, 0.0) == pytest.approx(math.exp(-1))
 
 
-def test_higher_impact_decays_slower():
+def test_higher_impact_decays_slower() -> None:
     assert time_weight(60.0, 0.9) > time_weight(60.0, 0.5) > time_weight(60.0, 0.0)
     assert time_weight(0.0, 0.0) == 1.0
 
 
-def test_an_unparseable_time_is_neutral():
+def test_an_unparseable_time_is_neutral() -> None:
     assert time_weight(None, 0.7) == 0.5
     assert time_weight(float("nan"), 0.7) == 0.5
 
 
-def test_relevance_combines_time_weight_and_impact():
+def test_relevance_combines_time_weight_and_impact() -> None:
     now = datetime.now(UTC)
     old = state("a", impact=0.0, created_at=now - timedelta(days=30))
     assert relevance(old, now) == pytest.approx(math.exp(-1) * 0.5)
@@ -303,14 +310,14 @@ def test_relevance_combines_time_weight_and_impact():
     ],
     ids=["rolled_back", "contradicted", "resolved", "forgotten"],
 )
-def test_a_successor_that_could_not_be_shown_is_refused(agents, successor):
+def test_a_successor_that_could_not_be_shown_is_refused(agents: dict[str, AgentKey], successor: ArtifactState) -> None:
     states = {"a": state("a"), "b": successor}
     event = ev(agents["bob"], "resolved", {"resolution": "superseded", "superseded_by": "b"}, artifact_id="a")
     with pytest.raises(IllegalTransition, match="a successor must be active"):
         decide(event, 5, states.get, lambda _h: False, STAFF)
 
 
-def test_a_rollback_stopped_halfway_is_resumed_by_planning_again():
+def test_a_rollback_stopped_halfway_is_resumed_by_planning_again() -> None:
     states = chain(5, verified_at=0)
     states["c4"] = replace(states["c4"], trust=Trust.rolled_back)  # the first link went through
     plan = plan_rollback(states, "c4")
@@ -318,7 +325,7 @@ def test_a_rollback_stopped_halfway_is_resumed_by_planning_again():
     assert plan.to_roll_back == ("c3", "c2", "c1")
 
 
-def test_an_error_on_a_resolved_artifact_lists_the_trust_moves_still_legal(agents):
+def test_an_error_on_a_resolved_artifact_lists_the_trust_moves_still_legal(agents: dict[str, AgentKey]) -> None:
     states = {"a": state("a", lifecycle=Lifecycle.resolved, resolution=ResolutionKind.stale)}
     with pytest.raises(IllegalTransition, match="legal: contradicted, rolled_back, verified"):
         decide(

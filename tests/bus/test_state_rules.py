@@ -176,7 +176,7 @@ def test_a_resolved_artifact_cannot_be_superseded_by_a_new_finding(agents: dict[
 
 def test_a_finding_that_supersedes_a_missing_artifact_is_refused(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["bob"], "new", supersedes="ghost"), 9, {}.get, never, STAFF)
+        decide(claim(agents["bob"], "new", supersedes="ghost"), 9, lambda _aid: None, never, STAFF)
     assert str(raised.value) == (
         "artifact ghost: absent -> finding is illegal: superseded artifact 'ghost' does not exist"
     )
@@ -215,7 +215,7 @@ def test_a_new_finding_is_recorded_with_every_field_of_its_event(agents: dict[st
 
 def test_an_artifact_cannot_revise_itself(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(claim(agents["alice"], "a1", revises="a1"), 4, {}.get, never, STAFF)
+        decide(claim(agents["alice"], "a1", revises="a1"), 4, lambda _aid: None, never, STAFF)
     assert str(raised.value) == "artifact a1: absent -> finding is illegal: an artifact cannot revise itself"
 
 
@@ -228,7 +228,7 @@ def test_a_transition_from_another_project_is_refused(agents: dict[str, AgentKey
 
 def test_a_transition_on_a_missing_artifact_names_it(agents: dict[str, AgentKey]) -> None:
     with pytest.raises(IllegalTransition) as raised:
-        decide(ev(agents["bob"], "verified", {}, artifact_id="ghost"), 4, {}.get, never, STAFF)
+        decide(ev(agents["bob"], "verified", {}, artifact_id="ghost"), 4, lambda _aid: None, never, STAFF)
     assert str(raised.value) == "artifact ghost: absent -> verified is illegal: artifact 'ghost' does not exist"
 
 
@@ -245,7 +245,7 @@ def test_forgetting_marks_any_artifact_forgotten_and_changes_nothing_else(
 
 def test_forgetting_an_artifact_this_reader_never_saw_changes_nothing(agents: dict[str, AgentKey]) -> None:
     event = ev(agents["carol"], "forgotten", {"reason": "personal data"}, artifact_id="gone")
-    assert decide(event, 7, {}.get, never, STAFF) == Change(str(event.event_id))
+    assert decide(event, 7, lambda _aid: None, never, STAFF) == Change(str(event.event_id))
 
 
 def test_a_forgotten_artifact_is_never_safe_in_a_fold(agents: dict[str, AgentKey]) -> None:
@@ -352,7 +352,7 @@ def test_an_open_question_is_recorded_with_its_goal_and_source_and_no_links(agen
         goal_id="g1",
         source="search",
     )
-    change = decide(event, 4, {}.get, never, STAFF)
+    change = decide(event, 4, lambda _aid: None, never, STAFF)
     (created,) = change.artifacts
     assert (created.kind, created.impact, created.confidence) == ("unknown", 0.3, None)
     assert (created.goal_id, created.source, created.revises, created.supersedes) == (
@@ -366,7 +366,7 @@ def test_an_open_question_is_recorded_with_its_goal_and_source_and_no_links(agen
 def test_a_new_claim_carries_its_flags_in_the_change(agents: dict[str, AgentKey]) -> None:
     body = {"text": "sure of it", "impact": 0.5, "confidence": 0.9, "subject": "s"}
     event = ev(agents["alice"], "finding", body, artifact_id="a", source="intuition")
-    assert decide(event, 1, {}.get, never, STAFF).flags == frozenset({FLAG_UNEARNED})
+    assert decide(event, 1, lambda _aid: None, never, STAFF).flags == frozenset({FLAG_UNEARNED})
 
 
 def test_a_finding_that_supersedes_stamps_its_predecessor_with_the_sequence(agents: dict[str, AgentKey]) -> None:

@@ -189,7 +189,9 @@ async def test_streams_and_buckets_as_epibus_makes_them_show_no_drift(nats_serve
     assert names == [STREAM, DLQ_STREAM, *(f"KV_{bucket}" for bucket in BUCKETS)]
 
 
-async def test_an_older_epibus_stream_without_a_size_limit_gets_the_limit_without_asking(nats_server: NatsServer):
+async def test_an_older_epibus_stream_without_a_size_limit_gets_the_limit_without_asking(
+    nats_server: NatsServer,
+) -> None:
     async with jetstream(nats_server) as js:
         for config in stream_configs():
             await js.add_stream(dataclasses.replace(config, max_msg_size=-1))  # as epibus made them before the limit

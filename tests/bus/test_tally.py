@@ -16,7 +16,9 @@ keys = st.tuples(st.sampled_from([f"p{i}" for i in range(30)]), st.sampled_from(
 
 
 @given(st.lists(keys, max_size=300), st.integers(min_value=1, max_value=20))
-def test_a_capped_tally_holds_at_most_its_cap_plus_other_and_loses_no_count(added: list[tuple[str, str]], cap: int):
+def test_a_capped_tally_holds_at_most_its_cap_plus_other_and_loses_no_count(
+    added: list[tuple[str, str]], cap: int
+) -> None:
     tally = CappedTally(2, max_keys=cap)
     for key in added:
         tally.add(key)
@@ -30,24 +32,24 @@ def test_a_capped_tally_holds_at_most_its_cap_plus_other_and_loses_no_count(adde
     assert counted.get((OTHER, OTHER), 0) == tally.folded == len(added) - sum(added.count(k) for k in first_seen)
 
 
-def test_the_overflow_label_cannot_be_a_real_project_or_kind():
+def test_the_overflow_label_cannot_be_a_real_project_or_kind() -> None:
     assert not PROJECT_PATTERN.fullmatch(OTHER)
     assert not KIND_PATTERN.fullmatch(OTHER)
 
 
-def test_a_key_of_the_wrong_width_is_refused():
+def test_a_key_of_the_wrong_width_is_refused() -> None:
     with pytest.raises(ValueError, match="must have 2 parts"):
         CappedTally(2).add(("only-one",))
 
 
-def test_fold_top_keeps_the_largest_and_sums_the_rest_under_other():
-    counts = {("a",): 5, ("b",): 1, ("c",): 3, ("d",): 2}
+def test_fold_top_keeps_the_largest_and_sums_the_rest_under_other() -> None:
+    counts: dict[tuple[str, ...], int] = {("a",): 5, ("b",): 1, ("c",): 3, ("d",): 2}
     assert fold_top(counts, 2) == {("a",): 5, ("c",): 3, (OTHER,): 3}
     assert fold_top(counts, 4) == counts
 
 
 @given(st.lists(st.floats(min_value=-10, max_value=1e6) | st.just(math.nan), max_size=200))
-def test_a_latency_histogram_is_cumulative_and_counts_every_number(observed: list[float]):
+def test_a_latency_histogram_is_cumulative_and_counts_every_number(observed: list[float]) -> None:
     histogram = LatencyHistogram()
     for seconds in observed:
         histogram.observe(seconds)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from bus.loops import cancel_and_wait, run_together
+from tests.support import eventually
 
 
 class Loop:
@@ -32,20 +33,20 @@ class Loop:
             self.stopped = True
 
 
-async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_cancellation():
+async def test_a_cancelled_run_together_stops_a_loop_that_swallowed_its_first_cancellation() -> None:
     stubborn, plain = Loop(swallow=3), Loop(swallow=0)
     running = asyncio.create_task(run_together({"stubborn": stubborn.run(), "plain": plain.run()}))
-    while stubborn.rounds < 3:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stubborn.rounds >= 3, interval_s=0.01)
     await cancel_and_wait([running], timeout_s=5)
     assert running.cancelled()
-    assert stubborn.stopped and plain.stopped
+    assert stubborn.stopped
+    assert plain.stopped
     rounds = stubborn.rounds
     await asyncio.sleep(0.05)
     assert stubborn.rounds == rounds  # nothing runs on after the stop
 
 
-async def test_a_task_group_would_have_waited_on_that_loop_for_ever():
+async def test_a_task_group_would_have_waited_on_that_loop_for_ever() -> None:
     """Why run_together exists: the 3.11 TaskGroup cancels its children once, however often it is cancelled."""
     stubborn = Loop(swallow=1)
 
@@ -54,10 +55,10 @@ async def test_a_task_group_would_have_waited_on_that_loop_for_ever():
             group.create_task(stubborn.run())
 
     running = asyncio.create_task(grouped())
-    while stubborn.rounds < 2:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stubborn.rounds >= 2, interval_s=0.01)
     await cancel_and_wait([running], timeout_s=0.5)
-    assert not running.done() and not stubborn.stopped
+    assert not running.done()
+    assert not stubborn.stopped
     stubborn.swallow = 0
     await cancel_and_wait([running], timeout_s=0.5)  # still stuck: the group never cancels its child again
     assert not running.done()
@@ -68,7 +69,7 @@ async def test_a_task_group_would_have_waited_on_that_loop_for_ever():
     assert stubborn.stopped
 
 
-async def test_a_failing_loop_stops_the_others_and_its_error_is_raised():
+async def test_a_failing_loop_stops_the_others_and_its_error_is_raised() -> None:
     plain = Loop(swallow=0)
 
     async def broken() -> None:
@@ -80,7 +81,7 @@ async def test_a_failing_loop_stops_the_others_and_its_error_is_raised():
     assert plain.stopped
 
 
-async def test_a_task_that_will_not_stop_is_reported_with_where_it_waits(caplog: pytest.LogCaptureFixture):
+async def test_a_task_that_will_not_stop_is_reported_with_where_it_waits(caplog: pytest.LogCaptureFixture) -> None:
     stubborn = Loop(swallow=10_000)
     running = asyncio.create_task(stubborn.run(), name="stubborn loop")
     await asyncio.sleep(0.02)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -36,7 +37,9 @@ def test_the_ca_setting_trusts_that_ca_alone_and_checks_host_names(
     monkeypatch.setenv(CA_ENV, str(certs / "ca.crt"))
     context = nats_tls_context()
     assert context is not None
-    assert [dict(x[0] for x in ca["subject"])["commonName"] for ca in context.get_ca_certs()] == ["epibus CA"]
+    # A subject is a tuple of relative names, each a tuple of (attribute, value) pairs.
+    subjects = [cast("tuple[tuple[tuple[str, str], ...], ...]", ca["subject"]) for ca in context.get_ca_certs()]
+    assert [dict(x[0] for x in subject)["commonName"] for subject in subjects] == ["epibus CA"]
     assert context.verify_mode == ssl.CERT_REQUIRED
     assert context.check_hostname is True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from bus.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Envelope, draft_eve
 from bus.outbox import Outbox
 from bus.outbox_file import OutboxRow
 from bus.reader import dead_letters
+from bus.server import NatsServer
 from bus.signing import (
     EVENT_DOMAIN,
     AgentKey,
@@ -36,11 +38,11 @@ from epibus.cli.dlq import _dlq_replay
 from observers.journal import Journal, JournalObserver
 from tests.bus.test_runner import FailingObserver, running
 from tests.conftest import finding
-from tests.support import eventually, journal_event_ids
+from tests.support import eventually, headers_of, journal_event_ids
 
 
 @pytest.fixture
-def journal(sqlite_journal_url: str):
+def journal(sqlite_journal_url: str) -> Iterator[Journal]:
     store = Journal(sqlite_journal_url)
     store.migrate()
     yield store
@@ -65,12 +67,14 @@ def _refusal(subject: str, data: bytes, headers: dict[str, str]) -> DeadLetterRe
     return refused.value.reason
 
 
-text_st = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1)
+text_st = st.text(alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), min_size=1)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=text_st, at=st.integers(min_value=0), flip=st.integers(min_value=1, max_value=255))
-def test_a_signed_event_verifies_and_any_changed_byte_of_body_or_subject_is_refused(text: str, at: int, flip: int):
+def test_a_signed_event_verifies_and_any_changed_byte_of_body_or_subject_is_refused(
+    text: str, at: int, flip: int
+) -> None:
     event = _event(ALICE, text)
     wire = wire_message(event)
     headers = dict(wire.headers)
@@ -92,7 +96,7 @@ def test_a_signed_event_verifies_and_any_changed_byte_of_body_or_subject_is_refu
 
 @settings(max_examples=25, deadline=None)
 @given(first=text_st, second=text_st)
-def test_swapped_headers_and_swapped_keys_are_refused(first: str, second: str):
+def test_swapped_headers_and_swapped_keys_are_refused(first: str, second: str) -> None:
     one, other = wire_message(_event(ALICE, first)), wire_message(_event(ALICE, second))
     swapped = {EVENT_SIGNATURE_HEADER: other.headers[EVENT_SIGNATURE_HEADER], EVENT_KEY_HEADER: ALICE.public_key}
     assert _refusal(one.subject, one.data, swapped) is DeadLetterReason.bad_signature
@@ -109,7 +113,7 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def test_one_function_decides_the_format_and_the_body_must_agree():
+def test_one_function_decides_the_format_and_the_body_must_agree() -> None:
     assert message_format(None) == message_format({"Nats-Msg-Id": "x"}) == LEGACY_SCHEMA_VERSION
     assert message_format({EVENT_SIGNATURE_HEADER: ""}) == message_format({EVENT_KEY_HEADER: ""}) == SCHEMA_VERSION
     legacy = ALICE.sign_v1(draft_event("finding", finding(1), project="p", actor=ALICE.actor, session_id="s"))
@@ -128,7 +132,7 @@ def test_one_function_decides_the_format_and_the_body_must_agree():
     assert _refusal(v2.subject, doubled, dict(v2.headers)) is DeadLetterReason.invalid_event
 
 
-def test_signing_serialises_once_and_the_bytes_signed_are_the_bytes_sent():
+def test_signing_serialises_once_and_the_bytes_signed_are_the_bytes_sent() -> None:
     event = _event(ALICE, "once")
     assert wire_message(event).data is wire_message(event).data  # kept from signing, not encoded again
     copy = event.model_copy(update={"session_id": "other"})
@@ -142,8 +146,8 @@ def _reordered(wire: WireMessage) -> bytes:
 
 
 async def test_legacy_events_in_the_stream_are_journaled_and_reserialised_ones_are_dead_lettered(
-    nats_server, home, project, journal
-):
+    nats_server: NatsServer, home: Path, project: str, journal: Journal
+) -> None:
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,
         running(nats_server.url, JournalObserver(journal)) as (runner,),
@@ -163,13 +167,13 @@ async def test_legacy_events_in_the_stream_are_journaled_and_reserialised_ones_a
         await eventually(lambda: runner.stats.handled == 2 and sum(runner.stats.dead_lettered.values()) == 1)
         letters = await dead_letters(client.js)
     assert sorted(journal_event_ids(journal.url, project)) == sorted([str(current.event_id), str(legacy.event_id)])
-    assert [m.headers[DLQ_REASON] for m in letters] == ["bad_signature"]
+    assert [headers_of(m)[DLQ_REASON] for m in letters] == ["bad_signature"]
     # The dead letter keeps the signature headers, so `dlq replay` can send the message again as it came.
-    assert letters[0].headers[EVENT_SIGNATURE_HEADER] == wire.headers[EVENT_SIGNATURE_HEADER]
-    assert letters[0].headers[EVENT_KEY_HEADER] == client.key.public_key
+    assert headers_of(letters[0])[EVENT_SIGNATURE_HEADER] == wire.headers[EVENT_SIGNATURE_HEADER]
+    assert headers_of(letters[0])[EVENT_KEY_HEADER] == client.key.public_key
 
 
-async def test_an_outbox_file_from_before_signature_columns_still_forwards_its_rows(tmp_path: Path):
+async def test_an_outbox_file_from_before_signature_columns_still_forwards_its_rows(tmp_path: Path) -> None:
     path = tmp_path / "outbox.db"
     legacy = ALICE.sign_v1(draft_event("finding", finding(1), project="p", actor=ALICE.actor, session_id="s"))
     conn = sqlite3.connect(path)
@@ -199,7 +203,9 @@ async def test_an_outbox_file_from_before_signature_columns_still_forwards_its_r
     assert _admit(new.subject, new.payload, new.headers()) == current
 
 
-async def test_a_replayed_dead_letter_keeps_its_subject_and_signature_headers(nats_server, home, project):
+async def test_a_replayed_dead_letter_keeps_its_subject_and_signature_headers(
+    nats_server: NatsServer, home: Path, project: str
+) -> None:
     observer = FailingObserver("always-fails", failures=10**6)
     async with (
         connect(nats_server.url, agent="alice", home=home) as client,

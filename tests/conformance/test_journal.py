@@ -4,15 +4,18 @@ Reads go back through plain SQL, not through the code that wrote."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
+from bus.admission import Delivery
 from bus.errors import ConfigError, Unavailable
 from bus.event import draft_event
-from bus.runner import Delivery
+from bus.kinds import FindingBody
+from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import event_subject
 from epibus.node import Node, NodeConfig
@@ -23,7 +26,7 @@ from tests.support import journal_event_ids, missing_and_extra
 
 
 @pytest.fixture
-def journal(journal_url: str):
+def journal(journal_url: str) -> Iterator[Journal]:
     store = Journal(journal_url)
     store.migrate()
     yield store
@@ -45,14 +48,14 @@ def deliveries(key: AgentKey, project: str, n: int, *, kind: str = "finding", st
     return out
 
 
-def test_written_events_are_read_back_by_sql(journal, keys, project):
+def test_written_events_are_read_back_by_sql(journal: Journal, keys: dict[str, AgentKey], project: str) -> None:
     batch = deliveries(keys["alice"], project, 25)
     assert sorted(journal.write(batch).inserted) == sorted(str(d.event.event_id) for d in batch)
     report = missing_and_extra({str(d.event.event_id) for d in batch}, journal_event_ids(journal.url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
 
 
-def test_writing_the_same_events_again_adds_no_row(journal, keys, project):
+def test_writing_the_same_events_again_adds_no_row(journal: Journal, keys: dict[str, AgentKey], project: str) -> None:
     batch = deliveries(keys["alice"], project, 10)
     journal.write(batch)
     assert journal.write(batch).inserted == []
@@ -60,7 +63,9 @@ def test_writing_the_same_events_again_adds_no_row(journal, keys, project):
     assert len(journal_event_ids(journal.url, project)) == 12
 
 
-def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept(journal, keys, project):
+def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept(
+    journal: Journal, keys: dict[str, AgentKey], project: str
+) -> None:
     (first,) = deliveries(keys["alice"], project, 1)
     journal.write([first])
     forged = keys["alice"].sign(
@@ -71,10 +76,14 @@ def test_a_different_event_under_a_journaled_id_is_refused_and_the_first_is_kept
     assert written.inserted == []
     assert [(r.stream_seq, r.reason.value) for r in written.refused] == [(900, "duplicate_id_conflict")]
     (row,) = journal.query(EventQuery(project=project))
-    assert row.envelope["body"]["text"] == first.event.body.text and row.stream_seq == first.stream_seq
+    assert isinstance(first.event.body, FindingBody)
+    assert row.envelope["body"]["text"] == first.event.body.text
+    assert row.stream_seq == first.stream_seq
 
 
-def test_an_exact_resend_of_a_journaled_event_is_neither_written_nor_refused(journal, keys, project):
+def test_an_exact_resend_of_a_journaled_event_is_neither_written_nor_refused(
+    journal: Journal, keys: dict[str, AgentKey], project: str
+) -> None:
     (first,) = deliveries(keys["alice"], project, 1)
     journal.write([first])
     written = journal.write([Delivery(first.event, first.subject, 700, 1)])
@@ -82,7 +91,9 @@ def test_an_exact_resend_of_a_journaled_event_is_neither_written_nor_refused(jou
     assert journal_event_ids(journal.url, project) == [str(first.event.event_id)]
 
 
-def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(journal, keys, project):
+def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(
+    journal: Journal, keys: dict[str, AgentKey], project: str
+) -> None:
     (first,) = deliveries(keys["alice"], project, 1, start_seq=50)
     other = keys["alice"].sign(
         first.event.model_copy(update={"body": first.event.body.model_copy(update={"text": "other"})})
@@ -91,10 +102,12 @@ def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(journ
     assert written.inserted == [str(first.event.event_id)]
     assert [r.stream_seq for r in written.refused] == [60]
     (row,) = journal.query(EventQuery(project=project))
-    assert row.stream_seq == 50 and row.envelope["body"]["text"] == first.event.body.text
+    assert row.stream_seq == 50
+    assert isinstance(first.event.body, FindingBody)
+    assert row.envelope["body"]["text"] == first.event.body.text
 
 
-def test_zero_and_empty_values_are_stored_as_values(journal, keys, project):
+def test_zero_and_empty_values_are_stored_as_values(journal: Journal, keys: dict[str, AgentKey], project: str) -> None:
     (delivery,) = deliveries(keys["alice"], project, 1, kind="unknown")
     journal.write([delivery])
     (row,) = journal.query(EventQuery(project=project))
@@ -102,7 +115,9 @@ def test_zero_and_empty_values_are_stored_as_values(journal, keys, project):
     assert row.event() == delivery.event
 
 
-def test_queries_filter_by_project_kind_actor_artifact_and_time(journal, keys, project):
+def test_queries_filter_by_project_kind_actor_artifact_and_time(
+    journal: Journal, keys: dict[str, AgentKey], project: str
+) -> None:
     alice = deliveries(keys["alice"], project, 3)
     bob = deliveries(keys["bob"], project, 2, kind="unknown", start_seq=10)
     other = deliveries(keys["alice"], f"{project}-x", 4, start_seq=20)
@@ -123,7 +138,7 @@ def test_queries_filter_by_project_kind_actor_artifact_and_time(journal, keys, p
     assert [r.stream_seq for r in oldest] == [1, 2]
 
 
-def test_migrations_are_recorded_and_idempotent_even_when_concurrent(journal_url):
+def test_migrations_are_recorded_and_idempotent_even_when_concurrent(journal_url: str) -> None:
     errors: list[BaseException] = []
 
     def migrate() -> None:
@@ -148,7 +163,7 @@ def test_migrations_are_recorded_and_idempotent_even_when_concurrent(journal_url
     assert sorted(versions) == list(range(1, LATEST_VERSION + 1))
 
 
-def test_query_indexes_exist(journal):
+def test_query_indexes_exist(journal: Journal) -> None:
     engine = make_engine(journal.url)
     from sqlalchemy import inspect
 
@@ -162,7 +177,9 @@ def test_query_indexes_exist(journal):
     } <= names
 
 
-def test_an_unreachable_database_raises_unavailable_not_empty(keys, project, tmp_path: Path):
+def test_an_unreachable_database_raises_unavailable_not_empty(
+    keys: dict[str, AgentKey], project: str, tmp_path: Path
+) -> None:
     store = Journal("postgresql+psycopg://postgres@127.0.0.1:1/nothing?connect_timeout=2")
     with pytest.raises(Unavailable, match="journal"):
         store.write(deliveries(keys["alice"], project, 1))
@@ -170,18 +187,22 @@ def test_an_unreachable_database_raises_unavailable_not_empty(keys, project, tmp
         store.query(EventQuery(project=project))
 
 
-def test_an_unsupported_database_is_a_config_error_listing_the_allowed_ones():
+def test_an_unsupported_database_is_a_config_error_listing_the_allowed_ones() -> None:
     with pytest.raises(ConfigError, match="sqlite, postgresql"):
         Journal("mysql://root@127.0.0.1/test")
 
 
-async def test_a_node_journals_published_events_on_this_backend(nats_server, home, project, journal_url):
+async def test_a_node_journals_published_events_on_this_backend(
+    nats_server: NatsServer, home: Path, project: str, journal_url: str
+) -> None:
     from bus.client import connect
     from bus.vocab import ReceiptLevel
 
-    async with Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")):
-        async with connect(nats_server.url, agent="alice", home=home) as client:
-            events = [client.event("finding", finding(i), project=project) for i in range(50)]
-            await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)
+    async with (
+        Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")),
+        connect(nats_server.url, agent="alice", home=home) as client,
+    ):
+        events = [client.event("finding", finding(i), project=project) for i in range(50)]
+        await client.publish_many(events, wait_for=ReceiptLevel.journaled, timeout_s=30)
     report = missing_and_extra({str(e.event_id) for e in events}, journal_event_ids(journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}

@@ -3,10 +3,12 @@ local mode (on disk and in memory) and, where a Docker engine answers, a real Qd
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,12 @@ import pytest
 from bus.errors import ConfigError, ModelMismatch, Unavailable
 from bus.ids import new_event_id, point_id
 from observers.mirror.backends import open_store
-from observers.mirror.store import Filter, Point
+from observers.mirror.store import Filter, Point, VectorStore
 
 DIM = 8
 MODEL = "test/model-8d"
+# Opens the collection of the fixture's store again, for another model id and dimension.
+Reopen = Callable[[str, int], Awaitable[VectorStore]]
 
 
 def docker_engine_answers() -> bool:
@@ -27,31 +31,32 @@ def docker_engine_answers() -> bool:
 
 
 @pytest.fixture(params=["edge", "server-local", "server-docker"])
-async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[object, object]]:
+async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[VectorStore, Reopen]]:
     """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
     kind = request.param
-    if kind == "server-docker":
-        if not docker_engine_answers():
-            pytest.skip("no Docker engine: the real Qdrant server case runs only where `docker info` answers")
-        from testcontainers.qdrant import QdrantContainer
+    with contextlib.ExitStack() as stack:
+        if kind == "server-docker":
+            if not docker_engine_answers():
+                pytest.skip("no Docker engine: the real Qdrant server case runs only where `docker info` answers")
+            from testcontainers.qdrant import QdrantContainer
 
-        container = QdrantContainer("qdrant/qdrant:v1.13.0")
-        container.start()
-        request.addfinalizer(container.stop)
-        location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
-        backend = "server"
-    elif kind == "edge":
-        location, backend = str(tmp_path / "edge"), "edge"
-    else:
-        location, backend = str(tmp_path / "local"), "server"
-    store = await open_store(backend, location, MODEL, DIM)
+            container = QdrantContainer("qdrant/qdrant:v1.13.0")
+            container.start()
+            stack.callback(container.stop)  # stopped last, after the store is closed, and if the setup fails
+            location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
+            backend = "server"
+        elif kind == "edge":
+            location, backend = str(tmp_path / "edge"), "edge"
+        else:
+            location, backend = str(tmp_path / "local"), "server"
+        store = await open_store(backend, location, MODEL, DIM)
 
-    async def reopen(model_id: str, dimension: int) -> object:
+        async def reopen(model_id: str, dimension: int) -> VectorStore:
+            await store.close()
+            return await open_store(backend, location, model_id, dimension)
+
+        yield store, reopen
         await store.close()
-        return await open_store(backend, location, model_id, dimension)
-
-    yield store, reopen
-    await store.close()
 
 
 def vector(seed: int) -> list[float]:
@@ -68,7 +73,7 @@ def point(seed: int, **payload: object) -> tuple[uuid.UUID, Point]:
     return event_id, Point(point_id(event_id), vector(seed), base | payload)
 
 
-async def test_point_ids_are_proven_against_storage(store_and_reopen):
+async def test_point_ids_are_proven_against_storage(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     event_id, p = point(1)
     await store.upsert([p])
@@ -79,7 +84,9 @@ async def test_point_ids_are_proven_against_storage(store_and_reopen):
     assert (await store.describe()).count == 1
 
 
-async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # re-embedding must never duplicate a point
+async def test_reembedding_never_duplicates_a_point(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:  # re-embedding must never duplicate a point
     store, _ = store_and_reopen
     event_id, p = point(2)
     for _ in range(3):
@@ -91,7 +98,9 @@ async def test_reembedding_never_duplicates_a_point(store_and_reopen):  # re-emb
     assert await store.point_ids() == [point_id(event_id)]
 
 
-async def test_delete_is_proven_by_reading_back(store_and_reopen):  # a delete that reports success is not proof
+async def test_delete_is_proven_by_reading_back(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:  # a delete that reports success is not proof
     store, _ = store_and_reopen
     kept, gone = point(4), point(5)
     await store.upsert([kept[1], gone[1]])
@@ -103,7 +112,7 @@ async def test_delete_is_proven_by_reading_back(store_and_reopen):  # a delete t
     assert point_id(gone[0]) not in {h.id for h in hits}
 
 
-async def test_search_filters_and_ranks(store_and_reopen):
+async def test_search_filters_and_ranks(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     points = [
         point(i, project="p" if i % 2 else "q", trust="verified" if i % 3 else "contradicted") for i in range(1, 13)
@@ -113,7 +122,7 @@ async def test_search_filters_and_ranks(store_and_reopen):
     expected = {p.id for _, p in points if p.payload["project"] == "p" and p.payload["trust"] != "contradicted"}
     assert {h.id for h in hits} == expected
     assert hits[0].id == points[4][1].id  # the query vector is point 5's own
-    assert all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
+    assert all(a.score >= b.score for a, b in itertools.pairwise(hits))
     anyof = await store.search(vector(1), Filter(any_of={"trust": ["contradicted"]}), limit=20)
     assert {h.payload["trust"] for h in anyof} == {"contradicted"}
     low = await store.search(vector(1), Filter(at_most={"impact": 0.4}), limit=20)
@@ -121,31 +130,36 @@ async def test_search_filters_and_ranks(store_and_reopen):
     assert len(await store.search(vector(1), Filter(at_most={"impact": 0.5}), limit=20)) == len(points)
 
 
-async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen):
+async def test_boolean_filters_are_refused_not_silently_empty(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     with pytest.raises(ValueError, match="boolean"):
         await store.search(vector(1), Filter(equals={"forgotten": False}), limit=3)
 
 
-async def test_nothing_matched_is_an_empty_list(store_and_reopen):
+async def test_nothing_matched_is_an_empty_list(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, _ = store_and_reopen
     assert await store.search(vector(1), Filter(equals={"project": "nobody"}), limit=5) == []
 
 
-async def test_a_status_change_reaches_the_payload(store_and_reopen):  # or safe recall shows a retracted item
+async def test_a_status_change_reaches_the_payload(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:  # or safe recall shows a retracted item
     store, _ = store_and_reopen
     target, other = point(6, artifact_id="a1"), point(7, artifact_id="a2")
     await store.upsert([target[1], other[1]])
     await store.set_payload(Filter(equals={"artifact_id": "a1"}), {"trust": "rolled_back", "lifecycle": "active"})
     (found,) = await store.retrieve([point_id(target[0])])
-    assert found.payload["trust"] == "rolled_back" and found.payload["impact"] == 0.5
+    assert found.payload["trust"] == "rolled_back"
+    assert found.payload["impact"] == 0.5
     (untouched,) = await store.retrieve([point_id(other[0])])
     assert untouched.payload["trust"] == "unverified"
     with pytest.raises(ValueError, match="needs a filter"):
         await store.set_payload(Filter(), {"trust": "x"})
 
 
-async def test_model_mismatch_is_refused(store_and_reopen):  # never mix vectors of two models
+async def test_model_mismatch_is_refused(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:  # never mix vectors of two models
     store, reopen = store_and_reopen
     with pytest.raises(ModelMismatch, match="5-d"):
         await store.upsert([Point(uuid.uuid4(), [0.1] * 5, {})])
@@ -157,7 +171,7 @@ async def test_model_mismatch_is_refused(store_and_reopen):  # never mix vectors
         await reopen(MODEL, DIM * 2)
 
 
-async def test_points_survive_reopening(store_and_reopen):
+async def test_points_survive_reopening(store_and_reopen: tuple[VectorStore, Reopen]) -> None:
     store, reopen = store_and_reopen
     event_id, p = point(8)
     await store.upsert([p])
@@ -168,13 +182,15 @@ async def test_points_survive_reopening(store_and_reopen):
         await again.close()
 
 
-async def test_outage_is_not_an_empty_result(store_and_reopen):  # broken must not look like no matches
+async def test_outage_is_not_an_empty_result(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:  # broken must not look like no matches
     store, _ = store_and_reopen
     await store.close()
     with pytest.raises(Unavailable):
         await store.search(vector(1), Filter(), limit=3)
 
 
-async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path):
+async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="allowed: edge, server"):
         await open_store("faiss", tmp_path, MODEL, DIM)

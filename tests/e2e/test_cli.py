@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -36,7 +37,8 @@ def epibus(home: Path, *args: str, check: bool = True, timeout: float = 60) -> s
     return result
 
 
-def as_json(result: subprocess.CompletedProcess[str]) -> object:
+def as_json(result: subprocess.CompletedProcess[str]) -> Any:
+    """The last line of stdout as parsed JSON: an object or a list, as the command prints it."""
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -47,7 +49,7 @@ def error_json(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subprocess.Popen[str]]]:
+def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any], subprocess.Popen[str]]]:
     home = tmp_path / "epibus-home"
     process, status = start_node_process(home)
     try:
@@ -56,7 +58,9 @@ def running_node(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object], subp
         stop_node_process(process)
 
 
-def test_up_publish_query_tail_stats_and_clean_stop(running_node):
+def test_up_publish_query_tail_stats_and_clean_stop(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, status, process = running_node
     assert status["embedded_server"] is True
     assert status["server_version"].startswith("2.")
@@ -122,9 +126,12 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
     reconciled = as_json(epibus(home, "verify", "--json"))  # no artifact: reconcile the stores
     assert reconciled["ok"] is True
     (report,) = reconciled["nodes"]
-    assert report["stream_events"] == 2 and report["journal"]["clean"] and report["mirror"]["clean"]
+    assert report["stream_events"] == 2
+    assert report["journal"]["clean"]
+    assert report["mirror"]["clean"]
     mixed = epibus(home, "verify", "--repair", published["artifact_id"], "-p", "demo", check=False)
-    assert mixed.returncode == 1 and "--repair reconciles the stores" in mixed.stderr
+    assert mixed.returncode == 1
+    assert "--repair reconciles the stores" in mixed.stderr
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 2
     (journal_consumer,) = [c for name, c in stats["streams"]["EPI"]["consumers"].items() if name.startswith("journal-")]
@@ -134,6 +141,7 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+    assert process.stdout is not None
     assert json.loads(process.stdout.read().strip().splitlines()[-1])["status"] == "stopped"
     assert not (home / "node.json").exists()
     with pytest.raises(urllib.error.URLError):
@@ -143,7 +151,9 @@ def test_up_publish_query_tail_stats_and_clean_stop(running_node):
     assert "no epibus node is running" in error_json(stopped)["error"]
 
 
-def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_node):
+def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
     bad = epibus(
         home,
@@ -165,7 +175,8 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_
     assert bad.stderr.strip().count("\n") == 0
     assert "body.impact=1.5" in bad.stderr
     slug = epibus(home, "publish", "unknown", "-p", "Not A Slug", "--question", "q", "--impact", "0.1", check=False)
-    assert slug.returncode == 1 and "project" in slug.stderr
+    assert slug.returncode == 1
+    assert "project" in slug.stderr
     enum = epibus(
         home,
         "publish",
@@ -182,15 +193,19 @@ def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(running_
         "maybe",
         check=False,
     )
-    assert enum.returncode != 0 and "exploratory" in enum.stderr
+    assert enum.returncode != 0
+    assert "exploratory" in enum.stderr
     resolved = epibus(home, "resolve", "a1", "-p", "demo", "--as", "superseded", "--json", check=False)
-    assert resolved.returncode == 1 and "superseded_by" in error_json(resolved)["error"]
+    assert resolved.returncode == 1
+    assert "superseded_by" in error_json(resolved)["error"]
     stats = as_json(epibus(home, "stats", "--json"))
     assert stats["streams"]["EPI"]["messages"] == 0
     assert stats["outbox_depth"] == 0
 
 
-def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
+def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
 
     async def publish_garbage() -> None:
@@ -235,10 +250,13 @@ def test_garbage_goes_to_the_dlq_and_can_be_listed_and_replayed(running_node):
     assert {d["reason"] for d in again} == {"invalid_event"}
     assert len(as_json(epibus(home, "events", "-p", "demo", "--json"))) == 1
     missing = epibus(home, "dlq", "replay", "--seq", "999", "--json", check=False)
-    assert missing.returncode == 1 and "999" in error_json(missing)["error"]
+    assert missing.returncode == 1
+    assert "999" in error_json(missing)["error"]
 
 
-def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: Path):
+def test_replay_rebuilds_a_lost_journal_from_the_stream(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]], tmp_path: Path
+) -> None:
     home, _, _ = running_node
     ids = [
         as_json(
@@ -268,14 +286,18 @@ def test_replay_rebuilds_a_lost_journal_from_the_stream(running_node, tmp_path: 
     assert [r["event_id"] for r in rebuilt] == ids
 
 
-def test_a_second_node_on_the_same_home_is_refused(running_node):
+def test_a_second_node_on_the_same_home_is_refused(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
     second = epibus(home, "up", "--json", check=False, timeout=30)
     assert second.returncode == 1
     assert str(status["pid"]) in error_json(second)["error"]
 
 
-def test_state_commands_from_publish_to_rollback(running_node):
+def test_state_commands_from_publish_to_rollback(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
 
     def publish(agent: str, text: str, *extra: str) -> str:
@@ -300,30 +322,35 @@ def test_state_commands_from_publish_to_rollback(running_node):
             "--json",
             *extra,
         )
-        return as_json(out)["artifact_id"]
+        return str(as_json(out)["artifact_id"])
 
     base = publish("alice", "the scheduler starves small jobs")
     as_json(epibus(home, "verify", base, "-p", "st", "--agent", "bob", "--note", "reproduced", "--json"))
     child = publish("alice", "raising the quantum fixes it", "--revises", base)
     grandchild = publish("alice", "quantum 50 ms is optimal", "--revises", child)
     own = epibus(home, "verify", child, "-p", "st", "--agent", "alice", "--json", check=False)
-    assert own.returncode == 1 and "alice is the author" in error_json(own)["error"]
+    assert own.returncode == 1
+    assert "alice is the author" in error_json(own)["error"]
 
     plan = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "bob", "--json"))
-    assert plan["applied"] is False and plan["plan"]["intermediates"] == [child]
-    assert plan["plan"]["tainted"] == [grandchild] and plan["receipts"] == []
+    assert plan["applied"] is False
+    assert plan["plan"]["intermediates"] == [child]
+    assert plan["plan"]["tainted"] == [grandchild]
+    assert plan["receipts"] == []
     # Only the author (or an admin) rolls a claim back: bob is refused before anything is published, alice may.
     refused = epibus(
         home, "rollback", child, "-p", "st", "--agent", "bob", "--cascade", "--apply", "--json", check=False
     )
-    assert refused.returncode == 1 and "rule author-or-admin" in error_json(refused)["error"]
+    assert refused.returncode == 1
+    assert "rule author-or-admin" in error_json(refused)["error"]
     applied = as_json(epibus(home, "rollback", child, "-p", "st", "--agent", "alice", "--cascade", "--apply", "--json"))
     assert len(applied["receipts"]) == 2
 
     retract = publish("carol", "the scheduler is fair")
     epibus(home, "resolve", retract, "-p", "st", "--as", "retracted", "--agent", "carol", "--json")
     contra = epibus(home, "contradict", base, "-p", "st", "--by", base, "--reason", "r", "--agent", "bob", check=False)
-    assert contra.returncode == 1 and "cannot contradict itself" in contra.stderr
+    assert contra.returncode == 1
+    assert "cannot contradict itself" in contra.stderr
 
     def settled() -> bool:
         return len(as_json(epibus(home, "audit", "-p", "st", "--json"))) == 4 and all(
@@ -375,18 +402,23 @@ def test_state_commands_from_publish_to_rollback(running_node):
         "--strict",
         check=False,
     )
-    assert repeated.returncode == 1 and "retracted or rolled back" in repeated.stderr
+    assert repeated.returncode == 1
+    assert "retracted or rolled back" in repeated.stderr
     brief = as_json(epibus(home, "briefing", "-p", "st", "--json"))
     assert [a["artifact_id"] for a in brief["top"]] == [base]
     report = as_json(epibus(home, "vocab-report", "-p", "st", "--json"))
-    assert report["resolutions"]["retracted"] == 1 and report["trust"]["rolled_back"] == 2
+    assert report["resolutions"]["retracted"] == 1
+    assert report["trust"]["rolled_back"] == 2
     before = as_json(epibus(home, "artifacts", "-p", "st", "--as-of", "2020-01-01T00:00:00", "--json"))
     assert before == []
 
 
-def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_node):
+def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, status, _ = running_node
-    assert status["mirror"].startswith("edge") and status["embedding_model"]
+    assert status["mirror"].startswith("edge")
+    assert status["embedding_model"]
 
     def publish(text: str) -> str:
         out = epibus(
@@ -405,7 +437,7 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
             "ops",
             "--json",
         )
-        return as_json(out)["artifact_id"]
+        return str(as_json(out)["artifact_id"])
 
     cold = publish("the cache is cold after every deploy")
     publish("bananas are yellow when ripe")
@@ -424,16 +456,19 @@ def test_recall_from_the_cli_finds_a_paraphrase_and_hides_a_retraction(running_n
 
     eventually_sync(hidden, timeout_s=30)
     brief = as_json(epibus(home, "briefing", "-p", "rc", "--goal-text", "keep deploys from emptying caches", "--json"))
-    assert [h["artifact_id"] for h in brief["semantic"]["hits"]] != [] and cold not in [
-        h["artifact_id"] for h in brief["semantic"]["hits"]
-    ]
+    assert [h["artifact_id"] for h in brief["semantic"]["hits"]] != []
+    assert cold not in [h["artifact_id"] for h in brief["semantic"]["hits"]]
     audit = as_json(epibus(home, "audit-recall", "a deployment leaves the cache empty", "-p", "rc", "--json"))
-    assert audit["hits"][0]["artifact_id"] == cold and audit["hits"][0]["state"]["resolution"] == "retracted"
+    assert audit["hits"][0]["artifact_id"] == cold
+    assert audit["hits"][0]["state"]["resolution"] == "retracted"
     empty = epibus(home, "recall", "   ", "-p", "rc", check=False)
-    assert empty.returncode == 1 and "query" in empty.stderr
+    assert empty.returncode == 1
+    assert "query" in empty.stderr
 
 
-def test_forget_from_the_cli_reports_every_store_clean(running_node):
+def test_forget_from_the_cli_reports_every_store_clean(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, _, _ = running_node
     out = epibus(
         home,
@@ -461,20 +496,26 @@ def test_forget_from_the_cli_reports_every_store_clean(running_node):
 
     assert holding()  # the journal and outbox hold it before the forget
     proof = as_json(epibus(home, "forget", artifact, "-p", "fg", "--reason", "leaked secret", "--json"))
-    assert proof["ok"] is True and proof["clean"] is True
+    assert proof["ok"] is True
+    assert proof["clean"] is True
     assert proof["stream"] == {"messages": 1, "erased": 1, "clean": True}
     (node,) = proof["nodes"].values()
-    assert node["journal_content_left"] == 0 and node["mirror_points"] == 0 and node["projection_rows"] == 0
+    assert node["journal_content_left"] == 0
+    assert node["mirror_points"] == 0
+    assert node["projection_rows"] == 0
     assert node["files"] == []
     assert node["unscrubbable"] == {}
     assert holding() == []
     rows = as_json(epibus(home, "events", "-p", "fg", "--json"))
     assert all("sk-123" not in json.dumps(r) for r in rows)
     unknown = epibus(home, "forget", "nope", "-p", "fg", "--reason", "r", check=False)
-    assert unknown.returncode == 1 and "not found" in unknown.stderr
+    assert unknown.returncode == 1
+    assert "not found" in unknown.stderr
 
 
-def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
+def test_health_says_when_the_node_is_well_and_when_none_runs(
+    running_node: tuple[Path, dict[str, Any], subprocess.Popen[str]],
+) -> None:
     home, status, process = running_node
     assert status["name"]  # a unique name kept in its home
     report = eventually_sync(lambda: _healthy(home), timeout_s=30)
@@ -494,6 +535,6 @@ def test_health_says_when_the_node_is_well_and_when_none_runs(running_node):
     assert as_json(epibus(home, "health", "--json", check=False))["ok"] is False
 
 
-def _healthy(home: Path) -> dict | None:
+def _healthy(home: Path) -> dict[str, Any] | None:
     result = epibus(home, "health", "--json", check=False)
     return as_json(result) if result.returncode == 0 else None

@@ -35,7 +35,7 @@ def mirrored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def publish(home: Path, text: str, *extra: str, wait: str = "indexed") -> dict[str, Any]:
     claim = ["--text", text, "--impact", "0.6", "--confidence", "0.7", "--subject", "ops", "--wait", wait]
-    return dict(as_json(epibus(home, "publish", "finding", "-p", PROJECT, *claim, *extra, "--json")))  # type: ignore[arg-type]
+    return dict(as_json(epibus(home, "publish", "finding", "-p", PROJECT, *claim, *extra, "--json")))
 
 
 def narrow(home: Path, *args: str) -> str:
@@ -67,7 +67,7 @@ def test_indexed_then_recalled_at_once_and_ids_by_prefix(mirrored: Path) -> None
     home = mirrored
     cold = publish(home, "the cache is cold after every deploy")
     assert cold["level"] == "indexed"
-    hits = as_json(epibus(home, "recall", "a deployment empties the cache", "-p", PROJECT, "--json"))["hits"]  # type: ignore[index]
+    hits = as_json(epibus(home, "recall", "a deployment empties the cache", "-p", PROJECT, "--json"))["hits"]
     assert [h["artifact_id"] for h in hits] == [cold["artifact_id"]]  # no waiting: indexed means recall finds it
     others = [publish(home, text, wait="journaled")["artifact_id"] for text in ("disks fill at night", "dns flaps")]
     ids = {cold["artifact_id"], *others}
@@ -76,11 +76,11 @@ def test_indexed_then_recalled_at_once_and_ids_by_prefix(mirrored: Path) -> None
     whole = cold["artifact_id"]
     prefix = whole[:18]
     verified = as_json(epibus(home, "verify", prefix, "-p", PROJECT, "--agent", "bob", "--json"))
-    assert verified["artifact_id"] == whole  # type: ignore[index]
+    assert verified["artifact_id"] == whole
     rows = as_json(epibus(home, "events", "--artifact-id", whole[:18].replace("-", ""), "--json"))
-    assert {r["artifact_id"] for r in rows} == {whole}  # type: ignore[union-attr]
-    assert [r["kind"] for r in rows] == ["verified", "finding"]  # type: ignore[index]
-    audit = {a["artifact_id"]: a for a in as_json(epibus(home, "audit", "-p", PROJECT, "--json"))}  # type: ignore[union-attr]
+    assert {r["artifact_id"] for r in rows} == {whole}
+    assert [r["kind"] for r in rows] == ["verified", "finding"]
+    audit = {a["artifact_id"]: a for a in as_json(epibus(home, "audit", "-p", PROJECT, "--json"))}
     assert audit[whole]["trust"] == "verified"
     assert audit[whole]["verifications"][0]["verifier"] == "bob"
 
@@ -106,7 +106,7 @@ def test_indexed_then_recalled_at_once_and_ids_by_prefix(mirrored: Path) -> None
     assert_ids_whole(narrow(home, "lineage", whole, "-p", PROJECT), {whole})
     pasted = UUID.findall(listed)[0]
     shown = as_json(epibus(home, "lineage", pasted, "-p", PROJECT, "--json"))
-    assert shown["artifact"]["artifact_id"] == pasted  # type: ignore[index]
+    assert shown["artifact"]["artifact_id"] == pasted
 
 
 def test_task_ids_by_prefix(mirrored: Path) -> None:
@@ -115,12 +115,12 @@ def test_task_ids_by_prefix(mirrored: Path) -> None:
     proposed = as_json(
         epibus(home, "mesh", "propose", "-p", PROJECT, "--title", "t", "--summary", "s", "--agent", "bob", "--json")
     )
-    task = str(proposed["task_id"])  # type: ignore[index]
+    task = str(proposed["task_id"])
     shown = as_json(epibus(home, "mesh", "show", task[:18], "--json"))
-    assert shown["proposal"]["task_id"] == task  # type: ignore[index]
+    assert shown["proposal"]["task_id"] == task
     cancelled = as_json(epibus(home, "mesh", "cancel", task[:18].replace("-", ""), "--agent", "bob", "--json"))
-    assert cancelled["task_id"] == task  # type: ignore[index]
-    assert as_json(epibus(home, "mesh", "show", task, "-p", PROJECT, "--json"))["state"] == "canceled"  # type: ignore[index]
+    assert cancelled["task_id"] == task
+    assert as_json(epibus(home, "mesh", "show", task, "-p", PROJECT, "--json"))["state"] == "canceled"
     unknown = epibus(home, "mesh", "show", "ffff0000", "-p", PROJECT, "--json", check=False)
     assert unknown.returncode == 1
     assert error_json(unknown)["type"] == "NotFound"
@@ -151,7 +151,7 @@ def test_wait_indexed_on_a_node_without_a_mirror_says_so_and_the_event_is_publis
         assert "not indexed: this node has no mirror" in error["error"]
         (event_id,) = UUID.findall(error["error"])
         rows = as_json(epibus(home, "events", "-p", PROJECT, "--json"))
-        assert [r["event_id"] for r in rows] == [event_id]  # type: ignore[union-attr]
+        assert [r["event_id"] for r in rows] == [event_id]
         assert json.dumps(rows).count("no mirror here") == 1
     finally:
         stop_node_process(process)

@@ -87,7 +87,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]
         stop_node_process(process)
 
 
-def test_claims_with_hostile_texts_are_shown_inert_by_every_read_and_exact_in_json(node, project):
+def test_claims_with_hostile_texts_are_shown_inert_by_every_read_and_exact_in_json(
+    node: tuple[Path, str], project: str
+) -> None:
     home, url = node
 
     async def publish() -> None:
@@ -109,7 +111,9 @@ def test_claims_with_hostile_texts_are_shown_inert_by_every_read_and_exact_in_js
     assert [e["body"]["text"] for e in json_lines(cli(home, *bounded, "--json"))] == list(HOSTILE)
 
 
-def test_mesh_task_titles_with_hostile_texts_are_shown_inert_in_the_inbox_and_exact_in_json(node, project):
+def test_mesh_task_titles_with_hostile_texts_are_shown_inert_in_the_inbox_and_exact_in_json(
+    node: tuple[Path, str], project: str
+) -> None:
     home, url = node
 
     async def propose() -> None:
@@ -125,7 +129,9 @@ def test_mesh_task_titles_with_hostile_texts_are_shown_inert_in_the_inbox_and_ex
     assert sorted(t["title"] for t in tasks) == sorted(HOSTILE)
 
 
-def test_dead_letters_with_hostile_texts_are_listed_inert_and_exact_in_json(node, project):
+def test_dead_letters_with_hostile_texts_are_listed_inert_and_exact_in_json(
+    node: tuple[Path, str], project: str
+) -> None:
     home, url = node
     # Junk the node dead-letters itself: a hostile kind (in the error) and hostile subjects.
     junk_subjects = [f"epi.{project}.finding.{token}" for token in ("[/]", "\x1b[2J", "\x1b]0;pwned\x07", "\x9b31m")]

@@ -6,6 +6,7 @@ process behind, and the cluster started again keeps its ports and its data. One 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from bus.ask import fan_out
 from bus.client import EpibusClient
@@ -142,7 +144,7 @@ async def publish(client: EpibusClient, text: str) -> str:
     return str(event.event_id)
 
 
-async def operator(cluster: Cluster, name: str) -> nats.NATS:
+async def operator(cluster: Cluster, name: str) -> NatsClient:
     node = cluster.node(name)
     return await nats.connect(node["nats_url"], connect_timeout=5, **operator_credentials(Path(node["home"])))
 
@@ -218,7 +220,7 @@ async def test_published_on_node_1_journaled_on_node_2_recalled_from_node_3(
     await eventually(lambda: journaled(cluster, "node-2", event_id), timeout_s=30)
 
     # Enrolled through node-1; node-3's keeper applies the replicated registry to node-3's server.
-    async def on_node_3() -> nats.NATS | None:
+    async def on_node_3() -> NatsClient | None:
         try:
             return await nats.connect(cluster.node("node-3")["nats_url"], connect_timeout=2, allow_reconnect=False,
                                       **agent.nats_credentials)  # fmt: skip
@@ -258,7 +260,7 @@ async def test_a_killed_node_is_started_again_and_catches_up(cluster: Cluster, p
         await eventually(lambda: stream_leader(cluster, "node-1", not_on="node-3"), timeout_s=30, interval_s=0.25)
         event_id = await publish(publisher, "published while node three was down")
         for name in ("node-1", "node-2"):
-            await eventually(lambda n=name: journaled(cluster, n, event_id), timeout_s=30)  # type: ignore[misc]
+            await eventually(functools.partial(journaled, cluster, name, event_id), timeout_s=30)
         assert not journaled(cluster, "node-3", event_id)
     finally:
         os.kill(cluster.process.pid, signal.SIGCONT)

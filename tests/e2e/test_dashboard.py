@@ -121,7 +121,9 @@ async def row_text(page: Page, selector: str, *, containing: str) -> str:
     return await row.inner_text()
 
 
-async def test_the_dashboard_shows_the_node_live_and_safely(ui_node, browser, nats_server, tmp_path, project):
+async def test_the_dashboard_shows_the_node_live_and_safely(
+    ui_node: Node, browser: Browser, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     dashboard = ui_node.dashboard
     assert dashboard is not None
     assert ui_node.info is not None
@@ -154,7 +156,7 @@ async def test_the_dashboard_shows_the_node_live_and_safely(ui_node, browser, na
 
         # Recall through the safe door, as an operator types it; a retraction takes the hit out of it.
         assert ui_node.mirror is not None
-        await eventually(lambda: ui_node.mirror.indexed >= 2, timeout_s=30)
+        await eventually(lambda: ui_node.mirror is not None and ui_node.mirror.indexed >= 2, timeout_s=30)
         query = "backups miss the biggest table"
         assert (await recall_in_page(page, query, project))[0] == plain.artifact_id
         await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=plain.artifact_id)
@@ -190,7 +192,7 @@ async def check_refusals(browser: Browser, dashboard: Dashboard) -> None:
         assert rebound.status_code == 421
 
 
-def test_epibus_up_prints_the_url_with_its_token_records_it_and_stops_with_the_node(tmp_path):
+def test_epibus_up_prints_the_url_with_its_token_records_it_and_stops_with_the_node(tmp_path: Path) -> None:
     home = tmp_path / "home"
     process, status = start_node_process(home, "--mirror", "off", "--ui-port", "0")
     try:
@@ -238,7 +240,7 @@ def rest_of(sock: socket.socket) -> bytes:
     return received
 
 
-async def test_the_port_refuses_connections_once_the_node_stops(nats_server, tmp_path):
+async def test_the_port_refuses_connections_once_the_node_stops(nats_server: NatsServer, tmp_path: Path) -> None:
     config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, mirror="off", ui_port=0)
     async with Node(config) as node:
         assert node.dashboard is not None
@@ -264,7 +266,9 @@ HOSTILE_RECALLS: list[tuple[dict[str, str], bytes, int, str]] = [
 ]
 
 
-async def test_hostile_recalls_get_a_one_line_error_and_the_dashboard_keeps_serving(nats_server, tmp_path):
+async def test_hostile_recalls_get_a_one_line_error_and_the_dashboard_keeps_serving(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
     config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, mirror="off", ui_port=0)
     async with Node(config) as node:
         assert node.dashboard is not None
@@ -278,7 +282,9 @@ async def test_hostile_recalls_get_a_one_line_error_and_the_dashboard_keeps_serv
             assert snapshot.json()["health"]["node"]["name"] == node.name
 
 
-async def test_pages_that_never_read_or_vanish_do_not_hold_the_node_back(nats_server, tmp_path, project):
+async def test_pages_that_never_read_or_vanish_do_not_hold_the_node_back(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     config = NodeConfig(home=tmp_path / "node", nats_url=nats_server.url, mirror="off", ui_port=0)
     async with Node(config) as node:
         dashboard = node.dashboard

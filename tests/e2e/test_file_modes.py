@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from bus.client import connect
-from bus.receipts import ReceiptLevel
 from bus.server import NatsServer
+from bus.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
 from epibus.health import HEALTH_FILE
 from epibus.node import Node, NodeConfig

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -81,7 +82,7 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
     rng = random.Random(20261203)
     async with Node(config) as node, connect(nats_server.url, agent="alice", home=tmp_path / "alice") as alice:
 
-        def make_event(text: str, event_id=None) -> Envelope:
+        def make_event(text: str, event_id: uuid.UUID | None = None) -> Envelope:
             return alice.event("finding", finding(text=text), project=project, event_id=event_id)
 
         valid = [make_event(f"valid claim number {i} about queue lag") for i in range(20)]
@@ -132,11 +133,14 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
         digests = {str(e.event_id): event_digest(e) for e in valid}
 
         async def journaled() -> bool:
+            assert node.journal is not None
             kept = await __import__("asyncio").to_thread(node.journal.kept_events, valid_ids)
             return sorted(kept) == valid_ids and all(kept[i].digest == digests[i] for i in valid_ids)
 
         await eventually(journaled, timeout_s=240, interval_s=1.0)
 
+        assert node.runner is not None
+        assert node.mirror_runner is not None
         runners = (node.runner, node.mirror_runner)
         # Every accepted hostile message, dead-lettered once by each observer's runner (counted as it happens).
         await eventually(
@@ -161,6 +165,7 @@ async def test_a_node_survives_a_barrage_of_hostile_input_and_keeps_every_valid_
             assert set(letters.values()) <= reasons
 
         async def mirrored() -> bool:
+            assert node.store is not None
             found = await node.store.point_ids(Filter(equals={"project": project}))
             return sorted(found) == sorted(point_id(e.event_id) for e in valid)
 

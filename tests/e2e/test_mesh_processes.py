@@ -217,9 +217,12 @@ def test_propose_accept_start_complete_acknowledge_across_processes(
         stop(bob_watch)
 
     journal = f"sqlite:///{home / 'journal.db'}"
-    rows = eventually_sync(
-        lambda: (r := journal_rows_of_kind(journal, PROJECT, "task")) and len(r) == 5 and r, timeout_s=30
-    )
+
+    def five_rows() -> list[tuple[str, dict[str, Any], str, str]] | None:
+        found = journal_rows_of_kind(journal, PROJECT, "task")
+        return found if len(found) == 5 else None
+
+    rows = eventually_sync(five_rows, timeout_s=30)
     assert [(body["action"], actor) for _, body, actor, _ in rows] == [
         ("propose", "alice"),
         ("accept", "coord"),

@@ -6,6 +6,7 @@ get the event until the partition heals. One cluster for the module; skipped whe
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -253,7 +254,7 @@ async def test_cut_off_node_3_loses_its_routes_misses_what_the_majority_acknowle
         assert leader in ("node-1", "node-2"), leader
         event_id = await publish(publisher, "acknowledged by the majority while node three was cut off")
         for i in (0, 1):
-            await eventually(lambda i=i: cluster.journaled(i, event_id), timeout_s=30)  # type: ignore[misc]
+            await eventually(functools.partial(cluster.journaled, i, event_id), timeout_s=30)
         with pytest.raises(AssertionError):  # node-3 stays without it for as long as it is watched
             await eventually(lambda: cluster.journaled(2, event_id), timeout_s=QUIET_S, interval_s=0.25)
     finally:

@@ -116,7 +116,7 @@ def stream_event_ids(url: str, home: Path) -> set[str]:
     return asyncio.run(read())
 
 
-def test_kill_9_of_a_running_node_leaves_no_nats_server_behind(up: Up):
+def test_kill_9_of_a_running_node_leaves_no_nats_server_behind(up: Up) -> None:
     up.start()
     (server_pid,) = nats_servers_on(up.home / "nats")
     up.kill_group()
@@ -124,7 +124,7 @@ def test_kill_9_of_a_running_node_leaves_no_nats_server_behind(up: Up):
     assert nats_servers_on(up.home / "nats") == []
 
 
-def test_a_node_started_again_after_kill_9_runs_one_server_and_keeps_every_published_event(up: Up):
+def test_a_node_started_again_after_kill_9_runs_one_server_and_keeps_every_published_event(up: Up) -> None:
     up.start()
     published = {publish_finding(up.home, f"acknowledged before the kill {i}") for i in range(3)}
     up.kill_group()

@@ -52,6 +52,8 @@ async def caught_up(node: Node) -> None:
     js = node.js
 
     async def settled() -> bool:
+        assert node.runner is not None
+        assert node.mirror is not None
         for name in (node.runner.observer.name, node.mirror.name):
             try:
                 info = await js.consumer_info(STREAM, name)
@@ -232,7 +234,7 @@ async def test_a_reused_event_id_keeps_the_first_event_in_every_store(
                     Point(
                         point_id(first.event_id),
                         vectors[0],
-                        point.payload | {"content": second.body.content_text(), "event_digest": "0" * 64},
+                        dict(point.payload) | {"content": second.body.content_text(), "event_digest": "0" * 64},
                     )
                 ]
             )
@@ -267,7 +269,8 @@ async def test_an_event_dated_far_from_the_stream_clock_is_dead_lettered_by_ever
         await publish_raw(js, dated)
         await publish_raw(js, skewed)
         assert node.journal is not None
-        await eventually(lambda: journal_event_ids(node.journal.url, project) == [str(skewed.event_id)])
+        journal_url = node.journal.url
+        await eventually(lambda: journal_event_ids(journal_url, project) == [str(skewed.event_id)])
         subject = event_subject(project, "finding", dated.artifact_id)
         await eventually(lambda: _has_dead_letter(js, ("implausible_time", subject)))
         fresh = Journal(f"sqlite:///{tmp_path / 'replayed.db'}")

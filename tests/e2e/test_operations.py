@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from bus.server import nats_server_binary, server_version
 from bus.server_guard import alive

@@ -36,7 +36,7 @@ async def project_messages(url: str, project: str) -> int:
 
 async def test_nats_killed_while_publishing_5000_events_loses_and_doubles_nothing(
     nats_server: NatsServer, home: Path, project: str, sqlite_journal_url: str
-):
+) -> None:
     total, chunk = 5000, 50
     levels: dict[str, int] = {}
     expected: set[str] = set()
@@ -58,7 +58,9 @@ async def test_nats_killed_while_publishing_5000_events_loses_and_doubles_nothin
                 return await c.outbox_depth() == 0
 
             await eventually(drained, timeout_s=120, interval_s=0.2)
-        await eventually(lambda: len(journal_event_ids(node.journal.url, project)) >= total, timeout_s=120)
+        assert node.journal is not None
+        journal_url = node.journal.url
+        await eventually(lambda: len(journal_event_ids(journal_url, project)) >= total, timeout_s=120)
     assert levels.get("outboxed", 0) > 0, f"the outage never showed: {levels}"
     report = missing_and_extra(expected, journal_event_ids(sqlite_journal_url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
@@ -94,14 +96,14 @@ def wait_until_running(process: subprocess.Popen[bytes]) -> dict[str, object]:
     assert process.stdout is not None
     line = process.stdout.readline()
     assert line, f"node exited with {process.poll()} before reporting"
-    status = json.loads(line)
+    status: dict[str, object] = json.loads(line)
     assert status["status"] == "running"
     return status
 
 
 async def test_observer_process_killed_mid_stream_loses_and_doubles_nothing(
     nats_server: NatsServer, tmp_path: Path, home: Path, project: str, sqlite_journal_url: str
-):
+) -> None:
     node_home, log = tmp_path / "node-home", tmp_path / "node.log"
     total = 6000
     node = start_node_process(node_home, nats_server.url, sqlite_journal_url, log)
@@ -132,13 +134,15 @@ async def test_observer_process_killed_mid_stream_loses_and_doubles_nothing(
     assert report == {"missing": [], "extra": [], "doubled": []}
 
 
-async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Path, project: str):
+async def test_the_node_restarts_its_embedded_server_after_a_crash(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     async with Node(NodeConfig(home=home)) as node:
         assert node.server is not None
         url = node.server.url
         node.server.kill()
-        await eventually(lambda: node.server_restarts == 1 and node.server.running(), timeout_s=20)
+        await eventually(
+            lambda: node.server_restarts == 1 and node.server is not None and node.server.running(), timeout_s=20
+        )
         assert node.server.url == url
         async with connect(url, agent="alice", home=home, outbox=False) as client:
             receipt = await client.publish(

@@ -5,6 +5,7 @@ ignored and counted. Real nats-server, real nodes (one a separate `epibus up` pr
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -51,12 +52,16 @@ async def alice(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Epibus
         yield client
 
 
+def _indexed_one(node: Node) -> bool:
+    return node.mirror is not None and node.mirror.indexed >= 1
+
+
 async def _published_and_indexed(alice: EpibusClient, project: str, nodes: list[Node]) -> str:
     event = alice.event("finding", finding(text="the cache is flushed on every deploy"), project=project)
     await alice.publish(event)
     for node in nodes:
         assert node.mirror is not None
-        await eventually(lambda n=node: n.mirror.indexed >= 1, timeout_s=60)
+        await eventually(functools.partial(_indexed_one, node), timeout_s=60)
     return event.artifact_id
 
 

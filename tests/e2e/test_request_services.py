@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from bus.client import connect
+from bus.client import EpibusClient, connect
 from bus.errors import Unavailable
 from bus.requests import ForgetProofReply, VerifyReply
 from bus.server import NatsServer
@@ -72,7 +72,9 @@ async def refusals(nc: NatsClient, subject: str, bodies: list[HostileRequest]) -
 
 
 @pytest.mark.parametrize("subject", [VERIFY, PROVE_FORGOTTEN, REINDEX, JOURNAL_LOOKUP])
-async def test_every_hostile_request_gets_a_reply_naming_the_field_it_got_wrong(node: Node, raw, subject):
+async def test_every_hostile_request_gets_a_reply_naming_the_field_it_got_wrong(
+    node: Node, raw: NatsClient, subject: str
+) -> None:
     bodies = hostile_requests(subject)
     assert await refusals(raw, subject, bodies) == {}
     counts = node.services[subject].counts
@@ -80,8 +82,8 @@ async def test_every_hostile_request_gets_a_reply_naming_the_field_it_got_wrong(
 
 
 async def test_recall_refuses_every_hostile_request_and_then_finds_a_published_event(
-    mirrored_node: Node, raw, nats_server, tmp_path, project
-):
+    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     bodies = hostile_requests(RECALL)
     assert await refusals(raw, RECALL, bodies) == {}
     assert mirrored_node.services[RECALL].counts.refused == len(bodies)
@@ -89,14 +91,16 @@ async def test_recall_refuses_every_hostile_request_and_then_finds_a_published_e
         event = alice.event("finding", finding(text="the nightly backup skips the largest table"), project=project)
         await alice.publish(event)
         assert mirrored_node.mirror is not None
-        await eventually(lambda: mirrored_node.mirror.indexed >= 1, timeout_s=30)
+        await eventually(lambda: mirrored_node.mirror is not None and mirrored_node.mirror.indexed >= 1, timeout_s=30)
         answer = await alice.recall("backups miss the biggest table", project, k=3)
     assert [h["artifact_id"] for h in answer.hits] == [event.artifact_id]
     assert answer.nodes == ["node-a"]
     assert answer.failed_nodes == {}
 
 
-async def test_verify_and_a_forget_proof_still_answer_after_the_barrage(node: Node, raw, client, project):
+async def test_verify_and_a_forget_proof_still_answer_after_the_barrage(
+    node: Node, raw: NatsClient, client: EpibusClient, project: str
+) -> None:
     for subject in (VERIFY, PROVE_FORGOTTEN):
         await refusals(raw, subject, hostile_requests(subject))
     events = [client.event("finding", finding(i), project=project) for i in range(3)]
@@ -110,7 +114,7 @@ async def test_verify_and_a_forget_proof_still_answer_after_the_barrage(node: No
     assert (proof.node, proof.journal_rows, proof.projection_rows) == (node.name, 0, 0)
 
 
-async def test_a_request_without_a_reply_subject_is_counted_and_ignored(node: Node, raw):
+async def test_a_request_without_a_reply_subject_is_counted_and_ignored(node: Node, raw: NatsClient) -> None:
     await raw.publish(VERIFY, b"[1]")
     await raw.publish(VERIFY, b'{"project": null}')
     await eventually(lambda: node.services[VERIFY].counts.unanswerable == 2, timeout_s=5)
@@ -155,7 +159,9 @@ def answer_after(node: Node, subject: str, sent: asyncio.Event) -> None:
     service.handle = after_the_garbage
 
 
-async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_failed(node: Node, raw, client, project):
+async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_failed(
+    node: Node, raw: NatsClient, client: EpibusClient, project: str
+) -> None:
     answer_after(node, VERIFY, await answer_with_garbage(raw, VERIFY))
     answers = await client.verify_nodes(project, timeout_s=5)
     real = [a for a in answers if "error" not in a]
@@ -166,20 +172,22 @@ async def test_verify_uses_the_real_answer_and_lists_every_garbage_reply_as_fail
     assert all(a["error"].startswith("malformed reply: ") for a in failed), failed
 
 
-async def test_verify_with_only_garbage_replies_is_unavailable_and_names_them(nats_server, raw, client, project):
+async def test_verify_with_only_garbage_replies_is_unavailable_and_names_them(
+    nats_server: NatsServer, raw: NatsClient, client: EpibusClient, project: str
+) -> None:
     await answer_with_garbage(raw, VERIFY)
     with pytest.raises(Unavailable, match=r"no node answered.*malformed reply"):
         await client.verify_nodes(project, timeout_s=2)
 
 
 async def test_recall_uses_the_real_answer_and_reports_the_garbage_in_failed_nodes(
-    mirrored_node: Node, raw, nats_server, tmp_path, project
-):
+    mirrored_node: Node, raw: NatsClient, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         event = alice.event("finding", finding(text="the cache is flushed on every deploy"), project=project)
         await alice.publish(event)
         assert mirrored_node.mirror is not None
-        await eventually(lambda: mirrored_node.mirror.indexed >= 1, timeout_s=30)
+        await eventually(lambda: mirrored_node.mirror is not None and mirrored_node.mirror.indexed >= 1, timeout_s=30)
         answer_after(mirrored_node, RECALL, await answer_with_garbage(raw, RECALL))
         answer = await alice.recall("deploys empty the cache", project, k=3)
     assert answer.nodes == ["node-a"]
@@ -190,7 +198,9 @@ async def test_recall_uses_the_real_answer_and_reports_the_garbage_in_failed_nod
     assert {"impostor", "impostor-2", "impostor-3"} <= set(malformed)
 
 
-async def test_a_garbage_journal_lookup_reply_is_a_reason_not_a_crash(nats_server, raw, client, project):
+async def test_a_garbage_journal_lookup_reply_is_a_reason_not_a_crash(
+    nats_server: NatsServer, raw: NatsClient, client: EpibusClient, project: str
+) -> None:
     await answer_with_garbage(raw, JOURNAL_LOOKUP)
     event = client.event("finding", finding(), project=project)
     with pytest.raises(Unavailable, match="malformed journal lookup reply"):

@@ -71,7 +71,7 @@ def publish_unknown(home: Path, question: str) -> str:
     return artifact
 
 
-def test_the_statusline_shows_the_inbox_acknowledgements_and_unknowns_a_known_workload_leaves(node_home: Path):
+def test_the_statusline_shows_the_inbox_acknowledgements_and_unknowns_a_known_workload_leaves(node_home: Path) -> None:
     home = node_home
     epibus(home, "mesh", "coordinators", "add", "coord", "-p", PROJECT, "--agent", "coord", "--json")
     propose_to_bob(home, "rotate the web logs")  # accepted: in bob's inbox, and in alice's (decided)
@@ -104,7 +104,7 @@ def test_the_statusline_shows_the_inbox_acknowledgements_and_unknowns_a_known_wo
     assert stranger == "epibus up · outbox 0 · inbox ? · ack ? · unknowns 1 (demo)"
 
 
-def test_a_stopped_node_reads_as_down_with_the_events_an_offline_publish_left_in_the_outbox(tmp_path: Path):
+def test_a_stopped_node_reads_as_down_with_the_events_an_offline_publish_left_in_the_outbox(tmp_path: Path) -> None:
     home = tmp_path / "home"
     process, _ = start_node_process(home, "--mirror", "off")
     try:
@@ -124,7 +124,7 @@ def test_a_stopped_node_reads_as_down_with_the_events_an_offline_publish_left_in
     )
 
 
-def test_a_killed_node_whose_snapshot_is_still_fresh_reads_as_down_never_up(tmp_path: Path):
+def test_a_killed_node_whose_snapshot_is_still_fresh_reads_as_down_never_up(tmp_path: Path) -> None:
     runner = Up(tmp_path / "home")
     try:
         runner.start()
@@ -139,7 +139,7 @@ def test_a_killed_node_whose_snapshot_is_still_fresh_reads_as_down_never_up(tmp_
     assert statusline(runner.home).stdout.strip() == "epibus down · outbox 0 waiting"
 
 
-def test_a_corrupt_snapshot_or_outbox_gives_one_line_and_exit_code_zero(tmp_path: Path):
+def test_a_corrupt_snapshot_or_outbox_gives_one_line_and_exit_code_zero(tmp_path: Path) -> None:
     home = tmp_path / "home"
     process, _ = start_node_process(home, "--mirror", "off")
     stop_node_process(process)

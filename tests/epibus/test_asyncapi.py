@@ -14,7 +14,7 @@ from epibus.asyncapi import DOCUMENT, REGENERATE, document, rendered, shipped_ki
 from tests.conftest import finding
 
 
-def test_the_document_in_the_repository_is_what_the_models_generate():
+def test_the_document_in_the_repository_is_what_the_models_generate() -> None:
     assert DOCUMENT.read_text() == rendered(), f"docs/asyncapi.json is out of date: run `{REGENERATE}`"
 
 
@@ -23,7 +23,7 @@ def _validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({**document(), "$ref": f"#/components/schemas/{name}"})
 
 
-def test_every_kind_has_a_channel_on_its_subject_with_its_body_schema():
+def test_every_kind_has_a_channel_on_its_subject_with_its_body_schema() -> None:
     doc = document()
     assert set(shipped_kinds()) >= {"finding", "forgotten", "enrolment", "task", "coordinators"}
     for kind in shipped_kinds():
@@ -33,7 +33,7 @@ def test_every_kind_has_a_channel_on_its_subject_with_its_body_schema():
         assert doc["operations"][f"send_{kind}"]["channel"] == {"$ref": f"#/channels/{kind}"}
 
 
-def test_a_real_event_and_its_headers_match_the_schemas_and_a_signature_in_the_body_does_not():
+def test_a_real_event_and_its_headers_match_the_schemas_and_a_signature_in_the_body_does_not() -> None:
     key = AgentKey.generate("alice")
     event = key.sign(draft_event("finding", finding(1), project="p", actor=key.actor, session_id="s"))
     wire = wire_message(event)

@@ -86,7 +86,9 @@ def _one_error(result: Any, *, as_json: bool) -> dict[str, Any] | str:
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize(("path", "command"), COMMANDS, ids=IDS)
-def test_a_bad_value_and_an_unknown_option_are_one_error_line(path, command, as_json, tmp_path: Path) -> None:
+def test_a_bad_value_and_an_unknown_option_are_one_error_line(
+    path: tuple[str, ...], command: Any, as_json: bool, tmp_path: Path
+) -> None:
     extra = ["--json"] if as_json else []
     bad = _one_error(_invoke([*path, *_bad_value(command), *extra], tmp_path), as_json=as_json)
     unknown = _one_error(_invoke([*path, "--no-such-option", *extra], tmp_path), as_json=as_json)
@@ -108,7 +110,9 @@ def test_a_bad_value_and_an_unknown_option_are_one_error_line(path, command, as_
     [(p, c) for p, c in COMMANDS if any(param.required for param in c.params)],
     ids=[i for i, (_, c) in zip(IDS, COMMANDS, strict=True) if any(param.required for param in c.params)],
 )
-def test_a_missing_required_option_is_one_error_line(path, command, as_json, tmp_path: Path) -> None:
+def test_a_missing_required_option_is_one_error_line(
+    path: tuple[str, ...], command: Any, as_json: bool, tmp_path: Path
+) -> None:
     error = _one_error(_invoke([*path, *(["--json"] if as_json else [])], tmp_path), as_json=as_json)
     assert "Missing " in str(error)
     assert f"run 'epibus {' '.join(path)} --help'" in str(error)
@@ -118,7 +122,7 @@ def test_a_missing_required_option_is_one_error_line(path, command, as_json, tmp
 
 
 @pytest.mark.parametrize(("path", "command"), COMMANDS, ids=IDS)
-def test_help_still_works(path, command, tmp_path: Path) -> None:
+def test_help_still_works(path: tuple[str, ...], command: Any, tmp_path: Path) -> None:
     result = _invoke([*path, "--help"], tmp_path)
     assert result.exit_code == 0
     assert "Usage" in result.stdout

@@ -67,14 +67,14 @@ def loaded_heavy(argvs: list[list[str]], home: Path) -> tuple[list[object], list
     return report["codes"], report["heavy"]
 
 
-def test_commands_that_do_not_need_them_load_none_of_the_heavy_libraries(tmp_path: Path):
+def test_commands_that_do_not_need_them_load_none_of_the_heavy_libraries(tmp_path: Path) -> None:
     argvs = [["--help"], ["--version"], ["status", "--json"], ["events", "--help"], ["mcp", "--help"]]
     codes, heavy = loaded_heavy(argvs, tmp_path / "home")
     assert codes == [0, 0, 1, 0, 0]  # status exits 1: no node runs under this home
     assert heavy == []
 
 
-def test_a_command_that_needs_one_loads_it_when_it_runs(tmp_path: Path):
+def test_a_command_that_needs_one_loads_it_when_it_runs(tmp_path: Path) -> None:
     # The check above could pass on a list of names nothing imports: `events` reads the journal, `mcp
     # --print-config --http` makes the HTTP server's token. A kind the mesh registers is known without its agent.
     argvs = [["events", "--kind", "task", "--json"], ["mcp", "--print-config", "--http"]]

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
@@ -22,12 +23,12 @@ TOKEN = "t" * 43
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "example.com"])
-def test_a_non_loopback_or_wildcard_address_is_refused_naming_the_option(host):
+def test_a_non_loopback_or_wildcard_address_is_refused_naming_the_option(host: str) -> None:
     with pytest.raises(ConfigError, match="--ui-host"):
         check_bind_host(host, allow_remote=False)
 
 
-def test_a_remote_address_is_served_only_when_asked_and_a_wildcard_never():
+def test_a_remote_address_is_served_only_when_asked_and_a_wildcard_never() -> None:
     check_bind_host("10.1.2.3", allow_remote=True)
     check_bind_host("::1", allow_remote=False)
     with pytest.raises(ConfigError, match="every address"):
@@ -36,7 +37,7 @@ def test_a_remote_address_is_served_only_when_asked_and_a_wildcard_never():
     assert allowed_hosts("10.1.2.3", 8080) == {"10.1.2.3:8080"}
 
 
-async def test_a_node_asked_for_a_wildcard_dashboard_refuses_to_start(tmp_path):
+async def test_a_node_asked_for_a_wildcard_dashboard_refuses_to_start(tmp_path: Path) -> None:
     config = NodeConfig(home=tmp_path / "home", mirror="off", ui_port=0, ui_host="0.0.0.0")
     with pytest.raises(ConfigError, match="--ui-host"):
         async with Node(config):
@@ -44,7 +45,7 @@ async def test_a_node_asked_for_a_wildcard_dashboard_refuses_to_start(tmp_path):
     assert not (tmp_path / "home" / "nats").exists()  # refused before anything started
 
 
-def test_the_token_is_made_once_owner_only(tmp_path):
+def test_the_token_is_made_once_owner_only(tmp_path: Path) -> None:
     first = ui_token(tmp_path)
     assert len(first) >= 32
     assert ui_token(tmp_path) == first
@@ -53,7 +54,7 @@ def test_the_token_is_made_once_owner_only(tmp_path):
 
 @pytest.fixture
 def gate() -> TokenGate:
-    async def hello(_):
+    async def hello(_: Request) -> PlainTextResponse:
         return PlainTextResponse("inside")
 
     return TokenGate(Starlette(routes=[Route("/", hello), Route("/x", hello)]), TOKEN, allowed_hosts("127.0.0.1", 9))
@@ -81,7 +82,9 @@ async def ask(gate: TokenGate, path: str, headers: list[tuple[str, str]]) -> htt
         ([("cookie", f"{COOKIE}={TOKEN}"), ("host", "localhost:9")], 200),
     ],
 )
-async def test_the_gate_lets_only_the_token_holder_in_at_its_own_address(gate, headers, status):
+async def test_the_gate_lets_only_the_token_holder_in_at_its_own_address(
+    gate: TokenGate, headers: list[tuple[str, str]], status: int
+) -> None:
     answer = await ask(gate, "/x", headers)
     assert answer.status_code == status, answer.text
     assert (answer.text == "inside") is (status == 200)
@@ -89,7 +92,7 @@ async def test_the_gate_lets_only_the_token_holder_in_at_its_own_address(gate, h
     assert "access-control-allow-origin" not in answer.headers
 
 
-async def test_the_token_in_the_url_becomes_a_strict_http_only_cookie_and_leaves_the_url(gate):
+async def test_the_token_in_the_url_becomes_a_strict_http_only_cookie_and_leaves_the_url(gate: TokenGate) -> None:
     answer = await ask(gate, f"/?token={TOKEN}", [])
     assert answer.status_code == 303
     assert answer.headers["location"] == "/"
@@ -99,7 +102,7 @@ async def test_the_token_in_the_url_becomes_a_strict_http_only_cookie_and_leaves
     assert gate.refused == 2
 
 
-async def test_a_page_that_does_not_keep_up_loses_its_oldest_messages_counted_and_others_lose_none():
+async def test_a_page_that_does_not_keep_up_loses_its_oldest_messages_counted_and_others_lose_none() -> None:
     async def health() -> dict[str, object]:
         return {}
 
@@ -121,7 +124,7 @@ async def test_a_page_that_does_not_keep_up_loses_its_oldest_messages_counted_an
     assert (await feed.current_health())["pages"] == {"open": 2, "dropped": 10, "read_failures": 0}
 
 
-def test_the_dashboard_files_load_nothing_from_elsewhere():
+def test_the_dashboard_files_load_nothing_from_elsewhere() -> None:
     static = Path(__file__).parents[2] / "epibus" / "dashboard" / "static"
     for path in static.iterdir():
         text = path.read_text()

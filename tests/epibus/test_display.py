@@ -51,7 +51,7 @@ def hidden(text: str, *, but: str = "") -> list[str]:
 
 @given(any_text)
 @example("".join(HOSTILE))
-def test_any_text_comes_out_without_control_bidi_or_invisible_characters(text: str):
+def test_any_text_comes_out_without_control_bidi_or_invisible_characters(text: str) -> None:
     assert hidden(plain(text)) == []
     assert hidden(plain(text, multiline=True), but="\n") == []
     assert plain(text, multiline=True).count("\n") == text.count("\n")
@@ -59,12 +59,12 @@ def test_any_text_comes_out_without_control_bidi_or_invisible_characters(text: s
 
 @given(any_text)
 @example("".join(HOSTILE))
-def test_any_text_reaches_the_terminal_literally_and_never_as_markup(text: str):
+def test_any_text_reaches_the_terminal_literally_and_never_as_markup(text: str) -> None:
     # Unstyled, nothing but the text itself is written: no sequence at all, markup shown as typed.
     assert on_terminal(shown(text)) == plain(text) + "\n"
 
 
-def test_printable_text_is_left_as_it_is_and_controls_are_spelled_out():
+def test_printable_text_is_left_as_it_is_and_controls_are_spelled_out() -> None:
     assert plain("[bold]x[/bold] naïve 日本") == "[bold]x[/bold] naïve 日本"
     assert plain("\x1b]0;pwned\x07") == "\\x1b]0;pwned\\x07"
     assert plain("\x9b31m\u202e\ufeff\u2028") == "\\x9b31m\\u202e\\ufeff\\u2028"
@@ -74,12 +74,12 @@ def test_printable_text_is_left_as_it_is_and_controls_are_spelled_out():
 
 
 @given(any_text)
-def test_a_styled_line_carries_only_its_own_style_sequences(text: str):
+def test_a_styled_line_carries_only_its_own_style_sequences(text: str) -> None:
     out = on_terminal(shown(("warning:", "yellow"), " ", text))
     assert SGR.sub("", out) == "warning: " + plain(text) + "\n"
 
 
-def test_a_table_of_hostile_texts_renders_them_literally_with_no_sequence_but_styles():
+def test_a_table_of_hostile_texts_renders_them_literally_with_no_sequence_but_styles() -> None:
     out = on_terminal(table("[/] " + HOSTILE[3], ["[bold]", "text"], [[h, h] for h in HOSTILE]))
     inert = SGR.sub("", out)
     assert "\x1b" not in inert
@@ -89,7 +89,7 @@ def test_a_table_of_hostile_texts_renders_them_literally_with_no_sequence_but_st
     assert "[bold]" in inert
 
 
-def test_log_lines_spell_out_the_controls_in_what_they_log():
+def test_log_lines_spell_out_the_controls_in_what_they_log() -> None:
     record = logging.LogRecord("bus.runner", logging.WARNING, __file__, 1, "dead-lettered %s", (HOSTILE[5],), None)
     try:
         raise ValueError("\x1b[2J")
@@ -101,7 +101,7 @@ def test_log_lines_spell_out_the_controls_in_what_they_log():
     assert "ValueError: \\x1b[2J" in line
 
 
-def test_every_print_in_the_cli_goes_through_the_display_module():
+def test_every_print_in_the_cli_goes_through_the_display_module() -> None:
     """A console print of a bare string or f-string would read its text as markup: only shown() or table()."""
     offenders = []
     for path in sorted(CLI.glob("*.py")):

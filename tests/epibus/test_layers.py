@@ -27,6 +27,7 @@ def test_this_install_owns_every_layer() -> None:
     assert layers_check().status == OK
     for name in LAYERS:
         module = __import__(name)
+        assert module.__file__ is not None
         assert Path(module.__file__).resolve().parent.parent == ROOT
 
 

@@ -30,7 +30,7 @@ def run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_every_public_name_of_the_epibus_package_resolves_on_first_use():
+def test_every_public_name_of_the_epibus_package_resolves_on_first_use() -> None:
     for name in epibus.__all__:
         value = getattr(epibus, name)
         if name in ("reads", "sync"):
@@ -45,7 +45,7 @@ def test_every_public_name_of_the_epibus_package_resolves_on_first_use():
     assert json.loads(star.stdout) == epibus.__all__
 
 
-def test_the_typer_app_lives_in_epibus_cli_app_and_its_help_lists_the_statusline():
+def test_the_typer_app_lives_in_epibus_cli_app_and_its_help_lists_the_statusline() -> None:
     from epibus.cli.app import app
 
     assert isinstance(app, typer.Typer)
@@ -56,7 +56,7 @@ def test_the_typer_app_lives_in_epibus_cli_app_and_its_help_lists_the_statusline
     assert "statusline" in helped.stdout
 
 
-def test_importing_epibus_and_running_the_statusline_loads_no_nats_sqlalchemy_typer_or_pydantic(tmp_path: Path):
+def test_importing_epibus_and_running_the_statusline_loads_no_nats_sqlalchemy_typer_or_pydantic(tmp_path: Path) -> None:
     code = (
         "import json, sys\n"
         "import epibus, epibus.cli\n"
@@ -96,7 +96,7 @@ def dead_pid() -> int:
 AGENTS = {"alice": {"inbox": {"demo": 2, "ops": 1}, "ack": {"demo": 1}}}
 
 
-def test_a_fresh_snapshot_of_the_live_node_gives_its_figures_per_project_or_summed(tmp_path: Path):
+def test_a_fresh_snapshot_of_the_live_node_gives_its_figures_per_project_or_summed(tmp_path: Path) -> None:
     home = tmp_path / "home"
     record_node(home, os.getpid())
     write_snapshot(home, os.getpid(), agents=AGENTS, unknowns={"demo": 3, "ops": 4})
@@ -108,7 +108,7 @@ def test_a_fresh_snapshot_of_the_live_node_gives_its_figures_per_project_or_summ
     assert line(every) == "epibus up · outbox 0 · inbox 3 · ack 1 · unknowns 7"
 
 
-def test_figures_the_snapshot_does_not_hold_are_unknown_never_zero(tmp_path: Path):
+def test_figures_the_snapshot_does_not_hold_are_unknown_never_zero(tmp_path: Path) -> None:
     home = tmp_path / "home"
     record_node(home, os.getpid())
     write_snapshot(home, os.getpid(), agents=None, unknowns=None)  # the node could not read the mesh or journal
@@ -131,7 +131,7 @@ def test_figures_the_snapshot_does_not_hold_are_unknown_never_zero(tmp_path: Pat
 )
 def test_the_node_is_up_only_for_a_fresh_snapshot_of_the_live_process_node_json_names(
     tmp_path: Path, node_pid: str | None, snapshot_pid: str, age_s: float, expected: str
-):
+) -> None:
     home = tmp_path / "home"
     pids = {"live": os.getpid(), "dead": dead_pid(), "other": os.getppid()}
     if node_pid is not None:
@@ -142,7 +142,9 @@ def test_the_node_is_up_only_for_a_fresh_snapshot_of_the_live_process_node_json_
     assert line(found) == f"epibus {expected} · outbox 0 waiting"
 
 
-def test_a_snapshot_with_figures_that_are_not_counts_is_reported_and_the_command_still_exits_zero(tmp_path: Path):
+def test_a_snapshot_with_figures_that_are_not_counts_is_reported_and_the_command_still_exits_zero(
+    tmp_path: Path,
+) -> None:
     home = tmp_path / "home"
     record_node(home, os.getpid())
     write_snapshot(home, os.getpid(), agents={"alice": {"inbox": {"demo": -1}, "ack": {}}}, unknowns={})
@@ -158,7 +160,7 @@ def test_a_snapshot_with_figures_that_are_not_counts_is_reported_and_the_command
     assert found["line"] == "epibus up · outbox 0 · inbox ? · ack ? · unknowns ? · status ?"
 
 
-def test_colour_codes_appear_only_when_asked_for_and_never_in_a_pipe(tmp_path: Path):
+def test_colour_codes_appear_only_when_asked_for_and_never_in_a_pipe(tmp_path: Path) -> None:
     home = tmp_path / "home"
     record_node(home, os.getpid())
     write_snapshot(home, os.getpid(), agents=AGENTS, unknowns={})

@@ -11,12 +11,12 @@ import nacl.signing
 from epibus.wire_example import DOCUMENT, REGENERATE, with_example
 
 
-def test_the_worked_example_is_current():
+def test_the_worked_example_is_current() -> None:
     text = DOCUMENT.read_text()
     assert with_example(text) == text, f"the example in docs/wire-format.md is out of date: run `{REGENERATE}`"
 
 
-def test_the_worked_example_verifies_by_the_documented_recipe():
+def test_the_worked_example_verifies_by_the_documented_recipe() -> None:
     text = DOCUMENT.read_text()
     subject = re.search(r"Subject: `([^`]+)`", text)
     body = re.search(r"```json\n(.+)\n```", text)

@@ -104,7 +104,9 @@ async def test_a_node_js_agent_verifies_every_event_and_publishes_one_the_journa
         assert report["failed"] == 0, report
 
         published = report["published"]
-        row = await eventually(lambda: _journal_row(node.journal.url, published["event_id"]), timeout_s=30)
+        assert node.journal is not None
+        journal_url = node.journal.url
+        row = await eventually(lambda: _journal_row(journal_url, published["event_id"]), timeout_s=30)
     assert row["status"] == "applied", row
     assert row["signature_status"] == "verified"
     assert row["actor_id"] == "jsagent"

@@ -66,9 +66,9 @@ async def trio(mesh_as: MeshFactory, project: str) -> tuple[MeshAgent, MeshAgent
     return alice, coord, bob
 
 
-async def task_events(mesh: MeshAgent, project: str) -> list[dict[str, object]]:
+async def task_events(mesh: MeshAgent, project: str) -> list[dict[str, Any]]:
     """The project's task events as the stream holds them (not through the mesh's KV)."""
-    found: list[dict[str, object]] = []
+    found: list[dict[str, Any]] = []
     async for batch in read_stream(mesh.client.js, STREAM, filter_subject=events_filter(project, "task")):
         for msg in batch:
             event = decode_event(msg.data)
@@ -76,7 +76,7 @@ async def task_events(mesh: MeshAgent, project: str) -> list[dict[str, object]]:
     return found
 
 
-async def revisions_of(mesh: MeshAgent, project: str, task_id: str) -> list[int]:
+async def revisions_of(mesh: MeshAgent, project: str, task_id: str) -> list[int | None]:
     kv = await mesh.store.bucket()
     for attempt in range(HISTORY_ATTEMPTS):
         try:
@@ -119,7 +119,7 @@ async def test_a_full_handshake_lands_every_step_in_the_bucket_the_stream_and_th
     assert [(e["action"], e["actor"], e["to_state"]) for e in events] == expected
     assert [e["event_id"] for e in events] == [str(s.message_id) for s in entry.record.steps]
 
-    async def journaled() -> list[tuple[object, ...]]:
+    async def journaled() -> list[tuple[str, dict[str, Any], str, str]]:
         rows = journal_rows_of_kind(sqlite_journal_url, project, "task")
         return rows if len(rows) == len(expected) else []
 

@@ -25,7 +25,7 @@ from mesh.agent import MeshAgent
 from mesh.protocol import advance
 from mesh.store import decode_capabilities, decode_roster, decode_task
 from mesh.task import Message, Proposal
-from mesh.vocab import TaskAction
+from mesh.vocab import ActionCategory, TaskAction
 from mesh.watch import MemoryCursor, TaskWatcher
 from tests.conftest import finding
 from tests.hostile import Hostile, all_hostile_task_records, hostile_payloads, put_raw
@@ -39,7 +39,9 @@ TASK = "t-1"
 
 def good_record() -> dict[str, Any]:
     """A task record as `advance` makes it (server-free), in the JSON the bucket holds."""
-    proposal = Proposal(task_id=TASK, project=PROJECT, title="t", summary="s", proposer="alice", category="operational")
+    proposal = Proposal(
+        task_id=TASK, project=PROJECT, title="t", summary="s", proposer="alice", category=ActionCategory.operational
+    )
     message = Message(
         message_id=new_event_id(),
         action=TaskAction.propose,

@@ -8,6 +8,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from tests.mesh.conftest import MeshFactory
 from tests.support import eventually
 
 
-def logged(path: Path) -> list[dict[str, object]]:
+def logged(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -136,9 +137,13 @@ async def test_an_empty_or_failed_poll_never_resets_what_was_seen(
     assert watcher.stats.empty_polls == 1
     nats_server.kill()
     watcher._checked_at = 0.0  # make the next empty poll ask the server for its consumer: a failed poll
-    with pytest.raises(RETRYABLE):
+
+    async def five_steps() -> None:
         for _ in range(5):
             await watcher.step()
+
+    with pytest.raises(RETRYABLE):
+        await five_steps()
     assert watcher.last_seen == seen
     assert cursor.load() == seen
     assert handled == [seen]

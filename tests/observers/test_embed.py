@@ -22,7 +22,7 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
-async def test_the_default_model_loads_offline_and_embeds_meaning(model: FastEmbedder):
+async def test_the_default_model_loads_offline_and_embeds_meaning(model: FastEmbedder) -> None:
     assert (model.model_id, model.dimension) == (DEFAULT_MODEL, DEFAULT_DIMENSION)
     cold, paraphrase, unrelated = await model.embed(
         ["the cache is cold after every deploy", "after a deployment the cache starts empty", "bananas are yellow"]
@@ -31,7 +31,7 @@ async def test_the_default_model_loads_offline_and_embeds_meaning(model: FastEmb
     assert cosine(cold, paraphrase) > 0.6 > 0.2 > cosine(cold, unrelated)
 
 
-async def test_an_identical_text_is_embedded_once(model: FastEmbedder, tmp_path: Path):
+async def test_an_identical_text_is_embedded_once(model: FastEmbedder, tmp_path: Path) -> None:
     cache = CachedEmbedder(model, tmp_path / "cache.db")
     first = await cache.embed(["disk full on node 3", "disk full on node 3", "queue lag"])
     assert (cache.misses, cache.hits) == (2, 1)
@@ -40,7 +40,8 @@ async def test_an_identical_text_is_embedded_once(model: FastEmbedder, tmp_path:
     assert again == [first[2], first[0]]
     cache.close()
     reopened = CachedEmbedder(model, tmp_path / "cache.db")  # persistent: read back by a new cache object
-    assert await reopened.embed(["queue lag"]) == [first[2]] and reopened.hits == 1
+    assert await reopened.embed(["queue lag"]) == [first[2]]
+    assert reopened.hits == 1
     reopened.close()
 
 
@@ -54,7 +55,7 @@ class BrokenModel:
         raise Unavailable("embedder", "onnxruntime crashed")
 
 
-async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Path):
+async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Path) -> None:
     cache = CachedEmbedder(BrokenModel(), tmp_path / "cache.db")
     with pytest.raises(Unavailable, match="onnxruntime crashed"):
         await cache.embed(["anything"])
@@ -63,8 +64,8 @@ async def test_a_failed_embedding_raises_and_caches_no_placeholder(tmp_path: Pat
     cache.close()
 
 
-async def test_an_unloadable_model_is_a_clear_config_error(tmp_path: Path):
-    with pytest.raises(ConfigError, match="EPIBUS_EMBED_MODEL.*no-such/model"):
+async def test_an_unloadable_model_is_a_clear_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"EPIBUS_EMBED_MODEL.*no-such/model"):
         await FastEmbedder(tmp_path, "no-such/model").load()
 
 
@@ -78,7 +79,7 @@ class FixedModel:
         return [[1.0, 0.0] for _ in texts]
 
 
-async def test_a_locked_cache_file_is_an_outage_that_ends_when_the_lock_does(tmp_path: Path):
+async def test_a_locked_cache_file_is_an_outage_that_ends_when_the_lock_does(tmp_path: Path) -> None:
     cache = CachedEmbedder(FixedModel(), tmp_path / "cache.db", busy_timeout_s=0.1)
     holder = sqlite3.connect(tmp_path / "cache.db", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")  # another process writing, or a disk that refuses writes for now
@@ -94,7 +95,7 @@ async def test_a_locked_cache_file_is_an_outage_that_ends_when_the_lock_does(tmp
     cache.close()
 
 
-async def test_a_cache_file_that_lost_its_table_is_a_failure_not_an_outage(tmp_path: Path):
+async def test_a_cache_file_that_lost_its_table_is_a_failure_not_an_outage(tmp_path: Path) -> None:
     cache = CachedEmbedder(FixedModel(), tmp_path / "cache.db")
     with sqlite3.connect(tmp_path / "cache.db") as db:
         db.execute("ALTER TABLE vectors RENAME TO something_else")

@@ -25,16 +25,18 @@ from bus.ids import point_id
 from bus.nats_errors import nats_call, translate_publish_error
 from bus.reader import dead_letters
 from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.subjects import DLQ_ERROR, DLQ_REASON
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver, database_failure
 from observers.mirror.backends import open_store
+from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.server import ServerVectorStore
 from observers.mirror.store import Point
 from tests.conftest import finding
-from tests.support import eventually
+from tests.support import eventually, headers_of
 
 
 def api_error(code: int, err_code: int, description: str = "refused") -> nats.js.errors.APIError:
@@ -159,6 +161,7 @@ async def test_a_qdrant_server_that_is_not_there_is_unavailable() -> None:
 
 async def test_the_edge_engine_refusing_a_call_is_a_failure_and_its_files_failing_an_outage(tmp_path: Path) -> None:
     store = await open_store("edge", tmp_path / "edge", "m", 4)
+    assert isinstance(store, EdgeVectorStore)
     try:
         with pytest.raises(ComponentFailed, match="TypeError"):
             store._engine(store._shard.retrieve, "not a list of ids", None, None)  # the engine's own refusal
@@ -195,7 +198,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 
 
 async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_rest(
-    nats_server, model, tmp_path: Path, project: str
+    nats_server: NatsServer, model: FastEmbedder, tmp_path: Path, project: str
 ) -> None:
     """It once retried such a refusal forever as an outage: the mirror stayed degraded for good."""
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
@@ -224,9 +227,9 @@ async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_re
             assert runner.stats.outage_retries == 0
             kept = sorted(point_id(e.event_id) for e in events if e is not poison)
             assert sorted(await inner.point_ids()) == kept
-            (letter,) = [m for m in await dead_letters(alice.js) if m.headers[DLQ_REASON] == "max_deliver"]
-            assert "ComponentFailed" in letter.headers[DLQ_ERROR]
-            assert "HTTP 400" in letter.headers[DLQ_ERROR]
+            (letter,) = [m for m in await dead_letters(alice.js) if headers_of(m)[DLQ_REASON] == "max_deliver"]
+            assert "ComponentFailed" in headers_of(letter)[DLQ_ERROR]
+            assert "HTTP 400" in headers_of(letter)[DLQ_ERROR]
         finally:
             await nc.close()
             embedder.close()

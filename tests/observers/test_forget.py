@@ -16,6 +16,7 @@ from bus.client import EpibusClient, connect
 from bus.errors import NotFound
 from bus.forget import ForgetProof
 from bus.ids import point_id
+from bus.server import NatsServer
 from bus.signing import AgentKey
 from bus.subjects import STREAM
 from bus.vocab import ReceiptLevel, Role
@@ -26,7 +27,9 @@ from tests.conftest import finding
 from tests.support import enrol_agent, eventually
 
 
-async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_server, tmp_path: Path, project):
+async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     config = NodeConfig(
         home=tmp_path / "node", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'j.db'}"
     )
@@ -44,12 +47,12 @@ async def test_forget_is_proven_on_the_stream_the_journal_and_the_mirror(nats_se
             await bob.transition(
                 "verified", {"note": "saw hunter2 in the log"}, project=project, artifact_id=secret.artifact_id
             )
-            await eventually(lambda: node.mirror.indexed == 2, timeout_s=30)
+            await eventually(lambda: node.mirror is not None and node.mirror.indexed == 2, timeout_s=30)
 
             report = await alice.forget(project, secret.artifact_id, reason="personal data")
             assert len(report.messages) == 2  # the claim and its verification
 
-            async def proven() -> object:
+            async def proven() -> ForgetProof | None:
                 proof = await alice.prove_forgotten(report)
                 return proof if proof.complete else None  # not clean: the server is not the node's own
 
@@ -141,7 +144,7 @@ async def publish_and_index(node: Node, client: EpibusClient, project: str, text
     return claim.artifact_id
 
 
-async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path, project: str):
+async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     text_, token = secret_claim()
     async with Node(NodeConfig(home=home, name="node-a")) as node:
@@ -155,7 +158,7 @@ async def test_after_a_forget_no_file_of_the_node_holds_the_text(tmp_path: Path,
         assert files_holding(home, token) == []
 
 
-async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path, project: str):
+async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     text_, token = secret_claim()
     config = NodeConfig(home=home, name="node-a")
@@ -171,7 +174,7 @@ async def test_a_restarted_node_holds_no_copy_of_a_forgotten_text(tmp_path: Path
     assert files_holding(home, token) == []
 
 
-async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, project: str):
+async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     text_, _ = secret_claim()
     config = NodeConfig(home=home, name="node-a")
@@ -188,8 +191,8 @@ async def test_the_proof_names_a_file_left_holding_the_text(tmp_path: Path, proj
 
 
 async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrubbable(
-    nats_server, tmp_path: Path, project: str
-):
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     home = tmp_path / "home"
     text_, token = secret_claim()
     config = NodeConfig(home=home, nats_url=nats_server.url, name="node-a", mirror="off")
@@ -200,7 +203,7 @@ async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrub
     assert not proof.clean
 
 
-async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, project: str):
+async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     text_, _ = secret_claim()
 
@@ -220,7 +223,7 @@ async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, proj
             assert cached(key) == 0
 
 
-async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str):
+async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str) -> None:
     home = tmp_path / "home"
     text_, token = secret_claim()
     config = NodeConfig(home=home, name="node-a", journal_url=postgres_url, mirror="off")

@@ -3,11 +3,14 @@ real nats-server: dashes and case ignored, an exact id first, the project respec
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bus.client import connect
 from bus.errors import AmbiguousId, NotFound
 from bus.ids import SHOWN_MATCHES, id_prefix, only_match
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.reads import artifact_ids_like
@@ -34,7 +37,9 @@ def test_one_match_none_or_several() -> None:
     assert e.value.matches == tuple(many[:SHOWN_MATCHES])
 
 
-async def test_the_journal_finds_ids_by_prefix(nats_server, home, journal_url, project) -> None:
+async def test_the_journal_finds_ids_by_prefix(
+    nats_server: NatsServer, home: Path, journal_url: str, project: str
+) -> None:
     config = NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")
     async with Node(config) as node, connect(nats_server.url, agent="alice", home=home) as client:
         assert node.journal is not None

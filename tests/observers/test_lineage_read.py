@@ -50,7 +50,9 @@ async def publish_history(agents: dict[str, EpibusClient], project: str) -> dict
     return ids
 
 
-async def test_the_journal_lineage_agrees_with_the_clients_fold_for_every_artifact(node: Node, agents, project):
+async def test_the_journal_lineage_agrees_with_the_clients_fold_for_every_artifact(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     assert node.journal is not None
     ids = await publish_history(agents, project)
     await settled(node.journal, agents["alice"], project)
@@ -85,7 +87,9 @@ async def test_the_journal_lineage_agrees_with_the_clients_fold_for_every_artifa
     assert of["leaf"].ancestors == ()
 
 
-async def test_an_unknown_artifact_is_not_found_in_the_journal_naming_it_and_its_project(node: Node, agents, project):
+async def test_an_unknown_artifact_is_not_found_in_the_journal_naming_it_and_its_project(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     assert node.journal is not None
     await claim(agents["alice"], project, "one claim so that the project exists")
     with pytest.raises(NotFound) as raised:

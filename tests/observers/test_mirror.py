@@ -15,6 +15,7 @@ from bus.errors import Unavailable
 from bus.ids import point_id
 from bus.reader import replay
 from bus.runner import ConsumerRunner
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
@@ -39,7 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> FastEmbedder:
 
 
 @pytest.fixture
-async def mirrored_node(nats_server, tmp_path: Path) -> AsyncIterator[Node]:
+async def mirrored_node(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Node]:
     config = NodeConfig(
         home=tmp_path / "node-a", nats_url=nats_server.url, name="node-a", journal_url=f"sqlite:///{tmp_path / 'a.db'}"
     )
@@ -58,12 +59,12 @@ async def publish_topics(client: EpibusClient, project: str) -> dict[str, str]:
 
 async def indexed(node: Node, count: int) -> None:
     assert node.mirror is not None
-    await eventually(lambda: node.mirror.indexed >= count, timeout_s=30)
+    await eventually(lambda: node.mirror is not None and node.mirror.indexed >= count, timeout_s=30)
 
 
 async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_safe_door(
-    mirrored_node, nats_server, tmp_path, project
-):
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         ids = await publish_topics(alice, project)
         await indexed(mirrored_node, len(TOPICS))
@@ -86,34 +87,43 @@ async def test_paraphrases_find_their_targets_and_a_retraction_leaves_only_the_s
         assert hit["state"]["resolution"] == "retracted"
 
 
-async def test_recall_without_any_mirror_is_an_error_not_an_empty_list(nats_server, tmp_path, project):
+async def test_recall_without_any_mirror_is_an_error_not_an_empty_list(
+    nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         with pytest.raises(Unavailable, match="no node with a mirror answered"):
             await alice.recall("anything", project, timeout_s=0.5)
 
 
-async def test_two_nodes_answer_and_hits_merge_by_event_id(mirrored_node, nats_server, tmp_path, project):
+async def test_two_nodes_answer_and_hits_merge_by_event_id(
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     config = NodeConfig(
         home=tmp_path / "node-b", nats_url=nats_server.url, name="node-b", journal_url=f"sqlite:///{tmp_path / 'b.db'}"
     )
-    async with Node(config) as second:
-        async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
-            ids = await publish_topics(alice, project)
-            await indexed(mirrored_node, len(TOPICS))
-            await indexed(second, len(TOPICS))
-            answer = await alice.recall("our backups miss a table", project, k=10)
+    async with (
+        Node(config) as second,
+        connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice,
+    ):
+        ids = await publish_topics(alice, project)
+        await indexed(mirrored_node, len(TOPICS))
+        await indexed(second, len(TOPICS))
+        answer = await alice.recall("our backups miss a table", project, k=10)
     assert sorted(answer.nodes) == ["node-a", "node-b"]
     assert len({h["event_id"] for h in answer.hits}) == len(answer.hits) == len(TOPICS)
     assert answer.hits[0]["artifact_id"] == ids["nightly backups silently skip the largest table"]
 
 
-async def test_redelivery_and_reembedding_never_duplicate_a_point(mirrored_node, nats_server, tmp_path, project):
+async def test_redelivery_and_reembedding_never_duplicate_a_point(
+    mirrored_node: Node, nats_server: NatsServer, tmp_path: Path, project: str
+) -> None:
     async with connect(nats_server.url, agent="alice", home=tmp_path / "alice", outbox=False) as alice:
         events = [alice.event("finding", finding(i), project=project) for i in range(30)]
         await alice.publish_many(events)
         await indexed(mirrored_node, 30)
         store, mirror = mirrored_node.store, mirrored_node.mirror
-        assert store is not None and mirror is not None
+        assert store is not None
+        assert mirror is not None
         assert mirrored_node.journal is not None
         again = MirrorObserver(
             store, mirror.embedder, name="mirror-replay", journal=mirrored_node.journal, node="node-a"
@@ -163,8 +173,13 @@ class SwitchableStore:
         self._check()
         return list(await self.inner.point_ids(where))
 
+    async def close(self) -> None:
+        await self.inner.close()
 
-async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(nats_server, model, tmp_path, project):
+
+async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(
+    nats_server: NatsServer, model: FastEmbedder, tmp_path: Path, project: str
+) -> None:
     inner = await open_store("edge", tmp_path / "mirror", model.model_id, model.dimension)
     store = SwitchableStore(inner)
     embedder = CachedEmbedder(model, tmp_path / "cache.db")
@@ -186,7 +201,8 @@ async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(nats
             await eventually(lambda: observer.indexed == 40, timeout_s=60)
             task.cancel()
             journaling.cancel()
-        assert runner.stats.dead_lettered == {} and runner.stats.degraded is False
+        assert runner.stats.dead_lettered == {}
+        assert runner.stats.degraded is False
         assert sorted(await inner.point_ids()) == sorted(point_id(e.event_id) for e in events)
     finally:
         await nc.close()

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 from bus.client import EpibusClient, connect
+from bus.server import NatsServer
 from bus.vocab import ReceiptLevel
 from epibus.node import Node
 from observers.reads import briefing, open_unknown_counts
@@ -21,8 +22,8 @@ async def unknown(client: EpibusClient, project: str, question: str) -> str:
 
 
 async def test_the_open_unknowns_count_agrees_with_the_briefing_in_every_project(
-    node: Node, nats_server, tmp_path: Path
-):
+    node: Node, nats_server: NatsServer, tmp_path: Path
+) -> None:
     assert node.journal is not None
     busy, quiet, settled = (f"u-{uuid.uuid4().hex[:10]}" for _ in range(3))
     async with (
@@ -51,6 +52,7 @@ async def test_the_open_unknowns_count_agrees_with_the_briefing_in_every_project
         await alice.transition("resolved", {"resolution": "stale"}, project=settled, artifact_id=answered)
 
         def counted() -> dict[str, int] | None:
+            assert node.journal is not None
             counts = {p: n for p, n in open_unknown_counts(node.journal).items() if p in (busy, quiet, settled)}
             return counts if counts == {busy: 2, quiet: 1} else None
 

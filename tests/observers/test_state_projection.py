@@ -14,6 +14,8 @@ from sqlalchemy import text
 
 from bus.client import EpibusClient, connect
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
+from bus.event import Envelope
+from bus.server import NatsServer
 from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
@@ -24,7 +26,7 @@ from tests.support import enrol_on_stream, eventually
 
 
 @pytest.fixture
-async def agents(nats_server, tmp_path: Path) -> AsyncIterator[dict[str, EpibusClient]]:
+async def agents(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[dict[str, EpibusClient]]:
     clients = {}
     for name in ("alice", "bob", "carol"):
         clients[name] = await connect(nats_server.url, agent=name, home=tmp_path / name, outbox=False)
@@ -54,7 +56,9 @@ async def settled(journal: Journal, client: EpibusClient, project: str) -> None:
     await eventually(caught_up, timeout_s=15)
 
 
-async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node: Node, agents, project):
+async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     term = "replication lag on shard seven"
     ids = {
@@ -87,6 +91,7 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node
         project=project,
         artifact_id=ids["superseded"],
     )
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     safe = {v.state.artifact_id for v in artifacts(node.journal, project)}
@@ -101,7 +106,9 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(node
     assert audit[ids["successor"]].state.supersedes == ids["superseded"]
 
 
-async def test_illegal_transitions_are_refused_before_anything_is_written(node: Node, agents, project):
+async def test_illegal_transitions_are_refused_before_anything_is_written(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     aid = await claim(alice, project, "the build is flaky")
     before = (await alice.project_view(project)).subject_seq[aid]
@@ -129,8 +136,8 @@ async def test_illegal_transitions_are_refused_before_anything_is_written(node: 
 
 
 async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_agree(
-    nats_server, agents, project, tmp_path: Path
-):
+    nats_server: NatsServer, agents: dict[str, EpibusClient], project: str, tmp_path: Path
+) -> None:
     second_journal = f"sqlite:///{tmp_path / 'second.db'}"
     async with (
         Node(
@@ -155,9 +162,13 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
         )
         winners = [r for r in results if not isinstance(r, BaseException)]
         losers = [r for r in results if isinstance(r, BaseException)]
-        assert len(winners) == 1 and len(losers) == 1
-        assert isinstance(losers[0], Conflict) and "10071" in str(losers[0])
+        assert len(winners) == 1
+        assert len(losers) == 1
+        assert isinstance(losers[0], Conflict)
+        assert "10071" in str(losers[0])
+        assert n1.journal is not None
         await settled(n1.journal, alice, project)
+        assert n2.journal is not None
         await settled(n2.journal, alice, project)
         first, second = snapshot(n1.journal, project), snapshot(n2.journal, project)
         assert first.states == second.states
@@ -165,7 +176,9 @@ async def test_a_verify_racing_a_rollback_has_exactly_one_winner_and_both_nodes_
         assert first.verifications == second.verifications
 
 
-async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: Node, agents, project, tmp_path: Path):
+async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(
+    node: Node, agents: dict[str, EpibusClient], project: str, tmp_path: Path
+) -> None:
     alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
     root = await claim(alice, project, "baseline latency is 4 ms")
     await bob.transition("verified", {}, project=project, artifact_id=root)
@@ -176,6 +189,7 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: 
     await claim(carol, project, "latency regression is in the allocator")  # repeats a retracted claim
     bad = alice.event("verified", {}, project=project, artifact_id=root)  # the author verifying: illegal
     await alice.publish(bad)  # published raw, past client validation: the projection must reject it
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     rebuilt = Journal(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -193,13 +207,16 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(node: 
         status = conn.execute(
             text("SELECT status, reason FROM events WHERE event_id = :e"), {"e": str(bad.event_id)}
         ).one()
-    assert status.status == "rejected" and "alice is the author" in status.reason
+    assert status.status == "rejected"
+    assert "alice is the author" in status.reason
     node.journal.rebuild_projection()
     assert snapshot(node.journal, project).states == live.states
     rebuilt.close()
 
 
-async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_the_journal(node: Node, agents, project):
+async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_the_journal(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     aid = await claim(alice, project, "Disk I/O is the bottleneck.")
     await alice.transition(
@@ -208,6 +225,7 @@ async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_t
     again = bob.event("finding", finding(text="disk i/o is the   bottleneck"), project=project)
     receipt = await bob.publish(again, wait_for=ReceiptLevel.journaled)
     assert FLAG_PREVIOUSLY_RETRACTED in receipt.flags
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     state = snapshot(node.journal, project).states[again.artifact_id]
     assert FLAG_PREVIOUSLY_RETRACTED in state.flags
@@ -221,9 +239,12 @@ async def test_republishing_a_retracted_claim_is_flagged_on_the_receipt_and_in_t
     assert (await bob.publish(fresh, strict=True)).flags == ()
 
 
-async def test_as_of_reads_before_and_after_a_retraction(node: Node, agents, project):
+async def test_as_of_reads_before_and_after_a_retraction(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     aid = await claim(alice, project, "the queue never drops messages")
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     before = datetime.now(UTC)
     await eventually(lambda: datetime.now(UTC) > before)  # the retraction is recorded strictly later
@@ -232,11 +253,15 @@ async def test_as_of_reads_before_and_after_a_retraction(node: Node, agents, pro
     assert [v.state.artifact_id for v in artifacts(node.journal, project, as_of=before)] == [aid]
     assert artifacts(node.journal, project) == []
     assert snapshot(node.journal, project, as_of=before).states[aid].trust is Trust.unverified
-    assert snapshot(node.journal, project).states[aid].resolution.value == "retracted"
+    resolution = snapshot(node.journal, project).states[aid].resolution
+    assert resolution is not None
+    assert resolution.value == "retracted"
     assert [v.state.artifact_id for v in audit_artifacts(node.journal, project)] == [aid]
 
 
-async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(node: Node, agents, project):
+async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob = agents["alice"], agents["bob"]
     base = await claim(alice, project, "v0")
     await bob.transition("verified", {}, project=project, artifact_id=base)
@@ -250,13 +275,14 @@ async def test_rollback_applies_to_the_intermediates_and_cascades_on_request(nod
     assert set(plan.tainted) == {chain[4], chain[5], branch}
     plan, receipts = await bob.rollback(project, chain[3], reason="premise was wrong", cascade=True)
     assert len(receipts) == 6
+    assert node.journal is not None
     await settled(node.journal, alice, project)
     states = snapshot(node.journal, project).states
     assert {a for a, s in states.items() if s.trust is Trust.rolled_back} == set(chain[1:]) | {branch}
     assert states[base].trust is Trust.verified
 
 
-async def test_briefing_and_vocab_report(node: Node, agents, project):
+async def test_briefing_and_vocab_report(node: Node, agents: dict[str, EpibusClient], project: str) -> None:
     alice, bob = agents["alice"], agents["bob"]
     top = await claim(alice, project, "the deploy script skips migrations", source="search")
     unknown = alice.event("unknown", {"question": "why do migrations time out?", "impact": 0.7}, project=project)
@@ -279,6 +305,7 @@ async def test_briefing_and_vocab_report(node: Node, agents, project):
     await alice.publish(hunch)
     stale = await claim(alice, project, "migrations take 10 s")
     await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=stale)
+    assert node.journal is not None
     await settled(node.journal, alice, project)
 
     brief = briefing(node.journal, project)
@@ -288,23 +315,29 @@ async def test_briefing_and_vocab_report(node: Node, agents, project):
     assert [v.state.artifact_id for v in brief.unearned_confidence] == [hunch.artifact_id]
     report = vocab_report(node.journal, project)
     assert report.resolutions == {"stale": 1, "superseded": 0, "retracted": 0, "mistyped": 0}
-    assert report.sources["intuition"] == 1 and report.sources["search"] == 1
+    assert report.sources["intuition"] == 1
+    assert report.sources["search"] == 1
     assert any("every resolution (1) is 'stale'" in w for w in report.warnings)
     await bob.transition("verified", {}, project=project, artifact_id=top)
     await settled(node.journal, alice, project)
     assert not any("none of" in w for w in vocab_report(node.journal, project).warnings)
 
 
-async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(node: Node, agents, project):
+async def test_a_journaled_receipt_says_when_the_projection_rejected_the_event(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     aid = await claim(alice, project, "the author cannot vouch for this")
     own = alice.event("verified", {}, project=project, artifact_id=aid)
     receipt = await alice.publish(own, wait_for=ReceiptLevel.journaled)  # raw publish, no client validation
     assert receipt.level is ReceiptLevel.journaled
-    assert receipt.rejected is not None and "alice is the author" in receipt.rejected
+    assert receipt.rejected is not None
+    assert "alice is the author" in receipt.rejected
 
 
-async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(node: Node, agents, project):
+async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is_written(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice = agents["alice"]
     ghost = alice.event("finding", finding(text="builds on nothing") | {"revises": "ghost"}, project=project)
     with pytest.raises(IllegalTransition, match="revised artifact 'ghost' does not exist"):
@@ -312,7 +345,9 @@ async def test_a_claim_revising_a_missing_artifact_is_refused_before_anything_is
     assert (await alice.project_view(project)).subject_seq == {}
 
 
-async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node: Node, agents, project):
+async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     alice, bob, carol = agents["alice"], agents["bob"], agents["carol"]
     old = await claim(alice, project, "the limit is 100 requests per second")
     for other in (bob, carol):  # superseding alice's claim takes one of her identities or an admin: admins here
@@ -331,7 +366,8 @@ async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node:
     assert all(isinstance(r, IllegalTransition | Conflict) for r in refused)
     rejected = [r for r in landed if r.rejected]
     assert len(landed) - len(rejected) == 1
-    assert all("already resolved" in r.rejected for r in rejected)
+    assert all(r.rejected is not None and "already resolved" in r.rejected for r in rejected)
+    assert node.journal is not None
     states = snapshot(node.journal, project).states
     winner = next(r for r in landed if not r.rejected)
     winner_id = first.artifact_id if winner.event_id == first.event_id else second.artifact_id
@@ -339,7 +375,9 @@ async def test_two_claims_racing_to_supersede_one_artifact_have_one_winner(node:
     assert states[winner_id].supersedes == old
 
 
-async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_clock(node: Node, agents, project):
+async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_clock(
+    node: Node, agents: dict[str, EpibusClient], project: str
+) -> None:
     from datetime import timedelta
 
     from bus.event import validate_event
@@ -351,12 +389,15 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
     )
     await alice.publish(late, wait_for=ReceiptLevel.journaled)
     half_an_hour_ago = datetime.now(UTC) - timedelta(minutes=30)
+    assert node.journal is not None
     assert artifacts(node.journal, project, as_of=half_an_hour_ago) == []  # it had not reached the stream yet
     assert [v.state.artifact_id for v in artifacts(node.journal, project)] == [late.artifact_id]
 
 
-async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, agents, project):
-    from bus.runner import Delivery
+async def test_migrating_a_journal_with_events_projects_them(
+    tmp_path: Path, agents: dict[str, EpibusClient], project: str
+) -> None:
+    from bus.admission import Delivery
     from bus.subjects import event_subject
     from observers.schema import _v1_events, events, metadata, schema_versions
 
@@ -392,8 +433,8 @@ async def test_migrating_a_journal_with_events_projects_them(tmp_path: Path, age
 
 
 async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_them_again(
-    tmp_path: Path, agents, project
-):
+    tmp_path: Path, agents: dict[str, EpibusClient], project: str
+) -> None:
     """A journal upgraded from before enrolment records existed decided its events without them; the first batch
     that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
     from bus.admission import Delivery
@@ -406,7 +447,7 @@ async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_t
     rollback = bob.event("rolled_back", {"reason": "it runs once"}, project=project, artifact_id=claim_.artifact_id)
     later = alice.event("finding", finding(text="the cron job runs at noon"), project=project)
 
-    def delivery(event, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
+    def delivery(event: Envelope, seq: int, authority: Authority = NO_RECORDS) -> Delivery:
         return Delivery(event, event_subject(project, event.kind, event.artifact_id), seq, 1, authority=authority)
 
     journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")

@@ -95,7 +95,12 @@ class Fleet:
 
     async def journaled(self, kind: str, count: int) -> list[tuple[str, dict[str, Any], str, str]]:
         """The project's journal rows of a kind, once it holds `count` of them."""
-        return await eventually(lambda: (rows := self.journal(kind)) and len(rows) == count and rows, timeout_s=15)
+
+        def counted() -> list[tuple[str, dict[str, Any], str, str]] | None:
+            rows = self.journal(kind)
+            return rows if len(rows) == count else None
+
+        return await eventually(counted, timeout_s=15)
 
 
 async def _enrol(nc: NatsClient, admin: AgentKey, key: AgentKey, project: str) -> None:

@@ -7,7 +7,7 @@ rejected with the reason and nothing changes), and do what it allows."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from bus.project_view import load_project
 from bus.reader import replay
 from bus.requests import EnrolRequest, build_request
 from bus.signing import AgentKey, node_key
-from bus.state import ArtifactState
+from bus.state import ArtifactState, Verification
 from bus.subjects import POLICY_PROJECT, STREAM, event_subject
 from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
@@ -105,7 +105,7 @@ async def alices_claim(fleet: Fleet) -> str:
     return event.artifact_id
 
 
-async def stored(fleet: Fleet, artifact_id: str) -> tuple[ArtifactState, list[dict[str, Any]]]:
+async def stored(fleet: Fleet, artifact_id: str) -> tuple[ArtifactState, list[Mapping[str, Any]]]:
     """The claim as the journal's projection and the mirror's points hold it."""
     node = fleet.node
     assert node.journal is not None
@@ -198,14 +198,19 @@ async def test_a_second_identity_of_the_author_may_not_verify_and_another_owner_
     node = fleet.node
     assert node.journal is not None
     journal, project = node.journal, fleet.project
-    log = await eventually(lambda: len(found := snapshot(journal, project).verifications) == 2 and found)
+
+    def two_verifications() -> tuple[Verification, ...] | None:
+        found = snapshot(journal, project).verifications
+        return found if len(found) == 2 else None
+
+    log = await eventually(two_verifications)
     assert [(v.verifier, v.human_review) for v in log] == [("bob", False), ("rita", True)]  # rita reviews: a person
     state, payloads = await eventually(lambda: _trust_mirrored(fleet, aid, Trust.verified), timeout_s=30)
     assert state.trust is Trust.verified
     assert payloads[0]["trust"] == "verified"
 
 
-async def _trust_mirrored(fleet: Fleet, aid: str, trust: Trust) -> tuple[ArtifactState, list[dict[str, Any]]] | None:
+async def _trust_mirrored(fleet: Fleet, aid: str, trust: Trust) -> tuple[ArtifactState, list[Mapping[str, Any]]] | None:
     found = await stored(fleet, aid)
     return found if found[0].trust is trust and all(p["trust"] == trust.value for p in found[1]) else None
 

@@ -245,7 +245,7 @@ async def test_steps_appended_around_the_node_are_quarantined_and_mesh_ack_refus
     # the acceptance signed by mallory's registered key: a valid signature by one not allowed to take the step
     mallory = fleet.keys["mallory"]
     mine = step("accept", "mallory", ("proposed", "accepted"), roles=["coordinator"], assignee="mallory", policy="m")
-    completion = {"sha": SHA, "evidence": [], "note": None}
+    completion: dict[str, Any] = {"sha": SHA, "evidence": [], "note": None}
     rest = [
         step("start", "bob", ("accepted", "working")),
         step("complete", "bob", ("working", "completed"), completion=completion),

@@ -168,7 +168,7 @@ json_values = st.recursive(
 )
 # Header names nats-py sends (it refuses others before they leave); values: any text it can encode.
 header_name = st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=20)
-header_text = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=20)
+header_text = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20)
 MUTATIONS = [
     "intact", "unsigned", "stale", "future", "bad-signature", "other-key", "other-agent", "garbage-stamp",
     "header-missing", "other-body", "other-subject", "random-headers",
@@ -340,9 +340,7 @@ async def valid_requests_are_answered(bed: Bed) -> None:
         assert client.nc is not None
         listed = await enrol.list_agents(client.nc, keeper)
     assert {"fuzzer", "keeper"} <= {a["agent_id"] for a in listed}
-    answered = {
-        s: bed.node.services[s].counts.answered for s in SERVICES if s not in (ENROL, REVOKE, *MESH_SERVICES)
-    }
+    answered = {s: bed.node.services[s].counts.answered for s in SERVICES if s not in (ENROL, REVOKE, *MESH_SERVICES)}
     assert all(answered.values()), answered
     # The mesh services refused every generated request, and each still answers one (refusing an empty step).
     for subject in MESH_SERVICES:
