@@ -255,7 +255,7 @@ def _consumer_families(node: Node) -> list[Metric]:
 
 def _service_families(node: Node) -> list[Metric]:
     """Request services (by subject, a fixed set), and supervised loops' failures (by service name)."""
-    from epibus.node import service_failures  # the node module imports this one
+    from epibus.supervise import service_failures
 
     requests = CounterMetricFamily(
         "epibus_requests", "Requests each service got, by outcome.", labels=["service", "outcome"]
