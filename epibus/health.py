@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
 from bus.home import NodeInfo, write_private
+from epibus.supervise import service_failures
 
 if TYPE_CHECKING:
     from epibus.node import Node
@@ -85,8 +86,6 @@ def problems(
 
 def node_health(node: Node) -> dict[str, Any]:
     """What the node reports about itself: its connection, each observer's runner, services and restarts."""
-    from epibus.supervise import service_failures  # the node module imports this one
-
     nc = node.nc
     observers = {}
     for runner in (node.runner, node.mirror_runner):
