@@ -2,7 +2,8 @@
 validate it with the service's request model, apply the service's rule to the signer and the request, call the
 handler, reply. Every request with a reply subject gets a reply: the answer, or an error line naming the refused
 field, the rule that refused the asker, or the handler's exception. An asker can then tell a refusal from a node
-that is not there."""
+that is not there. A process states its services as `Service` values and starts them with `serve_services`: no
+handler checks a signature, a role or a reply subject itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from bus.errors import ConfigError, Forbidden, error_summary
 from bus.nats_errors import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
-from bus.service_rules import Authorizer
+from bus.service_rules import Authorizer, Rule, ServiceGuard
 from bus.tally import LatencyHistogram
 
 log = logging.getLogger(__name__)
@@ -234,3 +235,36 @@ async def serve(
     )
     await responder.serve()
     return responder
+
+
+@dataclass(frozen=True)
+class Service(Generic[Req]):
+    """One request service as its owner states it: the subject, the request and reply models, the handler and
+    who may ask (its rule, bus/service_rules.py). `queue`: one process of the group answers each request."""
+
+    subject: str
+    request_model: type[Req]
+    reply_model: type[BaseModel]
+    handle: Handler[Req]
+    rule: Rule[Req]
+    queue: str = ""
+
+
+async def serve_services(
+    nc: NatsClient, services: Sequence[Service[Any]], *, node: str, guard: ServiceGuard
+) -> dict[str, Responder[Any, Any]]:
+    """Answer every service from now on as `node`, each through the one responder with the guard's authorizer
+    for its rule. Returns each subject's responder (it holds the service's counts)."""
+    responders: dict[str, Responder[Any, Any]] = {}
+    for service in services:
+        responders[service.subject] = await serve(
+            nc,
+            service.subject,
+            service.request_model,
+            service.reply_model,
+            service.handle,
+            node=node,
+            authorize=guard.authorizer(service.rule),
+            queue=service.queue,
+        )
+    return responders

@@ -32,7 +32,7 @@ from bus.publish import retrying_unavailable, send_one
 from bus.registry import AgentRegistry
 from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
 from bus.responder import Responder, serve
-from bus.server import NatsServer
+from bus.server import AUTHORIZATION_FILE, NatsServer
 from bus.service_rules import Authorizer, ServiceGuard, admin_rule
 from bus.signing import AgentKey, node_event_key
 from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
@@ -53,6 +53,13 @@ def local_agent_keys(keys: Path) -> list[tuple[str, Path]]:
 def initial_authorization(node: AgentKey) -> str:
     """What a server starts with before the registry is read: the node alone (a restart keeps the last file)."""
     return render_authorization([node.public_key], [])
+
+
+def starting_authorization(store: Path, node: AgentKey) -> str:
+    """What an authenticating embedded server starts with: the enrolments it last applied (kept in its store,
+    so agents reconnect at once after a restart), else the node alone."""
+    kept = store / AUTHORIZATION_FILE
+    return kept.read_text() if kept.exists() else initial_authorization(node)
 
 
 async def record_enrolment(js: JetStreamContext, signer: AgentKey, enrolment: Enrolment, *, session_id: str) -> int:

@@ -17,8 +17,10 @@ from bus.errors import NotFound, Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.reader import read_stream
 from bus.registry import AgentRegistry
-from bus.requests import EraseRequest
-from bus.subjects import STREAM, artifact_filter
+from bus.requests import EraseReply, EraseRequest
+from bus.responder import Service
+from bus.service_rules import erase_rule
+from bus.subjects import ADMIN_QUEUE, FORGET_ERASE, STREAM, artifact_filter
 
 
 async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request: EraseRequest) -> dict[str, Any]:
@@ -62,3 +64,12 @@ async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request
             raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
         erased.append({"seq": seq, "event_id": event_id})
     return {"forget_seq": forget_seq, "erased": erased}
+
+
+def erase_service(js: JetStreamContext, registry: AgentRegistry) -> Service[EraseRequest]:
+    """The FORGET_ERASE service, answered by one node of the admin queue group: an admin asked."""
+
+    async def answer(request: EraseRequest) -> dict[str, Any]:
+        return await erase_forgotten(js, registry, request)
+
+    return Service(FORGET_ERASE, EraseRequest, EraseReply, answer, erase_rule, queue=ADMIN_QUEUE)

@@ -58,6 +58,11 @@ def take(home: Path, name: str) -> bool:
     return True
 
 
+def observed(observer: Observer, home: Path, *, honour: bool) -> Observer:
+    """What a runner feeds: the observer, wrapped by the observer-kill failpoint when the node honours them."""
+    return KilledMidBatch(observer, home) if honour else observer
+
+
 class KilledMidBatch:
     """An observer whose next batch after `observer-kill` is armed is half written, then the node dies: the
     runner never acks it, so JetStream redelivers the whole batch to the restarted node."""

@@ -5,6 +5,7 @@ even while NATS itself still answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import asdict, is_dataclass
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
 from bus.home import NodeInfo, write_private
+from epibus.supervise import service_failures
 
 if TYPE_CHECKING:
     from epibus.node import Node
@@ -84,8 +86,6 @@ def problems(
 
 def node_health(node: Node) -> dict[str, Any]:
     """What the node reports about itself: its connection, each observer's runner, services and restarts."""
-    from epibus.node import service_failures  # the node module imports this one
-
     nc = node.nc
     observers = {}
     for runner in (node.runner, node.mirror_runner):
@@ -120,3 +120,10 @@ def _mirror(node: Node) -> dict[str, Any]:
         "model": embedder.model_id if embedder is not None else None,
         "dimension": embedder.dimension if embedder is not None else None,
     }
+
+
+async def report_health(node: Node) -> None:
+    """Write the node's health every REPORT_EVERY_S, until cancelled."""
+    while True:
+        write_health(node.config.home, node_health(node))
+        await asyncio.sleep(REPORT_EVERY_S)

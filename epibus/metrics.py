@@ -29,6 +29,7 @@ from bus.runner import ConsumerRunner
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject
 from bus.tally import DEFAULT_MAX_KEYS, OTHER, LatencyHistogram, fold_top
 from bus.vocab import DeadLetterReason
+from epibus.supervise import service_failures
 from mesh.protocol import awaits_acknowledgement
 from observers.mirror.embed import FastEmbedder
 
@@ -255,8 +256,6 @@ def _consumer_families(node: Node) -> list[Metric]:
 
 def _service_families(node: Node) -> list[Metric]:
     """Request services (by subject, a fixed set), and supervised loops' failures (by service name)."""
-    from epibus.node import service_failures  # the node module imports this one
-
     requests = CounterMetricFamily(
         "epibus_requests", "Requests each service got, by outcome.", labels=["service", "outcome"]
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -18,6 +18,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from bus.errors import Unavailable
 from bus.ids import point_id
 from bus.outbox import Outbox
+from bus.requests import ForgetProofReply, ForgetProofRequest
+from bus.responder import Service
+from bus.service_rules import forget_proof_rule
+from bus.subjects import PROVE_FORGOTTEN
 from observers.journal import Journal
 from observers.mirror.embed import CachedEmbedder
 from observers.mirror.store import VectorStore
@@ -204,3 +208,13 @@ async def prove_forgotten(files: NodeFiles, request: dict[str, Any]) -> dict[str
 def _under(paths: Sequence[str], folder: Path) -> bool:
     root = folder.absolute()
     return any(Path(p).is_relative_to(root) for p in paths)
+
+
+def forget_proof_service(files: Callable[[], NodeFiles]) -> Service[ForgetProofRequest]:
+    """The PROVE_FORGOTTEN service: finish a forget on the node's files as they stand (when asked) and prove
+    it: rows, points and bytes."""
+
+    async def answer(request: ForgetProofRequest) -> dict[str, Any]:
+        return await prove_forgotten(files(), request.model_dump())
+
+    return Service(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, answer, forget_proof_rule)

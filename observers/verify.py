@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,11 @@ from bus.erasure import erased_digests
 from bus.ids import point_id
 from bus.reader import read_stream
 from bus.registry import AgentRegistry
+from bus.requests import VerifyReply, VerifyRequest
+from bus.responder import Service
+from bus.service_rules import verify_rule
 from bus.state import ArtifactState
-from bus.subjects import STREAM, events_filter
+from bus.subjects import STREAM, VERIFY, events_filter
 from observers.journal import Journal
 from observers.mirror.observer import STATE_FIELDS, MirrorObserver, claim_payload, state_payload
 from observers.mirror.store import Filter, Point, VectorStore
@@ -202,3 +206,16 @@ async def _repair_mirror(
             continue
         fields = {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS}
         await store.set_payload(Filter(equals={"project": state.project, "artifact_id": state.artifact_id}), fields)
+
+
+def verify_service(
+    js: JetStreamContext, journal: Journal, mirror: Callable[[], MirrorObserver | None]
+) -> Service[VerifyRequest]:
+    """The VERIFY service: reconcile this node's journal and its mirror as it stands (`mirror`, None without
+    one) against the stream, and repair them when asked."""
+
+    async def answer(request: VerifyRequest) -> dict[str, Any]:
+        report = await verify(js, journal, mirror(), project=request.project, repair=request.repair)
+        return report.as_dict()
+
+    return Service(VERIFY, VerifyRequest, VerifyReply, answer, verify_rule)
