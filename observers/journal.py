@@ -207,7 +207,7 @@ class Journal:
 
     def migrate(self) -> int:
         try:
-            return migrate(self.engine)
+            return migrate(self.engine, rebuild)
         except SQLAlchemyError as e:
             raise database_failure(e, f"cannot migrate {self.safe_url}: {e}") from e
 
