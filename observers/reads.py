@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import false, func, select
-from sqlalchemy.exc import SQLAlchemyError
 
 from bus.event import validate_event
 from bus.fold import Fold
@@ -26,7 +25,7 @@ from bus.state import (
     relevance,
 )
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from observers.journal import Journal, database_failure
+from observers.journal import Journal
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import as_utc, events, verifications
@@ -92,7 +91,8 @@ class Snapshot:
 
 
 def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -> Snapshot:
-    with journal.engine.connect() as conn:
+    """Raises Unavailable or ComponentFailed."""
+    with journal.reading(f"reading the state of {project}") as conn:
         if as_of is None:
             rows = conn.execute(select(artifacts_table).where(artifacts_table.c.project == project))
             states = {r.artifact_id: row_to_state(r._mapping) for r in rows}
@@ -241,11 +241,8 @@ def open_unknown_counts(journal: Journal) -> dict[str, int]:
         )
         .group_by(a.project)
     )
-    try:
-        with journal.engine.connect() as conn:
-            return {project: int(count) for project, count in conn.execute(query)}
-    except SQLAlchemyError as e:
-        raise database_failure(e, f"counting open unknowns: {e}") from e
+    with journal.reading("counting open unknowns") as conn:
+        return {project: int(count) for project, count in conn.execute(query)}
 
 
 @dataclass(frozen=True)
@@ -313,9 +310,6 @@ def artifact_ids_like(journal: Journal, project: str | None, value: str, digits:
     exact = select(column).where(column == value, *where).limit(1)
     starting = func.lower(func.replace(column, "-", "")).like(digits + "%")  # digits only: no LIKE wildcards
     prefixed = select(column).where(starting, *where).distinct().order_by(column).limit(SHOWN_MATCHES + 1)
-    try:
-        with journal.engine.connect() as conn:
-            found = list(conn.execute(exact).scalars())
-            return found + [i for i in conn.execute(prefixed).scalars() if i not in found]
-    except SQLAlchemyError as e:
-        raise database_failure(e, f"looking up artifact ids in {journal.safe_url} failed: {e}") from e
+    with journal.reading("looking up artifact ids") as conn:
+        found = list(conn.execute(exact).scalars())
+        return found + [i for i in conn.execute(prefixed).scalars() if i not in found]
