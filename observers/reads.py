@@ -32,6 +32,28 @@ from observers.schema import as_utc, events, verifications
 
 RECENT = timedelta(days=14)
 UNKNOWN_KIND = "unknown"
+# What an answer shows of each artifact's record, in this order.
+VIEW_FIELDS = (
+    "artifact_id",
+    "kind",
+    "author",
+    "content",
+    "trust",
+    "lifecycle",
+    "resolution",
+    "impact",
+    "confidence",
+    "source",
+    "goal_id",
+    "revises",
+    "supersedes",
+    "superseded_by",
+    "contradicted_by",
+    "forgotten",
+    "flags",
+    "created_at",
+    "created_event_id",
+)
 
 
 @dataclass(frozen=True)
@@ -41,27 +63,8 @@ class ArtifactView:
     verifications: tuple[Verification, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        s = self.state
-        return {
-            "artifact_id": s.artifact_id,
-            "kind": s.kind,
-            "author": s.author,
-            "content": s.content,
-            "trust": s.trust.value,
-            "lifecycle": s.lifecycle.value,
-            "resolution": s.resolution.value if s.resolution else None,
-            "impact": s.impact,
-            "confidence": s.confidence,
-            "source": s.source.value if s.source else None,
-            "goal_id": s.goal_id,
-            "revises": s.revises,
-            "supersedes": s.supersedes,
-            "superseded_by": s.superseded_by,
-            "contradicted_by": s.contradicted_by,
-            "forgotten": s.forgotten,
-            "flags": sorted(s.flags),
-            "created_at": s.created_at.isoformat(),
-            "created_event_id": s.created_event_id,
+        record = self.state.to_record()
+        return {name: record[name] for name in VIEW_FIELDS} | {
             "relevance": round(self.relevance, 6),
             "verifications": [
                 {
