@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Any
 
 from bus.authority import Authority, EnrolmentBody, authorize, human_review
 from bus.errors import EpibusError, Forbidden, IllegalTransition
@@ -102,6 +103,68 @@ class ArtifactState:
     def state_label(self) -> str:
         life = f"resolved({self.resolution})" if self.lifecycle is Lifecycle.resolved else "active"
         return f"{self.trust.value}/{life}"
+
+    def to_record(self) -> dict[str, Any]:
+        """This state as plain JSON values, one key per field a store keeps (`erased` is never stored): times
+        as ISO text, vocabularies as their values, flags as a sorted list. The journal's rows, the mirror's
+        payloads and the read doors' answers are all derived from it."""
+        return {
+            "project": self.project,
+            "artifact_id": self.artifact_id,
+            "kind": self.kind,
+            "author": self.author,
+            "created_event_id": self.created_event_id,
+            "created_at": self.created_at.isoformat(),
+            "content": self.content,
+            "content_hash": self.content_hash,
+            "impact": self.impact,
+            "confidence": self.confidence,
+            "source": self.source.value if self.source else None,
+            "goal_id": self.goal_id,
+            "revises": self.revises,
+            "supersedes": self.supersedes,
+            "superseded_by": self.superseded_by,
+            "contradicted_by": self.contradicted_by,
+            "trust": self.trust.value,
+            "lifecycle": self.lifecycle.value,
+            "resolution": self.resolution.value if self.resolution else None,
+            "forgotten": self.forgotten,
+            "flags": sorted(self.flags),
+            "last_seq": self.last_seq,
+            "updated_at": self.updated_at.isoformat() if self.updated_at else None,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ArtifactState:
+        """The state `to_record` made this record of. Keys it does not know are ignored, and the optional
+        fields may be missing (a payload written before they existed)."""
+        resolution = record.get("resolution")
+        updated_at = record.get("updated_at")
+        return cls(
+            project=record["project"],
+            artifact_id=record["artifact_id"],
+            kind=record["kind"],
+            author=record["author"],
+            created_event_id=record["created_event_id"],
+            created_at=datetime.fromisoformat(record["created_at"]),
+            content=record["content"],
+            content_hash=record["content_hash"],
+            impact=record.get("impact"),
+            confidence=record.get("confidence"),
+            source=EpistemicSource(record["source"]) if record.get("source") else None,
+            goal_id=record.get("goal_id"),
+            revises=record.get("revises"),
+            supersedes=record.get("supersedes"),
+            superseded_by=record.get("superseded_by"),
+            contradicted_by=record.get("contradicted_by"),
+            trust=Trust(record["trust"]),
+            lifecycle=Lifecycle(record["lifecycle"]),
+            resolution=ResolutionKind(resolution) if resolution else None,
+            forgotten=bool(record.get("forgotten")),
+            flags=frozenset(record.get("flags") or ()),
+            last_seq=int(record.get("last_seq") or 0),
+            updated_at=datetime.fromisoformat(updated_at) if updated_at else None,
+        )
 
     def safe(self, *, include_resolved: bool = False) -> bool:
         """What the safe door may show: never contradicted, rolled back, retracted, mistyped or forgotten;

@@ -4,11 +4,12 @@ written with ON CONFLICT DO NOTHING so a redelivered or replayed event lands onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +48,7 @@ from observers.schema import artifacts, as_utc, events, journal_identity, migrat
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
 PROJECTION_LOCK_ID = 7_031_816
+SCRUBBED_TABLES = ("events", "artifacts", "verifications")  # the tables that held a forgotten artifact's content
 
 
 def make_engine(url: str) -> Engine:
@@ -192,24 +194,58 @@ class EventQuery:
 
 class Journal:
     """Blocking journal access; async callers go through JournalObserver or asyncio.to_thread.
-    Database errors surface as Unavailable("journal", …) when it did not answer, ComponentFailed otherwise."""
+    Database errors surface as Unavailable("journal", …) when it did not answer, ComponentFailed otherwise:
+    every method reaches the database through `_connect` (or `_translated`), the one place they are translated.
+    Code outside this class reads through `reading`, never through the engine."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
         self.dialect = self.engine.dialect.name
 
+    @contextlib.contextmanager
+    def _translated(self, doing: str, *, batch: bool = False) -> Iterator[None]:
+        """The choke point: a SQLAlchemy error raised inside becomes Unavailable or ComponentFailed
+        (`database_failure` decides which). With `batch`, a row the database refuses for what it holds
+        (DataError, IntegrityError) is the event's fault: InvalidEvent, which the runner isolates."""
+        try:
+            yield
+        except SQLAlchemyError as e:
+            if batch and isinstance(e, (DataError, IntegrityError)):
+                # The database refuses these rows, and would every time: not an outage to wait out. The runner
+                # isolates the event that causes it and dead-letters it after its deliveries.
+                raise InvalidEvent(
+                    "event", f"{self.safe_url} refuses a row of this batch: {type(e).__name__}: {e}"
+                ) from e
+            raise database_failure(e, f"{doing} on {self.safe_url} failed: {type(e).__name__}: {e}") from e
+
+    @contextlib.contextmanager
+    def _connect(self, doing: str, *, transaction: bool = False, batch: bool = False) -> Iterator[Connection]:
+        """A connection (in a transaction that commits on leaving, with `transaction`) whose errors, from
+        connecting to committing, are translated by `_translated`."""
+        with self._translated(doing, batch=batch):
+            if transaction:
+                with self.engine.begin() as conn:
+                    yield conn
+            else:
+                with self.engine.connect() as conn:
+                    yield conn
+
+    def reading(self, doing: str) -> contextlib.AbstractContextManager[Connection]:
+        """A connection for the reads this package makes of the journal's tables (reads, verify) and the
+        node's dashboard: database errors leave it as Unavailable or ComponentFailed, like every method's.
+        `doing` says what the read was for, in the error."""
+        return self._connect(doing)
+
     def identity(self) -> str:
         """This journal's id (made by the migration). Journals sharing one database share it, and so share
         one durable consumer; separate journals get separate consumers and each sees every event."""
-        with self.engine.connect() as conn:
+        with self._connect("reading the journal identity") as conn:
             return str(conn.execute(select(journal_identity.c.id)).scalar_one())
 
     def migrate(self) -> int:
-        try:
-            return migrate(self.engine)
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"cannot migrate {self.safe_url}: {e}") from e
+        with self._translated("migrating"):
+            return migrate(self.engine, rebuild)
 
     @property
     def safe_url(self) -> str:
@@ -224,50 +260,38 @@ class Journal:
         if not deliveries:
             return Written([], [])
         ids = sorted({str(d.event.event_id) for d in deliveries})
-        try:
-            with self.engine.begin() as conn:  # the events and what they did to the state commit together
-                if self.dialect == "postgresql":
-                    # Writers sharing a database take turns, or one could decide from states another has
-                    # not committed yet (SQLite serialises writers by itself at the first INSERT).
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PROJECTION_LOCK_ID})
-                kept: dict[str, str | None] = {event_id: k.digest for event_id, k in _kept(conn, ids).items()}
-                for event_id, digest in erased_digests(batch_erased(deliveries)).items():
-                    kept.setdefault(event_id, digest)  # erased from the stream by a forget: the id stays taken
-                fresh, refused = first_of_each_id(deliveries, kept)
-                if fresh:
-                    insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
-                    statement = insert.on_conflict_do_nothing(index_elements=["event_id"])
-                    conn.execute(statement, [_row(d, datetime.now(UTC)) for d in fresh])
-                    project_deliveries(conn, fresh)
-        except (DataError, IntegrityError) as e:
-            # The database refuses these rows, and would every time: not an outage to wait out. The runner
-            # isolates the event that causes it and dead-letters it after its deliveries.
-            raise InvalidEvent("event", f"{self.safe_url} refuses a row of this batch: {type(e).__name__}: {e}") from e
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"write to {self.safe_url} failed: {type(e).__name__}: {e}") from e
+        # The events and what they did to the state commit together.
+        with self._connect("writing", transaction=True, batch=True) as conn:
+            if self.dialect == "postgresql":
+                # Writers sharing a database take turns, or one could decide from states another has
+                # not committed yet (SQLite serialises writers by itself at the first INSERT).
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PROJECTION_LOCK_ID})
+            kept: dict[str, str | None] = {event_id: k.digest for event_id, k in _kept(conn, ids).items()}
+            for event_id, digest in erased_digests(batch_erased(deliveries)).items():
+                kept.setdefault(event_id, digest)  # erased from the stream by a forget: the id stays taken
+            fresh, refused = first_of_each_id(deliveries, kept)
+            if fresh:
+                insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(events)
+                statement = insert.on_conflict_do_nothing(index_elements=["event_id"])
+                conn.execute(statement, [_row(d, datetime.now(UTC)) for d in fresh])
+                project_deliveries(conn, fresh)
         return Written([str(d.event.event_id) for d in fresh], refused)
 
     def kept_events(self, event_ids: Sequence[str]) -> dict[str, KeptEvent]:
         """Which event the journal keeps under each of these ids (absent: not journaled yet)."""
-        try:
-            with self.engine.connect() as conn:
-                return _kept(conn, event_ids)
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"reading event digests from {self.safe_url} failed: {e}") from e
+        with self._connect("reading event digests") as conn:
+            return _kept(conn, event_ids)
 
     def rebuild_projection(self) -> int:
         """Recompute the state projection from the journal's events in stream order."""
-        try:
-            with self.engine.begin() as conn:
-                return rebuild(conn)
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"rebuild on {self.safe_url} failed: {e}") from e
+        with self._connect("rebuilding the projection", transaction=True) as conn:
+            return rebuild(conn)
 
     def tombstones_of(self, event_ids: Sequence[str]) -> list[tuple[str, Tombstone]]:
         """The tombstones (project, tombstone) that these events left, if any."""
         found: list[tuple[str, Tombstone]] = []
         ids = list(event_ids)
-        with self.engine.connect() as conn:
+        with self._connect("reading tombstones") as conn:
             for start in range(0, len(ids), 500):
                 rows = conn.execute(select(tombstones).where(tombstones.c.event_id.in_(ids[start : start + 500])))
                 found += [(r.project, Tombstone(r.content_hash, r.artifact_id, r.event_id, r.reason)) for r in rows]
@@ -276,7 +300,7 @@ class Journal:
     def forgotten_check(self, project: str, artifact_id: str, event_ids: Sequence[str]) -> dict[str, int]:
         """Read back a forget: the artifact's event rows, how many still hold content, and whether the
         projection still has the artifact."""
-        with self.engine.connect() as conn:
+        with self._connect("checking a forget") as conn:
             rows = conn.execute(
                 select(events.c.status, events.c.envelope).where(events.c.event_id.in_(list(event_ids)))
             ).all()
@@ -288,6 +312,19 @@ class Journal:
         left = sum(1 for r in rows if r.status != "forgotten" or "body" in json.loads(r.envelope))
         return {"journal_rows": len(rows), "journal_content_left": left, "projection_rows": int(projection)}
 
+    def scrub(self) -> bool:
+        """After a forget: reset a SQLite journal's WAL (its frames hold the rows as they were before the
+        redaction); vacuum a PostgreSQL journal's tables. True when the WAL was reset."""
+        with self._translated("scrubbing after a forget"):
+            if self.dialect == "sqlite":
+                with self.engine.connect() as conn:
+                    busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()[0]
+                return int(busy) == 0
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                for table in SCRUBBED_TABLES:
+                    conn.exec_driver_sql(f"VACUUM {table}")
+            return False
+
     def has(self, event_ids: Sequence[str]) -> set[str]:
         return set(self.outcomes(event_ids))
 
@@ -297,7 +334,7 @@ class Journal:
             return {}
         found: dict[str, dict[str, Any]] = {}
         ids = list(event_ids)
-        with self.engine.connect() as conn:
+        with self._connect("reading outcomes") as conn:
             for start in range(0, len(ids), 500):
                 rows = conn.execute(
                     select(events.c.event_id, events.c.status, events.c.reason, events.c.flags).where(
@@ -325,17 +362,14 @@ class Journal:
             statement = statement.where(events.c.recorded_at < q.until)
         order = events.c.stream_seq.desc() if q.newest_first else events.c.stream_seq.asc()
         statement = statement.order_by(order).limit(q.limit)
-        try:
-            with self.engine.connect() as conn:
-                return [self._row(r._mapping) for r in conn.execute(statement)]
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"query on {self.safe_url} failed: {e}") from e
+        with self._connect("querying events") as conn:
+            return [self._row(r._mapping) for r in conn.execute(statement)]
 
     def count(self, project: str | None = None) -> int:
         statement = select(func.count()).select_from(events)
         if project is not None:
             statement = statement.where(events.c.project == project)
-        with self.engine.connect() as conn:
+        with self._connect("counting events") as conn:
             return int(conn.execute(statement).scalar_one())
 
     def event_ids(self, project: str | None = None) -> list[str]:
@@ -343,7 +377,7 @@ class Journal:
         statement = select(events.c.event_id).order_by(events.c.stream_seq)
         if project is not None:
             statement = statement.where(events.c.project == project)
-        with self.engine.connect() as conn:
+        with self._connect("listing event ids") as conn:
             return list(conn.execute(statement).scalars())
 
     @staticmethod
@@ -409,8 +443,5 @@ class JournalObserver:
         )
 
     async def _lookup(self, request: LookupRequest) -> dict[str, Any]:
-        try:
-            found = await asyncio.to_thread(self.journal.outcomes, request.root)
-        except SQLAlchemyError as e:
-            raise Unavailable("journal", f"lookup in {self.journal.safe_url} failed: {type(e).__name__}: {e}") from e
+        found = await asyncio.to_thread(self.journal.outcomes, request.root)  # raises Unavailable, ComponentFailed
         return {"journaled": sorted(found), "outcomes": found}

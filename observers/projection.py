@@ -24,7 +24,6 @@ from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.event import Envelope, validate_event
 from bus.state import REFUSED, ArtifactState, Change, decide, event_references
 from bus.tombstones import content_hash
-from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.schema import (
     artifacts,
     as_utc,
@@ -42,59 +41,21 @@ REBUILD_CHUNK = 2_000
 
 
 def state_to_row(s: ArtifactState) -> dict[str, Any]:
-    return {
-        "project": s.project,
-        "artifact_id": s.artifact_id,
-        "kind": s.kind,
-        "author": s.author,
-        "created_event_id": s.created_event_id,
-        "created_at": s.created_at,
-        "content": s.content,
-        "content_hash": s.content_hash,
-        "impact": s.impact,
-        "confidence": s.confidence,
-        "source": s.source.value if s.source else None,
-        "goal_id": s.goal_id,
-        "revises": s.revises,
-        "supersedes": s.supersedes,
-        "superseded_by": s.superseded_by,
-        "contradicted_by": s.contradicted_by,
-        "trust": s.trust.value,
-        "lifecycle": s.lifecycle.value,
-        "resolution": s.resolution.value if s.resolution else None,
-        "forgotten": s.forgotten,
-        "flags": ",".join(sorted(s.flags)) or None,
-        "last_seq": s.last_seq,
-        "updated_at": s.updated_at,
-    }
+    """An `artifacts` row: the state's record, with times as datetimes and flags as one comma-joined string."""
+    record = s.to_record()
+    return record | {"created_at": s.created_at, "updated_at": s.updated_at, "flags": ",".join(record["flags"]) or None}
 
 
 def row_to_state(m: Any) -> ArtifactState:
-    created_at = as_utc(m["created_at"])
-    return ArtifactState(
-        project=m["project"],
-        artifact_id=m["artifact_id"],
-        kind=m["kind"],
-        author=m["author"],
-        created_event_id=m["created_event_id"],
-        created_at=created_at,
-        content=m["content"],
-        content_hash=m["content_hash"],
-        impact=m["impact"],
-        confidence=m["confidence"],
-        source=EpistemicSource(m["source"]) if m["source"] else None,
-        goal_id=m["goal_id"],
-        revises=m["revises"],
-        supersedes=m["supersedes"],
-        superseded_by=m["superseded_by"],
-        contradicted_by=m["contradicted_by"],
-        trust=Trust(m["trust"]),
-        lifecycle=Lifecycle(m["lifecycle"]),
-        resolution=ResolutionKind(m["resolution"]) if m["resolution"] else None,
-        forgotten=bool(m["forgotten"]),
-        flags=frozenset(m["flags"].split(",")) if m["flags"] else frozenset(),
-        last_seq=m["last_seq"],
-        updated_at=as_utc(m["updated_at"]) if m["updated_at"] is not None else None,
+    """The state an `artifacts` row holds (its datetimes read back in UTC)."""
+    updated_at = m["updated_at"]
+    return ArtifactState.from_record(
+        dict(m)
+        | {
+            "created_at": as_utc(m["created_at"]).isoformat(),
+            "updated_at": as_utc(updated_at).isoformat() if updated_at is not None else None,
+            "flags": m["flags"].split(",") if m["flags"] else [],
+        }
     )
 
 

@@ -11,7 +11,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import false, func, select
-from sqlalchemy.exc import SQLAlchemyError
 
 from bus.event import validate_event
 from bus.fold import Fold
@@ -20,13 +19,35 @@ from bus.lineage import Lineage, lineage
 from bus.state import FLAG_UNEARNED, UNSAFE_TRUST, ArtifactState, Verification, relevance
 from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
-from observers.journal import Journal, database_failure
+from observers.journal import Journal
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
 from observers.schema import as_utc, events, verifications
 
 RECENT = timedelta(days=14)
 UNKNOWN_KIND = "unknown"
+# What an answer shows of each artifact's record, in this order.
+VIEW_FIELDS = (
+    "artifact_id",
+    "kind",
+    "author",
+    "content",
+    "trust",
+    "lifecycle",
+    "resolution",
+    "impact",
+    "confidence",
+    "source",
+    "goal_id",
+    "revises",
+    "supersedes",
+    "superseded_by",
+    "contradicted_by",
+    "forgotten",
+    "flags",
+    "created_at",
+    "created_event_id",
+)
 
 
 @dataclass(frozen=True)
@@ -36,27 +57,8 @@ class ArtifactView:
     verifications: tuple[Verification, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        s = self.state
-        return {
-            "artifact_id": s.artifact_id,
-            "kind": s.kind,
-            "author": s.author,
-            "content": s.content,
-            "trust": s.trust.value,
-            "lifecycle": s.lifecycle.value,
-            "resolution": s.resolution.value if s.resolution else None,
-            "impact": s.impact,
-            "confidence": s.confidence,
-            "source": s.source.value if s.source else None,
-            "goal_id": s.goal_id,
-            "revises": s.revises,
-            "supersedes": s.supersedes,
-            "superseded_by": s.superseded_by,
-            "contradicted_by": s.contradicted_by,
-            "forgotten": s.forgotten,
-            "flags": sorted(s.flags),
-            "created_at": s.created_at.isoformat(),
-            "created_event_id": s.created_event_id,
+        record = self.state.to_record()
+        return {name: record[name] for name in VIEW_FIELDS} | {
             "relevance": round(self.relevance, 6),
             "verifications": [
                 {
@@ -86,7 +88,8 @@ class Snapshot:
 
 
 def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -> Snapshot:
-    with journal.engine.connect() as conn:
+    """Raises Unavailable or ComponentFailed."""
+    with journal.reading(f"reading the state of {project}") as conn:
         if as_of is None:
             rows = conn.execute(select(artifacts_table).where(artifacts_table.c.project == project))
             states = {r.artifact_id: row_to_state(r._mapping) for r in rows}
@@ -235,11 +238,8 @@ def open_unknown_counts(journal: Journal) -> dict[str, int]:
         )
         .group_by(a.project)
     )
-    try:
-        with journal.engine.connect() as conn:
-            return {project: int(count) for project, count in conn.execute(query)}
-    except SQLAlchemyError as e:
-        raise database_failure(e, f"counting open unknowns: {e}") from e
+    with journal.reading("counting open unknowns") as conn:
+        return {project: int(count) for project, count in conn.execute(query)}
 
 
 @dataclass(frozen=True)
@@ -307,9 +307,6 @@ def artifact_ids_like(journal: Journal, project: str | None, value: str, digits:
     exact = select(column).where(column == value, *where).limit(1)
     starting = func.lower(func.replace(column, "-", "")).like(digits + "%")  # digits only: no LIKE wildcards
     prefixed = select(column).where(starting, *where).distinct().order_by(column).limit(SHOWN_MATCHES + 1)
-    try:
-        with journal.engine.connect() as conn:
-            found = list(conn.execute(exact).scalars())
-            return found + [i for i in conn.execute(prefixed).scalars() if i not in found]
-    except SQLAlchemyError as e:
-        raise database_failure(e, f"looking up artifact ids in {journal.safe_url} failed: {e}") from e
+    with journal.reading("looking up artifact ids") as conn:
+        found = list(conn.execute(exact).scalars())
+        return found + [i for i in conn.execute(prefixed).scalars() if i not in found]

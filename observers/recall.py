@@ -76,10 +76,14 @@ def safe_filter(project: str, *, kinds: Sequence[str] | None, include_resolved: 
         none_of={"trust": ["contradicted", "rolled_back"], "resolution": ["retracted", "mistyped"]},
     )
 
+# What a hit shows of its artifact's state.
+HIT_STATE_FIELDS = ("trust", "lifecycle", "resolution", "superseded_by", "contradicted_by")
+
 
 def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
     weight = relevance(state, now)
     payload = found.payload
+    record = state.to_record()
     return RecallHit(
         artifact_id=state.artifact_id,
         event_id=str(payload.get("event_id")),
@@ -88,19 +92,13 @@ def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
         similarity=found.score,
         relevance=weight,
         score=found.score * weight,
-        state={
-            "trust": state.trust.value,
-            "lifecycle": state.lifecycle.value,
-            "resolution": state.resolution.value if state.resolution else None,
-            "superseded_by": state.superseded_by,
-            "contradicted_by": state.contradicted_by,
-        },
+        state={name: record[name] for name in HIT_STATE_FIELDS},
         provenance={
             "actor": state.author,
             "event_id": state.created_event_id,
             "node": payload.get("node"),
             "evidence": payload.get("evidence", []),
-            "recorded_at": state.created_at.isoformat(),
+            "recorded_at": record["created_at"],
             "commit": next((e["ref"] for e in payload.get("evidence", []) if e.get("kind") == "commit"), None),
         },
     )

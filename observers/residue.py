@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
 
-from bus.errors import Unavailable
 from bus.ids import point_id
 from bus.outbox import Outbox
 from bus.requests import ForgetProofReply, ForgetProofRequest
@@ -28,7 +26,6 @@ from observers.mirror.store import VectorStore
 
 CHUNK_BYTES = 1 << 20  # files are read in pieces: a mirror WAL or a stream block can be large
 SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
-SCRUBBED_TABLES = ("events", "artifacts", "verifications")  # the journal tables that held forgotten content
 
 
 @runtime_checkable
@@ -154,22 +151,6 @@ def _holds(path: Path, needles: Sequence[bytes]) -> bool:
     return False
 
 
-def scrub_journal(journal: Journal) -> bool:
-    """Reset a SQLite journal's WAL (its frames hold the rows as they were before the redaction); vacuum a
-    PostgreSQL journal's tables. True when the WAL was reset. Raises Unavailable."""
-    try:
-        if journal.dialect == "sqlite":
-            with journal.engine.connect() as conn:
-                busy = conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()[0]
-            return int(busy) == 0
-        with journal.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            for table in SCRUBBED_TABLES:
-                conn.exec_driver_sql(f"VACUUM {table}")
-        return False
-    except SQLAlchemyError as e:
-        raise Unavailable("journal", f"scrubbing after a forget: {e}") from e
-
-
 async def scrub(files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]) -> dict[str, Any]:
     """Erase what a forget leaves in the outbox, the embedding cache and the journal's WAL. Idempotent."""
     done: dict[str, Any] = {}
@@ -177,7 +158,7 @@ async def scrub(files: NodeFiles, project: str, artifact_id: str, embedded_texts
         done["outbox_rows"] = await files.outbox.forget(project, artifact_id)
     if files.cache is not None:
         done["cached_vectors"] = await files.cache.forget(embedded_texts)
-    done["journal_wal_reset"] = await asyncio.to_thread(scrub_journal, files.journal)
+    done["journal_wal_reset"] = await asyncio.to_thread(files.journal.scrub)
     return done
 
 

@@ -1,5 +1,7 @@
 """The journal's tables and their versioned migrations. A database records its version in `epibus_schema`;
-`migrate()` applies what is missing, in order, and is safe to run from several processes at once."""
+`migrate()` applies what is missing, in order, and is safe to run from several processes at once. The state
+projection is built on these tables, so a step that must project the events again says so and `migrate()` runs
+the projection's rebuild it is handed: this module never imports the projection."""
 
 from __future__ import annotations
 
@@ -178,10 +180,8 @@ def _v2_state_projection(conn: Connection) -> None:
     metadata.create_all(conn, tables=[artifacts, verifications, tombstones, projection_cursor, journal_identity])
     if conn.execute(select(journal_identity.c.id)).first() is None:
         conn.execute(journal_identity.insert().values(id=str(uuid.uuid4())))
-    # A v1 journal already holds events: project them now, or every old artifact would be invisible.
-    from observers.projection import rebuild  # the projection needs these tables; imported late on purpose
-
-    rebuild(conn)
+    # A v1 journal already holds events: the step is marked to project them, or every old artifact would be
+    # invisible.
 
 
 def _v3_event_digests(conn: Connection) -> None:
@@ -198,18 +198,20 @@ def _v4_authority(conn: Connection) -> None:
         default = "FALSE" if conn.dialect.name == "postgresql" else "0"
         conn.execute(text(f"ALTER TABLE verifications ADD COLUMN human_review BOOLEAN NOT NULL DEFAULT {default}"))
     metadata.create_all(conn, tables=[enrolment_log])
-    # Events are now decided with the authority policy too: decide them again, as a new journal would.
-    from observers.projection import rebuild  # the projection needs these tables; imported late on purpose
-
-    rebuild(conn)
+    # Events are now decided with the authority policy too: the step is marked to decide them again, as a new
+    # journal would.
 
 
-# (version, description, step). Append only: a shipped step is never edited.
-MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
-    (1, "events table with its query indexes", _v1_events),
-    (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection),
-    (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests),
-    (4, "authority: enrolment_log, verifications.human_review; projection decided again", _v4_authority),
+# Recomputes the state projection from the events table, inside the migration's transaction.
+Rebuild = Callable[[Connection], object]
+
+# (version, description, step, then rebuild the projection in the same transaction). Append only: a shipped
+# step is never edited.
+MIGRATIONS: list[tuple[int, str, Callable[[Connection], None], bool]] = [
+    (1, "events table with its query indexes", _v1_events, False),
+    (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection, True),
+    (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests, False),
+    (4, "authority: enrolment_log, verifications.human_review; projection decided again", _v4_authority, True),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 
@@ -225,29 +227,32 @@ def current_version(engine: Engine) -> int:
     return max(found, default=0)
 
 
-def _migrate_once(engine: Engine) -> int:
+def _migrate_once(engine: Engine, rebuild: Rebuild) -> int:
     with engine.begin() as conn:  # one transaction: a failed step leaves no half-applied version
         if conn.dialect.name == "postgresql":
             conn.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})"))
         metadata.create_all(conn, tables=[schema_versions])
         done = set(conn.execute(select(schema_versions.c.version)).scalars())
-        for version, description, step in MIGRATIONS:
+        for version, description, step, reproject in MIGRATIONS:
             if version in done:
                 continue
             step(conn)
+            if reproject:
+                rebuild(conn)
             conn.execute(
                 schema_versions.insert().values(version=version, description=description, applied_at=datetime.now(UTC))
             )
     return LATEST_VERSION
 
 
-def migrate(engine: Engine, attempts: int = 5) -> int:
-    """Bring the database to LATEST_VERSION; returns it. Safe to run from several processes at once:
-    PostgreSQL serialises migrators with an advisory lock; on SQLite a migrator that loses the race to
+def migrate(engine: Engine, rebuild: Rebuild, attempts: int = 5) -> int:
+    """Bring the database to LATEST_VERSION; returns it. `rebuild` recomputes the state projection after the
+    steps that need it (the journal passes `observers.projection.rebuild`). Safe to run from several processes
+    at once: PostgreSQL serialises migrators with an advisory lock; on SQLite a migrator that loses the race to
     create a table retries and finds the work done."""
     for attempt in range(1, attempts + 1):
         try:
-            return _migrate_once(engine)
+            return _migrate_once(engine, rebuild)
         except (OperationalError, IntegrityError) as e:
             if attempt == attempts or not _lost_a_race(e):
                 raise

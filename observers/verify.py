@@ -104,7 +104,7 @@ class JournalSide:
 
 
 def _journal_side(journal: Journal, project: str | None) -> JournalSide:
-    with journal.engine.connect() as conn:
+    with journal.reading("reading event digests and states for verify") as conn:
         query = select(events.c.event_id, events.c.digest, events.c.status)
         states_query = select(artifacts)
         if project is not None:

@@ -16,10 +16,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, select
-from sqlalchemy.exc import SQLAlchemyError
 
 from bus.errors import EpibusError
-from observers.journal import Journal, database_failure
+from observers.journal import Journal
 from observers.schema import artifacts, as_utc, events
 
 log = logging.getLogger(__name__)
@@ -50,13 +49,14 @@ class Subscriber:
 
 
 def latest_events(journal: Journal, limit: int = LATEST) -> list[dict[str, Any]]:
-    """The newest events in stream order (newest first), each with its artifact's current state. Blocking."""
+    """The newest events in stream order (newest first), each with its artifact's current state. Blocking;
+    raises Unavailable or ComponentFailed."""
     e, a = events.c, artifacts.c
     joined = events.outerjoin(artifacts, and_(a.project == e.project, a.artifact_id == e.artifact_id))
     columns = (e.stream_seq, e.event_id, e.kind, e.project, e.artifact_id, e.actor_id, e.received_at, e.status)
     state = (e.reason, a.trust, a.lifecycle, a.resolution, a.forgotten, a.content)
     query = select(*columns, *state).select_from(joined).order_by(e.stream_seq.desc()).limit(limit)
-    with journal.engine.connect() as conn:
+    with journal.reading("reading the latest events for the dashboard") as conn:
         rows = conn.execute(query).all()
     return [
         {
@@ -79,10 +79,11 @@ def latest_events(journal: Journal, limit: int = LATEST) -> list[dict[str, Any]]
 
 
 def arrivals_since(journal: Journal, after_seq: int, cutoff: datetime) -> list[tuple[int, datetime]]:
-    """(stream seq, received at) of the events after `after_seq` received since `cutoff`. Blocking."""
+    """(stream seq, received at) of the events after `after_seq` received since `cutoff`. Blocking; raises
+    Unavailable or ComponentFailed."""
     e = events.c
     query = select(e.stream_seq, e.received_at).where(e.stream_seq > after_seq, e.received_at >= cutoff)
-    with journal.engine.connect() as conn:
+    with journal.reading("reading arrivals for the dashboard") as conn:
         return [(int(seq), as_utc(at)) for seq, at in conn.execute(query)]
 
 
@@ -152,11 +153,8 @@ class Feed:
 
     async def _read_events(self, journal: Journal) -> None:
         cutoff = datetime.now(UTC) - timedelta(seconds=RATE_WINDOW_S)
-        try:
-            arrived = await asyncio.to_thread(arrivals_since, journal, self._seen_seq, cutoff)
-            latest = await asyncio.to_thread(latest_events, journal)
-        except SQLAlchemyError as e:
-            raise database_failure(e, f"dashboard read of the journal: {e}") from e
+        arrived = await asyncio.to_thread(arrivals_since, journal, self._seen_seq, cutoff)  # raises EpibusError
+        latest = await asyncio.to_thread(latest_events, journal)
         for seq, at in sorted(arrived):
             self._arrived.append((seq, at.timestamp()))
         newest = max((seq for seq, _ in arrived), default=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +18,6 @@ from bus.erasure import erased_digests, with_erased
 from bus.errors import NotFound
 from bus.ids import point_id
 from bus.state import REFUSED, ArtifactState, IdUse, decide, event_references, id_use
-from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
 
@@ -39,66 +37,24 @@ STATE_FIELDS = (
 )
 
 
+NO_RESOLUTION = "none"  # a payload's resolution when there is none: a filter can match it, it cannot match null
+
+
 def state_payload(state: ArtifactState) -> dict[str, Any]:
-    """An artifact's state as JSON-friendly payload fields (times as ISO text and as epoch seconds)."""
-    return {
-        "project": state.project,
-        "artifact_id": state.artifact_id,
-        "kind": state.kind,
-        "author": state.author,
+    """An artifact's state as payload fields: its record (times as ISO text), the creation time in epoch
+    seconds too, `actor` and `event_id` under the names recall filters and answers use."""
+    record = state.to_record()
+    return record | {
         "actor": state.author,
-        "created_event_id": state.created_event_id,
         "event_id": state.created_event_id,
-        "created_at": state.created_at.isoformat(),
         "created_ts": state.created_at.timestamp(),
-        "content": state.content,
-        "content_hash": state.content_hash,
-        "impact": state.impact,
-        "confidence": state.confidence,
-        "source": state.source.value if state.source else None,
-        "goal_id": state.goal_id,
-        "revises": state.revises,
-        "supersedes": state.supersedes,
-        "superseded_by": state.superseded_by,
-        "contradicted_by": state.contradicted_by,
-        "trust": state.trust.value,
-        "lifecycle": state.lifecycle.value,
-        "resolution": state.resolution.value if state.resolution else "none",
-        "forgotten": state.forgotten,
-        "flags": sorted(state.flags),
-        "last_seq": state.last_seq,
-        "updated_at": state.updated_at.isoformat() if state.updated_at else None,
+        "resolution": record["resolution"] or NO_RESOLUTION,
     }
 
 
 def payload_state(payload: Mapping[str, Any]) -> ArtifactState:
     resolution = payload.get("resolution")
-    updated_at = payload.get("updated_at")
-    return ArtifactState(
-        project=payload["project"],
-        artifact_id=payload["artifact_id"],
-        kind=payload["kind"],
-        author=payload["author"],
-        created_event_id=payload["created_event_id"],
-        created_at=datetime.fromisoformat(payload["created_at"]),
-        content=payload["content"],
-        content_hash=payload["content_hash"],
-        impact=payload.get("impact"),
-        confidence=payload.get("confidence"),
-        source=EpistemicSource(payload["source"]) if payload.get("source") else None,
-        goal_id=payload.get("goal_id"),
-        revises=payload.get("revises"),
-        supersedes=payload.get("supersedes"),
-        superseded_by=payload.get("superseded_by"),
-        contradicted_by=payload.get("contradicted_by"),
-        trust=Trust(payload["trust"]),
-        lifecycle=Lifecycle(payload["lifecycle"]),
-        resolution=ResolutionKind(resolution) if resolution and resolution != "none" else None,
-        forgotten=bool(payload.get("forgotten")),
-        flags=frozenset(payload.get("flags") or ()),
-        last_seq=int(payload.get("last_seq") or 0),
-        updated_at=datetime.fromisoformat(updated_at) if updated_at else None,
-    )
+    return ArtifactState.from_record({**payload, "resolution": None if resolution == NO_RESOLUTION else resolution})
 
 
 class KeptEvents(Protocol):
