@@ -62,17 +62,31 @@ def port_holder(port: int) -> str | None:
     if not inodes:
         return None
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            for fd in (entry / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    name = (entry / "comm").read_text().strip()
-                    return f"pid {entry.name} ({name})"
-        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
-            continue  # gone meanwhile, or not ours to look at
+        if entry.name.isdigit() and any(target[8:-1] in inodes for target in _socket_fds(entry)):
+            try:
+                return f"pid {entry.name} ({(entry / 'comm').read_text().strip()})"
+            except (FileNotFoundError, ProcessLookupError):
+                return f"pid {entry.name}"  # it exited just now
     return None
+
+
+def _socket_fds(process: Path) -> list[str]:
+    """The `socket:[inode]` targets of a process's open files. An fd closed while it is read is skipped on its
+    own: a busy process (the node itself, reconnecting) closes fds all the time, and skipping the whole process
+    on one of them would hide the very holder being looked for."""
+    found: list[str] = []
+    try:
+        fds = list((process / "fd").iterdir())
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+        return found  # gone meanwhile, or not ours to look at
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # closed between the listing and the read
+        if target.startswith("socket:["):
+            found.append(target)
+    return found
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -1,0 +1,44 @@
+"""Who holds a port: found from /proc even while the holder opens and closes files all the time (as a node that
+reconnects does), so a refusal names the process to stop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+from bus.ports import port_holder
+
+
+def test_the_holder_of_a_port_is_found_while_it_opens_and_closes_files(tmp_path: Path) -> None:
+    churning = tmp_path / "churn"
+    churning.write_text("")
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            opened = [os.open(churning, os.O_RDONLY) for _ in range(64)]
+            for fd in opened:
+                os.close(fd)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            me = f"pid {os.getpid()} ({Path('/proc/self/comm').read_text().strip()})"
+            found = [port_holder(port) for _ in range(30)]
+    finally:
+        stop.set()
+        worker.join()
+    assert set(found) == {me}
+
+
+def test_a_port_nobody_listens_on_has_no_holder() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: no holder to name
+    assert port_holder(port) is None
