@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from bus.auth import Enrolment
 from bus.changes import StateChanges
 from bus.connection import Connection
-from bus.delivery import Delivery
+from bus.dispatch import Dispatch
 from bus.errors import ConfigError, Unavailable
 from bus.event import Envelope, draft_event
 from bus.fleet import Asking, FleetRequests
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class EpibusClient:
     """One agent's connection to the bus. Use as `async with`; see `connect()`. The work is done by its parts:
-    `connection` (connecting, enrolment, the server prepared), `signer` (events into rows), `delivery` (the
+    `connection` (connecting, enrolment, the server prepared), `signer` (events into rows), `dispatch` (the
     outbox, its forwarder, direct sends), `checks` (what is refused or flagged before publishing), `views` (the
     project as the stream has it), `changes` (state changes) and `fleet` (signed requests to the nodes)."""
 
@@ -90,15 +90,15 @@ class EpibusClient:
             replicas=replicas,
         )
         self.signer = EventSigner(key)
-        self.delivery = Delivery(
+        self.dispatch = Dispatch(
             self.connection, self.signer, outbox, max_in_flight=max_in_flight, only_own_rows=only_own_rows
         )
-        self.connection.on_ready = self.delivery.wake
+        self.connection.on_ready = self.dispatch.wake
         self.views = ProjectViews(self.connection)
         self.checks = PublishChecks(self.connection, self.views)
-        self.pipeline = PublishPipeline(self.checks, self.delivery, offline=offline)
+        self.pipeline = PublishPipeline(self.checks, self.dispatch, offline=offline)
         self.changes = StateChanges(self.views, self)
-        self.fleet = FleetRequests(self.connection, self.views, self.changes, lambda: self.delivery.outbox)
+        self.fleet = FleetRequests(self.connection, self.views, self.changes, lambda: self.dispatch.outbox)
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -122,9 +122,9 @@ class EpibusClient:
             raise
 
     async def _start(self) -> None:
-        if self.offline and self.delivery.outbox_path is None:
+        if self.offline and self.dispatch.outbox_path is None:
             raise ConfigError("outbox", "an offline client needs the outbox: nothing else would keep its events")
-        await self.delivery.open(self._stack, offline=self.offline)
+        await self.dispatch.open(self._stack, offline=self.offline)
         if self.offline:
             return
         group = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -178,11 +178,11 @@ class EpibusClient:
 
     @property
     def outbox(self) -> Outbox | None:
-        return self.delivery.outbox
+        return self.dispatch.outbox
 
     @property
     def forwarder(self) -> Forwarder | None:
-        return self.delivery.forwarder
+        return self.dispatch.forwarder
 
     # -- events ----------------------------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ class EpibusClient:
         await wait_indexed(self.connection.nc_if_connected, event_ids, signer=self.key, timeout_s=timeout_s)
 
     async def outbox_depth(self) -> int:
-        return await self.delivery.depth()
+        return await self.dispatch.depth()
 
     # -- views and state changes (bus.project_view, bus.changes) ----------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from bus.delivery import Delivery
+from bus.dispatch import Dispatch
 from bus.event import Envelope
 from bus.prechecks import PublishChecks
 from bus.publish import Receipt
@@ -19,19 +19,19 @@ from bus.vocab import ReceiptLevel
 class PublishPipeline:
     """The publishes of one client, offline (outbox only) or not."""
 
-    def __init__(self, checks: PublishChecks, delivery: Delivery, *, offline: bool) -> None:
+    def __init__(self, checks: PublishChecks, dispatch: Dispatch, *, offline: bool) -> None:
         self.checks = checks
-        self.delivery = delivery
-        self.connection = delivery.connection
-        self.signer = delivery.signer
+        self.dispatch = dispatch
+        self.connection = dispatch.connection
+        self.signer = dispatch.signer
         self.offline = offline
-        self.publish_timeout_s = delivery.publish_timeout_s
+        self.publish_timeout_s = dispatch.publish_timeout_s
 
     async def publish_many(
         self, events: Sequence[Envelope], *, wait_for: ReceiptLevel | str, timeout_s: float | None, strict: bool
     ) -> list[Receipt]:
         """See EpibusClient.publish_many."""
-        outbox = self.delivery.outbox
+        outbox = self.dispatch.outbox
         level = wanted_level(wait_for, outbox=outbox is not None, offline=self.offline)
         items = [self.item(event) for event in events]
         self.checks.refuse_batch(events)
@@ -42,9 +42,9 @@ class PublishPipeline:
             receipts = [await self.expecting(events[0], guard, timeout_s)]
         elif outbox is not None:
             rows = self.signer.rows(items)
-            receipts = await self.delivery.through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
+            receipts = await self.dispatch.through_outbox(rows, 0.0 if level is ReceiptLevel.outboxed else deadline_s)
         else:
-            receipts = await self.delivery.direct(items)
+            receipts = await self.dispatch.direct(items)
         receipts = [replace(r, flags=flags[str(r.event_id)]) if flags.get(str(r.event_id)) else r for r in receipts]
         nc = self.connection.nc_if_connected
         return await confirmed(receipts, level, nc, signer=self.connection.key, deadline_s=deadline_s)
@@ -59,4 +59,4 @@ class PublishPipeline:
     async def expecting(self, event: Envelope, expected_headers: dict[str, str], timeout_s: float | None) -> Receipt:
         """See EpibusClient.publish_expecting."""
         (row,) = self.signer.rows([self.item(event)])
-        return await self.delivery.expecting(row, expected_headers, timeout_s)
+        return await self.dispatch.expecting(row, expected_headers, timeout_s)

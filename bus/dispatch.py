@@ -22,7 +22,7 @@ from bus.signer import EventSigner, Item
 from bus.vocab import ReceiptLevel
 
 
-class Delivery:
+class Dispatch:
     """Sends on `connection`; with an outbox path, through the outbox. `open()` before sending, and run
     `forwarder.run()` while the client lives (when not offline)."""
 
