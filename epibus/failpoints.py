@@ -37,7 +37,25 @@ def _path(home: Path, name: str) -> Path:
 def arm(home: Path, name: str) -> None:
     """Arm a failpoint of the node under home (it must run with --failpoints). Idempotent."""
     private_dir(home / FAILPOINTS_DIR)
+    _hit_path(home, name).unlink(missing_ok=True)
     _path(home, name).touch(mode=0o600)
+
+
+def _hit_path(home: Path, name: str) -> Path:
+    return _path(home, name).with_suffix(".hit")
+
+
+def was_hit(home: Path, name: str) -> bool:
+    """Whether an armed failpoint has fired since it was armed (a node refused a call because of it)."""
+    return _hit_path(home, name).exists()
+
+
+def _fire(home: Path, name: str, what: str) -> None:
+    """Record (and log, once per arming) that an armed failpoint made a call fail."""
+    marker = _hit_path(home, name)
+    if not marker.exists():
+        marker.touch(mode=0o600)
+        log.error("failpoint %s is armed: %s", name, what)
 
 
 def disarm(home: Path, name: str) -> None:
@@ -94,6 +112,7 @@ class UnavailableWhenArmed:
 
     def _check(self) -> None:
         if armed(self.home, "mirror-unavailable"):
+            _fire(self.home, "mirror-unavailable", "the mirror's store refuses every call until it is disarmed")
             raise Unavailable("mirror", "failpoint mirror-unavailable is armed; `epibus chaos` disarms it")
 
     async def upsert(self, points: Sequence[Point]) -> None:

@@ -281,11 +281,19 @@ async def _kill_observer(topology: Topology, settings: ChaosSettings, record: Fa
 async def _mirror_unavailable(topology: Topology, settings: ChaosSettings, record: FaultRecord) -> None:
     victim = topology.members[0]
     record.target = victim.name
-    failpoints.arm(Path(victim.home), "mirror-unavailable")
+    home = Path(victim.home)
+    failpoints.arm(home, "mirror-unavailable")
     try:
         await asyncio.sleep(settings.hold_s)
+        # Held until the mirror has met the outage at least once: a hold with no call to the store proves nothing.
+        deadline = time.monotonic() + TRIGGER_S
+        while not failpoints.was_hit(home, "mirror-unavailable"):
+            if time.monotonic() > deadline:
+                record.outcome = f"not triggered: no call to {victim.name}'s mirror store in {TRIGGER_S:.0f}s"
+                return
+            await asyncio.sleep(0.1)
     finally:
-        failpoints.disarm(Path(victim.home), "mirror-unavailable")
+        failpoints.disarm(home, "mirror-unavailable")
 
 
 async def _partition(topology: Topology, settings: ChaosSettings, record: FaultRecord) -> None:
