@@ -21,6 +21,7 @@ from bus.fields import AGENT_PATTERN
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_SUBJECTS,
+    JS_API,
     MESH_BUCKET,
     NODES_BUCKET,
     NODES_STREAM,
@@ -30,14 +31,21 @@ from bus.subjects import (
     STREAM,
     SYSTEM_WILDCARD,
     TOMBSTONES_BUCKET,
+    agent_consumer_name,
+    capabilities_key,
+    in_js_domain,
     js_api,
     kv_stream,
     kv_subject,
     project_subjects,
+    roster_key,
+    task_key,
 )
 from bus.vocab import Role
 
 ANY_PROJECT = "*"
+# How many consumers one agent may hold open on each stream it reads (`epibus up --agent-consumers`).
+DEFAULT_CONSUMER_SLOTS = 8
 OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:+-]{0,127}$")
 PUBLIC_KEY_PATTERN = re.compile(r"^U[A-Z2-7]{55}$")
 # Who may read through the audit doors (every state, retracted and rolled-back claims included).
@@ -148,40 +156,41 @@ def _event_subjects(projects: Sequence[str]) -> list[str]:
     return [project_subjects(project) for project in sorted(set(projects))]
 
 
-# The JetStream API calls an agent's commands make. Reads of events are confined to its projects: consumers
-# are created with their filter in the request subject (the server refuses a body filter that differs), and the
-# one stream lookup allowed is a direct get with the filter in the subject. Everything else under $JS.API is
-# refused (stream info with a subjects filter, message gets by sequence, unfiltered consumers).
-def _agent_api(projects: Sequence[str]) -> list[str]:
-    scopes = _event_subjects(projects)
-    tombstones, agents, mesh = (kv_stream(b) for b in (TOMBSTONES_BUCKET, AGENT_KEYS_BUCKET, MESH_BUCKET))
+# The JetStream API calls an agent's commands make. An agent never creates a consumer: a node opens one for it
+# (epibus.consumer.open) named for its key, filtered to one of its projects, pull only; the broker lets it pull
+# from, inspect and delete exactly those names (bus/consumers.py). The stream lookups allowed carry their
+# filter in the subject (direct get of the newest matching message). Everything else under $JS.API is refused:
+# creating consumers (a push consumer would deliver where its creator likes), other consumers' messages,
+# stream info of the buckets whose keys name projects (a subjects filter in the body lists every key: the mesh
+# is read by direct get, tombstones are checked by a node), message gets by sequence.
+def _agent_api(enrolment: Enrolment, consumer_slots: int) -> list[str]:
+    scopes = _event_subjects(enrolment.projects)
+    mesh = kv_stream(MESH_BUCKET)
+    own_consumers = [
+        js_api(call, stream, agent_consumer_name(enrolment.public_key, slot))
+        for stream in (STREAM, mesh)
+        for slot in range(consumer_slots)
+        for call in ("CONSUMER.MSG.NEXT", "CONSUMER.INFO", "CONSUMER.DELETE")
+    ]
     return [
         js_api("INFO"),
-        *(js_api("CONSUMER.CREATE", STREAM, "*", scope) for scope in scopes),
+        *own_consumers,
         *(js_api("DIRECT.GET", STREAM, scope) for scope in scopes),
-        # The enrolment records a fold decides with (published by nodes only; agents may read them).
-        js_api("CONSUMER.CREATE", STREAM, "*", project_subjects(POLICY_PROJECT)),
-        js_api("DIRECT.GET", STREAM, project_subjects(POLICY_PROJECT)),
-        js_api("CONSUMER.INFO", STREAM, "*"),
-        js_api("CONSUMER.MSG.NEXT", STREAM, "*"),
-        # Tombstone keys (content hashes) of any project, read before publishing a claim.
-        js_api("STREAM.INFO", tombstones),
-        # The registry: an agent reads enrolments (public keys, roles) to check the events it folds.
-        js_api("STREAM.INFO", agents),
-        js_api("STREAM.MSG.GET", agents),
-        js_api("DIRECT.GET", agents, ">"),
-        # Task records, rosters, capabilities: read and watched by agents; written only by a node (epibus.mesh.*).
-        js_api("STREAM.INFO", mesh),
-        js_api("STREAM.MSG.GET", mesh),
-        js_api("DIRECT.GET", mesh, ">"),
-        js_api("CONSUMER.CREATE", mesh),
-        js_api("CONSUMER.CREATE", mesh, ">"),
-        js_api("CONSUMER.INFO", mesh, "*"),
-        js_api("CONSUMER.MSG.NEXT", mesh, "*"),
+        # Not the registry nor the enrolment records: they name every agent, key and project of the fleet. An
+        # agent asks a node for the enrolments it shares a project with (epibus.enrolments.view).
+        # Task records and rosters of its projects, everyone's capabilities; written only by a node (epibus.mesh.*).
+        *(js_api("DIRECT.GET", mesh, scope) for scope in _mesh_scopes(enrolment.projects)),
         # Node heartbeats: read before every fan-out, to know whose answers to wait for; written only by nodes.
         js_api("STREAM.INFO", NODES_STREAM),
         js_api("STREAM.MSG.GET", NODES_STREAM),
     ]
+
+
+def _mesh_scopes(projects: Sequence[str]) -> list[str]:
+    if ANY_PROJECT in projects:
+        return [kv_subject(MESH_BUCKET, ">")]
+    keys = [key for project in sorted(set(projects)) for key in (task_key(project, ">"), roster_key(project))]
+    return [kv_subject(MESH_BUCKET, key) for key in [*keys, capabilities_key("*")]]
 
 
 # Refused even where an allow above would match: deny wins in nats-server.
@@ -196,7 +205,7 @@ _AGENT_DENY = [
             "STREAM.MSG.DELETE",
             "STREAM.SNAPSHOT",
             "STREAM.RESTORE",
-            "CONSUMER.DELETE",
+            "CONSUMER.CREATE",
             "CONSUMER.DURABLE.CREATE",
         )
     ),
@@ -210,28 +219,45 @@ _AGENT_DENY = [
 ]
 
 
-def agent_permissions(enrolment: Enrolment, *, node_consumers: Iterable[str] = ()) -> dict[str, Any]:
-    """The broker permissions of one enrolled agent. `node_consumers` are the durable consumers of node
-    services, which no agent may pull from (a pull would hold their messages for an ack wait)."""
-    deny = _AGENT_DENY + [
-        js_api(verb, STREAM, name) for name in sorted(node_consumers) for verb in ("CONSUMER.MSG.NEXT", "CONSUMER.INFO")
-    ]
+def agent_permissions(
+    enrolment: Enrolment, *, consumer_slots: int, suspended: bool = False, js_domain: str | None = None
+) -> dict[str, Any]:
+    """The broker permissions of one enrolled agent, with `consumer_slots` consumers per stream it reads. A
+    `suspended` agent (over its publish budget) keeps its reads and loses publishing events and asking nodes.
+    `js_domain`: on a fleet's leaf, whose server maps `$JS.API.>` to the fleet's domain before it checks
+    permissions, each JetStream API subject is stated in that form too."""
+    writes = [] if suspended else [*_event_subjects(enrolment.projects), REQUESTS_WILDCARD]
     return {
         "publish": {
-            "allow": [*_event_subjects(enrolment.projects), REQUESTS_WILDCARD, *_agent_api(enrolment.projects)],
-            "deny": deny,
+            "allow": in_domain([*writes, *_agent_api(enrolment, consumer_slots)], js_domain),
+            "deny": in_domain(_AGENT_DENY, js_domain),
         },
         "subscribe": {"allow": [f"{inbox_prefix(enrolment.public_key)}.>"]},
     }
 
 
+def in_domain(subjects: Sequence[str], js_domain: str | None) -> list[str]:
+    """`subjects`, each JetStream API subject followed by its twin in `js_domain` (`$JS.<domain>.API.…`)."""
+    out: list[str] = []
+    for subject in subjects:
+        out.append(subject)
+        if js_domain is not None and subject.startswith(f"{JS_API}."):
+            out.append(in_js_domain(subject, js_domain))
+    return out
+
+
 def render_authorization(
-    node_keys: Sequence[str], enrolments: Iterable[Enrolment], *, node_consumers: Iterable[str] = ()
+    node_keys: Sequence[str],
+    enrolments: Iterable[Enrolment],
+    *,
+    consumer_slots: int = DEFAULT_CONSUMER_SLOTS,
+    suspended: frozenset[str] = frozenset(),
+    js_domain: str | None = None,
+    extra_users: Sequence[dict[str, Any]] = (),
 ) -> str:
     """The nats-server `authorization` block: the node identities with every permission, each active enrolled
-    agent with its own. A revoked or unknown key is not a user, so it cannot connect. (nats-server's config
-    format reads JSON.)"""
-    consumers = sorted(set(node_consumers))
+    agent with its own, and `extra_users` as given (a fleet's joining nodes). A revoked or unknown key is not a
+    user, so it cannot connect. (nats-server's config format reads JSON.)"""
     users: list[dict[str, Any]] = [{"nkey": key} for key in sorted(set(node_keys))]
     listed = set(node_keys)
     for enrolment in sorted(enrolments, key=lambda e: e.agent_id):
@@ -240,6 +266,12 @@ def render_authorization(
         if is_node_identity(enrolment.agent_id, enrolment.public_key):
             continue  # its record lets it sign enrolment records; the node connects with its own key
         listed.add(enrolment.public_key)
-        permissions = agent_permissions(enrolment, node_consumers=consumers)
+        permissions = agent_permissions(
+            enrolment,
+            consumer_slots=consumer_slots,
+            suspended=enrolment.public_key in suspended,
+            js_domain=js_domain,
+        )
         users.append({"nkey": enrolment.public_key, "permissions": permissions})
+    users += [user for user in extra_users if user["nkey"] not in listed]
     return "authorization " + json.dumps({"users": users}, indent=1) + "\n"

@@ -15,6 +15,8 @@ from nats.js import JetStreamContext
 from bus.admission import Admission, Delivery, Rejected
 from bus.auth import Enrolment
 from bus.authority import NO_RECORDS, Authority, enrolment_record
+from bus.confinement import confined_key
+from bus.enrolment_view import EnrolmentView, enrolment_view
 from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import Unavailable
 from bus.event import Envelope
@@ -131,9 +133,19 @@ class EnrolmentLog:
         self._seen: set[str] = set()  # event ids read: a record resent later is a repeat, never a new record
         self._next_seq = 1
         self._authority = NO_RECORDS
+        self._served_version = 0  # the version of a node's enrolment view the authority was made of
+
+    @property
+    def last_seq(self) -> int:
+        """The stream sequence the next read starts after: every record up to it has been read."""
+        return self._next_seq - 1
 
     async def read(self) -> Authority:
-        """Every record up to now. Raises Unavailable."""
+        """Every record up to now (on a confined connection, those a node's enrolment view shows it). Raises
+        Unavailable."""
+        key = confined_key(self._js)
+        if key is not None:
+            return await self._read_served(enrolment_view(self._js._nc, key))  # nats-py keeps its connection there
         read = False
         while True:
             try:
@@ -151,11 +163,22 @@ class EnrolmentLog:
             self._authority = Authority.of(self._records)
         return self._authority
 
+    async def _read_served(self, view: EnrolmentView) -> Authority:
+        """The records a node shows this agent: checked by the node, which alone may read them all."""
+        await view.refresh()
+        if view.version != self._served_version:
+            self._authority = Authority.of(view.records)
+            self._served_version = view.version
+        return self._authority
+
     async def read_filtered(self) -> Authority:
-        """Every record up to now, read through a consumer filtered to the records: the read an agent may make
-        (the broker refuses it message gets by sequence). Raises Unavailable."""
+        """Every record up to now, read through a consumer filtered to the records (the read an unconfined
+        client without message gets makes); a confined agent's comes from a node's view. Raises Unavailable."""
         from bus.reader import read_stream  # the reader admits through this module: imported when used
 
+        key = confined_key(self._js)
+        if key is not None:
+            return await self._read_served(enrolment_view(self._js._nc, key))
         read = False
         async for batch in read_stream(self._js, STREAM, filter_subject=ENROLMENTS_FILTER, start_seq=self._next_seq):
             for msg in batch:

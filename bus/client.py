@@ -42,7 +42,7 @@ from bus.receipts import wait_indexed, wait_journaled
 from bus.rollback import RollbackPlan
 from bus.signer import EventSigner
 from bus.signing import AgentKey
-from bus.tombstones import TombstoneRegistry
+from bus.tombstone_registry import TombstoneRegistry
 from bus.vocab import EpistemicSource, ReceiptLevel
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from bus.auth import Enrolment
+from bus.confinement import confine
 from bus.errors import Forbidden, Unavailable
 from bus.home import NodeFollower
 from bus.loops import cancel_and_wait
@@ -25,10 +26,11 @@ from bus.nats_errors import (
     CONNECT_OR_REFUSED,
     NATS_UNAVAILABLE,
     is_authorization_error,
+    name_connection,
     remember_violation,
 )
 from bus.registry import AgentRegistry
-from bus.signing import AgentKey
+from bus.signing import NODE_IDENTITY, AgentKey
 from bus.streams import ensure_streams
 from bus.tls import nats_tls_context
 
@@ -79,6 +81,15 @@ class Connection:
             enrolment = await self.enrol()
             self.enrol = None
         revoked = isinstance(enrolment, dict) and enrolment.get("revoked_at") is not None
+        if revoked:
+            assert isinstance(enrolment, dict)
+            raise Forbidden(
+                self.key.agent_id,
+                "connect to",
+                ", ".join(self.servers),
+                f"its enrolment was revoked at {enrolment['revoked_at']}; its past events stay valid, and only an "
+                f"admin can enrol it again (`epibus agent add {self.key.agent_id} --key {self.key.public_key} …`)",
+            )
         # Another node of a cluster may have answered the enrolment: this server lets the agent in once its own
         # keeper has applied the replicated registry (every few seconds). A revoked agent is refused at once.
         async for attempt in AsyncRetrying(
@@ -93,7 +104,7 @@ class Connection:
         raise AssertionError("unreachable: tenacity re-raises the last Forbidden")
 
     async def _open_nats(self) -> NatsClient:
-        return await open_nats(
+        nc = await open_nats(
             self.servers,
             name=f"epibus:{self.key.agent_id}",
             timeout_s=self.connect_timeout_s,
@@ -103,6 +114,9 @@ class Connection:
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
         )
+        if requires_authentication(nc):  # the broker lets this agent read only through consumers a node opens
+            confine(nc, self.key)
+        return nc
 
     async def keep_opening(self) -> None:
         """Connect in the background, however long NATS stays unreachable (cancel to stop)."""
@@ -211,6 +225,8 @@ async def open_nats(
             await user_error_cb(error)
 
     credentials = key.nats_credentials if key is not None else {}
+    if key is not None:
+        name_connection(nc, key.agent_id)
     connecting = asyncio.ensure_future(
         nc.connect(
             servers=list(servers),
@@ -238,20 +254,34 @@ async def open_nats(
             await nc.close()
         last = errors[-1] if errors else e
         if is_authorization_error(last) or is_authorization_error(e):
-            who = key.agent_id if key is not None else "(no key)"
-            raise Forbidden(
-                who,
-                "connect to",
-                ", ".join(servers),
-                "the server requires an enrolled key; an admin enrols it: "
-                f"epibus agent add {who} --key {key.public_key if key else 'PUBLIC_KEY'} --project P",
-            ) from e
+            raise refused_connection(key, servers) from e
         if not isinstance(e, CONNECT_ERRORS):
             raise
         raise Unavailable(
             "nats", f"cannot connect to {', '.join(servers)}: {type(last).__name__} {last}; is the server running?"
         ) from e
     return nc
+
+
+def refused_connection(key: AgentKey | None, servers: Sequence[str]) -> Forbidden:
+    """The server refused this key: how an agent gets in (an admin enrols it), or a node (it joins by invite)."""
+    who = key.agent_id if key is not None else "(no key)"
+    where = ", ".join(servers)
+    if key is not None and key.agent_id == NODE_IDENTITY:
+        return Forbidden(
+            "this node", "connect to", where,
+            "another node's server admits a node only once it joined that node's fleet: an admin runs "
+            "`epibus fleet invite NAME` on the fleet's hub, and this host runs `epibus up --join TOKEN`, with its "
+            "own embedded server (no --nats); see docs/cluster.md",
+        )  # fmt: skip
+    return Forbidden(
+        who,
+        "connect to",
+        where,
+        "the server admits enrolled keys only and refused this one (never enrolled, or revoked: "
+        "`epibus agent list` on the node tells); an admin enrols it: "
+        f"epibus agent add {who} --key {key.public_key if key else 'PUBLIC_KEY'} --project P",
+    )
 
 
 def requires_authentication(nc: NatsClient) -> bool:

@@ -135,10 +135,13 @@ def show(field: str, value: Any) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "…"
 
 
-def automatic(difference: Difference) -> bool:
+def automatic(difference: Difference, *, bucket: bool) -> bool:
     """An older epibus made its streams before they had a message size limit: a stream with none is brought
     to the limit without asking, since a limit only refuses future oversized publishes and removes nothing
-    stored. Any other size, and every other field, is drift."""
+    stored. Likewise direct gets on a bucket that needs them (made before agents' reads were confined by key):
+    they only add a way to read one key. Any other size, and every other field, is drift."""
+    if difference.field == "allow_direct":
+        return bucket and difference.current is False and difference.wanted is True
     return difference.field == "max_msg_size" and difference.current == -1 and difference.wanted != -1
 
 
@@ -146,10 +149,12 @@ def automatic(difference: Difference) -> bool:
 KV_DUPLICATE_WINDOW_S = 120.0
 
 
-def kv_stream_config(bucket: str, description: str, *, history: int, replicas: int, ttl_s: float = 0.0) -> StreamConfig:
-    """The stream behind a KV bucket as nats-py's create_key_value makes it for epibus (no size limits, no
-    direct gets; a TTL, `ttl_s`, only on the nodes bucket): compared against, never used to create the
-    bucket."""
+def kv_stream_config(
+    bucket: str, description: str, *, history: int, replicas: int, ttl_s: float = 0.0, direct: bool = False
+) -> StreamConfig:
+    """The stream behind a KV bucket as nats-py's create_key_value makes it for epibus (no size limits; direct
+    gets where `direct`, so the broker can confine reads by key; a TTL, `ttl_s`, only on the nodes bucket):
+    compared against, never used to create the bucket."""
     return StreamConfig(
         name=kv_stream(bucket),
         description=description,
@@ -159,7 +164,7 @@ def kv_stream_config(bucket: str, description: str, *, history: int, replicas: i
         num_replicas=replicas,
         duplicate_window=min(KV_DUPLICATE_WINDOW_S, ttl_s) if ttl_s else KV_DUPLICATE_WINDOW_S,
         discard=DiscardPolicy.NEW,
-        allow_direct=False,
+        allow_direct=direct,
         allow_rollup_hdrs=True,
         deny_delete=True,
         max_age=ttl_s,

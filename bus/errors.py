@@ -90,6 +90,7 @@ class NotFound(EpibusError, LookupError):
     def __init__(self, what: str, key: str, hint: str = "") -> None:
         self.what = what
         self.key = key
+        self.hint = hint
         super().__init__(f"{what} {key!r} not found" + (f"; {hint}" if hint else ""))
 
 
@@ -99,7 +100,10 @@ class AmbiguousId(EpibusError, LookupError):
     def __init__(self, field: str, prefix: str, what: str, where: str, matches: Sequence[str], more: bool) -> None:
         self.field = field
         self.prefix = prefix
+        self.what = what
+        self.where = where
         self.matches = tuple(matches)
+        self.more = more
         listed = ", ".join(self.matches) + (", …" if more else "")
         super().__init__(
             f"{field}={prefix!r} is ambiguous: {'more than ' if more else ''}{len(self.matches)} {what}s {where} "
@@ -174,3 +178,14 @@ def error_summary(error: BaseException, *, limit: int = 1024) -> str:
         last = frames[-1]
         where = f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
     return " ".join(f"{type(error).__name__}: {error}{where}".split())[:limit]
+
+
+class LimitReached(EpibusError):
+    """A configured limit refused the request: nothing was done. Carries the limit's name, its number and what
+    frees room (waiting, closing something, or an operator raising the limit)."""
+
+    def __init__(self, limit: str, allowed: int, detail: str, fix: str) -> None:
+        self.limit = limit
+        self.allowed = allowed
+        self.detail = detail
+        super().__init__(f"limit {limit} ({allowed}) reached: {detail}; {fix}")

@@ -173,7 +173,7 @@ def encode_event(event: Envelope) -> bytes:
     return data
 
 
-def raise_for_validation(error: ValidationError) -> InvalidEvent:
+def invalid_event_of(error: ValidationError) -> InvalidEvent:
     """The first pydantic error as an InvalidEvent naming the field, the input and what is allowed."""
     first = error.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or "event"
@@ -225,7 +225,7 @@ def validate_event(raw: dict[str, Any]) -> Envelope:
     try:
         return Envelope.model_validate(raw)
     except ValidationError as e:
-        raise raise_for_validation(e) from e
+        raise invalid_event_of(e) from e
 
 
 def draft_event(

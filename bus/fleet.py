@@ -20,7 +20,7 @@ from bus.ask import Replies, ask_one, fan_out, refused_by_all
 from bus.changes import StateChanges
 from bus.connection import Connection
 from bus.erasure import erased_events, erased_history
-from bus.errors import InvalidEvent, NotFound, Unavailable
+from bus.errors import AmbiguousId, InvalidEvent, NotFound, Unavailable
 from bus.event import validate_event
 from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from bus.outbox import Outbox
@@ -32,6 +32,8 @@ from bus.requests import (
     EraseRequest,
     ForgetProofReply,
     ForgetProofRequest,
+    JournalReadReply,
+    JournalReadRequest,
     ReindexProgress,
     ReindexReply,
     ReindexRequest,
@@ -41,7 +43,7 @@ from bus.requests import (
     describe_invalid,
 )
 from bus.signing import AgentKey
-from bus.subjects import FORGET_ERASE, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, artifact_filter
+from bus.subjects import FORGET_ERASE, JOURNAL_READ, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, artifact_filter
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +200,16 @@ async def ask_forget_proof(
     nodes = {a.node: a.model_dump(mode="json") for a in replies.answers}
     nodes |= {n: {"node": n, "error": _no_answer(timeout_s)} for n in replies.missing}  # a live node proves nothing
     return ForgetProof(report, erased, nodes, replies.malformed)
+
+
+async def ask_journal(nc: NatsClient, signer: AgentKey, request: JournalReadRequest, *, timeout_s: float = 30.0) -> Any:
+    """One node's answer to a journal read (plain JSON values), signed by `signer`. Raises Forbidden naming the
+    rule that refused the signer, Refused (the node failed: an unknown artifact prefix, a journal outage),
+    Unavailable (no node answered)."""
+    reply = await ask_one(nc, JOURNAL_READ, request, JournalReadReply, signer=signer, timeout_s=timeout_s)
+    if reply.lookup is not None:  # the same error the node's read raised, as a direct read raises it
+        raise (NotFound if reply.lookup.error == "NotFound" else AmbiguousId)(**reply.lookup.fields)  # type: ignore[arg-type]
+    return reply.result
 
 
 async def ask_verify(

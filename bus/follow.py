@@ -18,8 +18,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from bus.consumers import drop_consumer, pull_consumer
 from bus.errors import Unavailable
-from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal
+from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal, refused_at_once
 from bus.reader import last_matching
 from bus.subjects import js_api
 
@@ -64,10 +65,7 @@ class ResumingSubscription:
     async def _drop_subscription(self) -> None:
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except RETRYABLE as e:  # the connection may be gone with it
-                log.info("%s: dropping the old subscription: %s", self.label, e)
+            await drop_consumer(subscription._js, subscription)  # nats-py keeps its context there
 
 
 @dataclass
@@ -112,10 +110,11 @@ class StreamFollower(ResumingSubscription):
             self.last_seq = await last_matching(self.js, self.stream, self.filter_subject)
         else:
             self.last_seq = max(0, self.start_seq - 1)
+        create = js_api("CONSUMER.CREATE", self.stream, "")
         try:
-            await self._subscribe()
+            async with refused_at_once(self.js, f".{self.filter_subject}", prefix=create):
+                await self._subscribe()
         except NATS_OR_API_ERROR as e:
-            create = js_api("CONSUMER.CREATE", self.stream, "")
             refusal = broker_refusal(self.js, f".{self.filter_subject}", prefix=create)
             raise refusal or Unavailable("nats", f"cannot follow {self.filter_subject} on {self.stream}: {e}") from e
         backoff_s = 0.0
@@ -155,10 +154,7 @@ class StreamFollower(ResumingSubscription):
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         if self._subscription is None:
             config = resume_config(self.filter_subject, self.last_seq)
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                self._subscription = await self.js.pull_subscribe(
-                    self.filter_subject, stream=self.stream, config=config
-                )
+            self._subscription = await pull_consumer(self.js, self.stream, config)
             self.stats.resubscribed += 1
             self._checked_at = time.monotonic()
         return self._subscription

@@ -46,7 +46,6 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
 _ADDED_COLUMNS = (("origin", "TEXT"), ("signature", "TEXT"), ("signer_key", "TEXT"))
 
 
-
 @dataclass(frozen=True)
 class OutboxRow:
     """An event to send: its body bytes and, for schema_version 2, the signature and key for its headers."""

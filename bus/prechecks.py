@@ -14,7 +14,8 @@ from bus.event import Envelope
 from bus.project_view import ProjectViews
 from bus.state import claim_flags, decide
 from bus.subjects import POLICY_PROJECT, cas_headers
-from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, TombstoneRegistry
+from bus.tombstone_registry import TombstoneRegistry
+from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, content_hash
 
 log = logging.getLogger(__name__)
 TOMBSTONE_CHECK_TIMEOUT_S = 2.0
@@ -118,7 +119,8 @@ async def prepublish_flags(
         try:
             if registry is None:
                 raise Unavailable("nats", "not connected")
-            tombstoned[project] = await registry.hashes(project, timeout_s=timeout_s)
+            digests = {content_hash(e.body.content_text()) for e in claims if e.project == project}
+            tombstoned[project] = await registry.tombstoned(project, digests, timeout_s=timeout_s)
         except Unavailable as e:
             if strict:
                 raise Unavailable("nats", f"tombstones cannot be checked ({e.cause}); retry, or drop strict") from e

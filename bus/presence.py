@@ -54,14 +54,25 @@ class Heartbeat(BaseModel):
     public_key: PublicKey
     services: tuple[ServiceSubject, ...] = Field(max_length=64)
     at: datetime
+    # Events its journal has yet to take from the stream (its consumer's pending count), None when not known.
+    journal_pending: int | None = Field(default=None, ge=0)
     signature: str = Field(max_length=128)
 
     def document(self) -> bytes:
         return self.model_dump_json(exclude={"signature"}).encode()
 
 
-def signed_heartbeat(key: AgentKey, node: str, services: Iterable[str], *, at: datetime) -> Heartbeat:
-    unsigned = Heartbeat(node=node, public_key=key.public_key, services=tuple(sorted(services)), at=at, signature="")
+def signed_heartbeat(
+    key: AgentKey, node: str, services: Iterable[str], *, at: datetime, journal_pending: int | None = None
+) -> Heartbeat:
+    unsigned = Heartbeat(
+        node=node,
+        public_key=key.public_key,
+        services=tuple(sorted(services)),
+        at=at,
+        journal_pending=journal_pending,
+        signature="",
+    )
     return unsigned.model_copy(update={"signature": key.sign_document(HEARTBEAT_PURPOSE, unsigned.document())})
 
 
@@ -135,9 +146,15 @@ class Presence:
     """A node's heartbeat: `beat` once at start, `run` every HEARTBEAT_S, `withdraw` when the node stops."""
 
     def __init__(
-        self, js: Callable[[], JetStreamContext], key: AgentKey, node: str, services: Callable[[], Iterable[str]]
+        self,
+        js: Callable[[], JetStreamContext],
+        key: AgentKey,
+        node: str,
+        services: Callable[[], Iterable[str]],
+        journal_pending: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._js = js
+        self._journal_pending = journal_pending
         self._key = key
         self._node = node
         self._services = services
@@ -147,7 +164,9 @@ class Presence:
 
     async def beat(self) -> None:
         """Put this node's heartbeat. Raises Unavailable."""
-        record = signed_heartbeat(self._key, self._node, self._services(), at=datetime.now(UTC))
+        record = signed_heartbeat(
+            self._key, self._node, self._services(), at=datetime.now(UTC), journal_pending=self._journal_pending()
+        )
         async with nats_call(f"heartbeat of node {self._node}"):
             if self._kv is None:
                 self._kv = await open_bucket(self._js(), NODES_BUCKET, create=False)

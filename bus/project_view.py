@@ -22,7 +22,7 @@ from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.state import event_references
 from bus.subjects import STREAM, EventAddress, artifact_filter, events_filter, parse_event_subject
-from bus.tombstones import TombstoneRegistry
+from bus.tombstone_registry import TombstoneRegistry
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from nats.js.api import PubAck
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bus.errors import EpibusError, Unavailable
-from bus.nats_errors import NATS_UNAVAILABLE, broker_refusal, translate_publish_error
+from bus.nats_errors import NATS_UNAVAILABLE, broker_refusal, refused_at_once, translate_publish_error
 from bus.outbox_file import OutboxRow
 from bus.subjects import MSG_ID_HEADER
 from bus.vocab import ReceiptLevel
@@ -130,7 +130,8 @@ async def send_one(
     """The awaited publish: the server's error (e.g. 10071 wrong last sequence) is raised, classified."""
     headers = row.headers() | (extra_headers or {})
     try:
-        return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
+        async with refused_at_once(js, row.subject):
+            return await js.publish(row.subject, row.payload, timeout=timeout_s, headers=headers)
     except Exception as e:
         raise (broker_refusal(js, row.subject) or translate_publish_error(e, row.subject)) from e
 

@@ -19,8 +19,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus.admission import Admission, Delivery, Rejected
 from bus.batch_context import BatchContext
+from bus.consumers import drop_consumer, pull_consumer
 from bus.errors import Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal, nats_call
+from bus.nats_errors import NATS_OR_API_ERROR, broker_refusal, nats_call, refused_at_once
 from bus.registry import AgentRegistry
 from bus.runner import Observer
 from bus.subjects import DLQ_STREAM, STREAM, js_api
@@ -32,8 +33,14 @@ STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"; 10037 i
 
 
 async def last_sequence(js: JetStreamContext, stream: str) -> int:
-    async with nats_call(f"stream {stream}", timeout_s=READ_TIMEOUT_S):
-        info = await js.stream_info(stream)
+    """The stream's last sequence. Raises Forbidden when the broker refused to tell (an agent reads whole
+    streams never: only its projects), Unavailable when nobody answered."""
+    try:
+        async with refused_at_once(js, js_api("STREAM.INFO", stream)), asyncio.timeout(READ_TIMEOUT_S):
+            info = await js.stream_info(stream)
+    except NATS_OR_API_ERROR as e:
+        refusal = broker_refusal(js, js_api("STREAM.INFO", stream))
+        raise refusal or Unavailable("nats", f"stream {stream}: {type(e).__name__} {e}") from e
     return int(info.state.last_seq)
 
 
@@ -41,7 +48,7 @@ async def last_matching(js: JetStreamContext, stream: str, filter_subject: str) 
     """The sequence of the newest message matching `filter_subject` (0 when none): a direct get with the filter
     in the request subject, the one form of stream lookup the broker can confine to an agent's projects."""
     try:
-        async with asyncio.timeout(READ_TIMEOUT_S):
+        async with refused_at_once(js, js_api("DIRECT.GET", stream, filter_subject)), asyncio.timeout(READ_TIMEOUT_S):
             msg = await js.get_msg(stream, subject=filter_subject, direct=True)
     except nats.js.errors.NotFoundError as e:
         if e.err_code == STREAM_NOT_FOUND:
@@ -69,7 +76,7 @@ async def read_stream(
     Done is decided by stream sequences, never by pending counts: a filtered consumer on a recovered store
     has reported nothing pending with thousands of messages unread. Raises Unavailable when the read cannot
     make progress for READ_STALL_S, instead of returning short."""
-    if filter_subject is not None and not last_per_subject:
+    if filter_subject is not None:  # read last per subject too, the newest match is the last of its subject
         end = await last_matching(js, stream, filter_subject)
     else:
         end = await last_sequence(js, stream)
@@ -162,14 +169,14 @@ class _Read:
             inactive_threshold=30.0,
             mem_storage=True,
         )
-        async with asyncio.timeout(READ_TIMEOUT_S):
-            return await self.js.pull_subscribe(self.filter_subject or ">", stream=self.stream, config=config)
+        return await pull_consumer(self.js, self.stream, config)
 
     async def _next_owed(self) -> int | None:
         """The first sequence in (delivered, end] the read still owes, or None when there is none. Asked of
         the stream itself (answered by the leader), not of the consumer. A filtered read asks for the newest
-        matching message only (the lookup an agent may make): any after `delivered` is owed."""
-        if self.filter_subject is not None and not self.last_per_subject:
+        matching message only (the lookup an agent may make): any after `delivered` is owed (read last per
+        subject too, the newest matching message is the last of its subject)."""
+        if self.filter_subject is not None:
             newest = await last_matching(self.js, self.stream, self.filter_subject)
             return newest if newest > self.delivered else None
         seq = self.delivered + 1
@@ -216,10 +223,7 @@ class _Read:
         sub, self._sub = self._sub, None
         if sub is None:
             return
-        try:
-            await sub.unsubscribe()
-        except NATS_OR_API_ERROR as e:  # the server drops the ephemeral consumer once idle anyway
-            log.warning("reading %s: could not unsubscribe: %s %s", self._what(), type(e).__name__, e)
+        await drop_consumer(self.js, sub)  # the server drops the ephemeral consumer once idle anyway
 
     async def close(self) -> None:
         await self._unsubscribe()

@@ -17,7 +17,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.auth import Enrolment, first_use_enrolment
+from bus.auth import NODE_PREFIX, Enrolment, first_use_enrolment
+from bus.confinement import confined_key
+from bus.enrolment_view import EnrolmentView, enrolment_view
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.event import Actor
 from bus.fields import AGENT_PATTERN
@@ -33,7 +35,9 @@ CLOSED_KEY = "policy.enrolment-required"
 
 
 class AgentRegistry:
-    """agent_id → Enrolment. `bind` is what admission asks; `enrol`/`revoke` are for node services."""
+    """agent_id → Enrolment. `bind` is what admission asks; `enrol`/`revoke` are for node services. On a confined
+    connection (an agent's, `bus.confinement`) the reads go to a node's enrolment view: the agents it shares a
+    project with, and the nodes."""
 
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
@@ -56,9 +60,13 @@ class AgentRegistry:
             return
         if actor.agent_id == NODE_IDENTITY and await self.is_node_key(actor.public_key):
             return
-        async with nats_call("agent key registry"):
-            kv = await self._bucket()
-            bound = await self._bound_key(kv, actor)
+        view = self._view()
+        if view is not None:
+            bound = await self._served_key(view, actor)
+        else:
+            async with nats_call("agent key registry"):
+                kv = await self._bucket()
+                bound = await self._bound_key(kv, actor)
         if bound != actor.public_key:
             raise Conflict(
                 f"agent {actor.agent_id}",
@@ -66,6 +74,20 @@ class AgentRegistry:
                 fix=f"use the agent's original key (keys/{actor.agent_id}.nk) or another agent name",
             )
         self._known[actor.agent_id] = bound
+
+    def _view(self) -> EnrolmentView | None:
+        key = confined_key(self._js)
+        return None if key is None else enrolment_view(self._js._nc, key)  # nats-py keeps its connection there
+
+    async def _served_key(self, view: EnrolmentView, actor: Actor) -> str:
+        found = await view.lookup(actor.agent_id)
+        if found is None:
+            raise Conflict(
+                f"agent {actor.agent_id}",
+                "it is not enrolled in a project this agent is a member of",
+                fix=f"an admin enrols it: epibus agent add {actor.agent_id} --key {actor.public_key} --project P",
+            )
+        return found.public_key
 
     async def _bound_key(self, kv: KeyValue, actor: Actor) -> str:
         entry = await self._entry(kv, actor.agent_id)
@@ -108,7 +130,11 @@ class AgentRegistry:
             ) from e
 
     async def get(self, agent_id: str) -> Enrolment | None:
-        """The agent's enrolment, or None. An unreadable record raises Conflict. Raises Unavailable."""
+        """The agent's enrolment, or None (on a confined connection: also when it shares no project with this
+        agent). An unreadable record raises Conflict. Raises Unavailable."""
+        view = self._view()
+        if view is not None:
+            return await view.lookup(agent_id)
         async with nats_call("agent key registry"):
             entry = await self._entry(await self._bucket(), agent_id)
         return None if entry is None else self._decode(entry.value or b"", agent_id, entry.revision)
@@ -120,7 +146,13 @@ class AgentRegistry:
         return enrolment
 
     async def enrolments(self) -> list[Enrolment]:
-        """Every readable enrolment, revoked ones included; unreadable records are quarantined."""
+        """Every readable enrolment, revoked ones included; unreadable records are quarantined. On a confined
+        connection, those of the agents it shares a project with."""
+        view = self._view()
+        if view is not None:
+            await view.refresh()
+            agents = dict.fromkeys(e.agent_id for _, e in view.records)  # those recorded on the stream
+            return [e for agent in agents if (e := view.latest(agent)) is not None]
         found: list[Enrolment] = []
         async with nats_call("agent key registry"):
             kv = await self._bucket()
@@ -223,6 +255,11 @@ class AgentRegistry:
         """Whether `public_key` is a node's own key (recorded by `register_node`). Raises Unavailable."""
         if public_key in self._node_keys:
             return True
+        view = self._view()
+        if view is not None:
+            if public_key not in view.node_keys:
+                await view.refresh()
+            return public_key in view.node_keys
         async with nats_call("agent key registry"):
             found = await self._entry(await self._bucket(), node_key_record(public_key)) is not None
         if found:
@@ -237,8 +274,20 @@ class AgentRegistry:
                 await kv.put(node_key_record(public_key), name.encode())
         self._node_keys.add(public_key)
 
+    async def node_identities(self) -> tuple[list[Enrolment], list[str]]:
+        """The nodes' own enrolments (their record-signing identities) and keys (`register_node`): what every
+        agent may see of the registry. Raises Unavailable."""
+        nodes = [e for e in await self.enrolments() if e.agent_id.startswith(NODE_PREFIX)]
+        prefix = kv_subject(AGENT_KEYS_BUCKET, node_key_record(""))
+        async with nats_call("agent key registry"):
+            await self._bucket()
+            info = await self._js.stream_info(kv_stream(AGENT_KEYS_BUCKET), subjects_filter=f"{prefix}*")
+        return nodes, sorted(subject.removeprefix(prefix) for subject in info.state.subjects or {})
+
     async def is_closed(self) -> bool:
         """Whether only enrolled agents are admitted (a node with authentication has run). Raises Unavailable."""
+        if self._view() is not None:
+            return True  # a confined connection is an agent's on a node with authentication
         async with nats_call("agent key registry"):
             return await self._is_closed(await self._bucket())
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     RootModel,
     StringConstraints,
     ValidationError,
@@ -142,6 +143,43 @@ class AgentListRequest(Message):
     pass
 
 
+FleetNodeName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")]
+
+
+class FleetInviteRequest(Message):
+    """Invite node `name` to join: its hub answers with a one-time token valid for `ttl_s`."""
+
+    name: FleetNodeName
+    ttl_s: Annotated[float, Field(ge=60, le=7 * 86400)] = 3600.0
+    hosts: Annotated[list[Annotated[str, StringConstraints(max_length=253)]], Field(max_length=16)] = []
+
+
+class FleetInviteReply(Message):
+    node: NodeName
+    token: Annotated[str, StringConstraints(max_length=64_000)]
+    expires_at: UtcTime
+
+
+class FleetRemoveRequest(Message):
+    name: FleetNodeName
+
+
+class FleetJoinRequest(Message):
+    """A joining node redeems its invite (the request is signed by the invite's key) with its own node key,
+    which signs `proof`: its name and the invite key, so nobody joins with a key it does not hold."""
+
+    name: FleetNodeName
+    invite_key: PublicKey
+    node_key: PublicKey
+    host: Annotated[str, StringConstraints(max_length=253)]
+    proof: Annotated[str, StringConstraints(max_length=200)]
+
+
+class FleetReply(Message):
+    node: NodeName
+    member: JsonValue = None
+
+
 class LookupRequest(RootModel[Annotated[list[EventId], Field(max_length=LOOKUP_CHUNK)]]):
     """Which of these event ids are journaled? A bare JSON list, as it has always been sent."""
 
@@ -267,6 +305,82 @@ class IndexedReply(Message):
     indexed: Annotated[list[str], Field(max_length=LOOKUP_CHUNK)]
 
 
+JOURNAL_READS = ("events", "artifacts", "audit", "briefing", "lineage", "vocab_report")
+
+
+class JournalReadRequest(Message):
+    """A read of a node's journal, answered as the CLI's `--json` shows it. `project` None (events only): every
+    project, for agents of every project."""
+
+    read: Literal["events", "artifacts", "audit", "briefing", "lineage", "vocab_report"]
+    project: Project | None = None
+    kinds: Annotated[list[Kind], Field(max_length=MAX_KINDS)] | None = None
+    include_resolved: bool = False
+    as_of: UtcTime | None = None
+    since: UtcTime | None = None
+    until: UtcTime | None = None
+    actor: Annotated[str, StringConstraints(pattern=AGENT_PATTERN.pattern)] | None = None
+    artifact_id: ArtifactId | None = None  # or a unique prefix of one, resolved by the node
+    goal: Annotated[str, StringConstraints(max_length=200)] | None = None
+    limit: Annotated[int, Field(ge=1, le=100_000)] = 50
+    oldest_first: bool = False
+
+
+class LookupFailure(Message):
+    """An artifact prefix that named no artifact, or several: the error's fields, so the asker raises it as is."""
+
+    error: Literal["NotFound", "AmbiguousId"]
+    fields: dict[str, JsonValue]
+
+
+class JournalReadReply(Message):
+    node: NodeName
+    result: JsonValue = None
+    lookup: LookupFailure | None = None
+
+
+MAX_HASHES = 2000  # content hashes per tombstone check: ~140 KB, below any max_payload
+ContentHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class TombstoneCheckRequest(Message):
+    """Which of these content hashes are tombstoned in `project`: an agent asks of the claims it is about to
+    publish, so it learns nothing of a project's tombstones beyond what it already holds the text of."""
+
+    project: Project
+    hashes: Annotated[list[ContentHash], Field(min_length=1, max_length=MAX_HASHES)]
+
+
+class TombstoneCheckReply(Message):
+    node: NodeName
+    tombstoned: Annotated[list[ContentHash], Field(max_length=MAX_HASHES)]
+
+
+# The longest an agent's consumer lives after its last pull: a crashed reader frees its slot by then.
+MAX_CONSUMER_IDLE_S = 60.0
+
+
+class ConsumerOpenRequest(Message):
+    """Open a pull consumer for `owner_key` (the signing agent) on `stream`, filtered to one of its projects:
+    from `start_seq`, or the newest message of each subject (`last_per_subject`). Nothing to ack."""
+
+    owner_key: PublicKey
+    stream: Literal["EPI", "KV_epibus_mesh"]
+    filter_subject: Annotated[str, StringConstraints(min_length=1, max_length=300, pattern=r"^[^\s]+$")]
+    start_seq: Annotated[int, Field(ge=1)] | None = None
+    last_per_subject: bool = False
+    idle_s: Annotated[float, Field(gt=0, le=MAX_CONSUMER_IDLE_S)] = 30.0
+
+
+class ConsumerOpenReply(Message):
+    """The consumer made (`name`), or None with `full` saying which limit refused it; `slots` is the limit."""
+
+    node: NodeName
+    name: Annotated[str, StringConstraints(max_length=200)] | None
+    slots: Count
+    open: Annotated[list[Annotated[str, StringConstraints(max_length=200)]], Field(max_length=1024)]
+
+
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -363,3 +477,46 @@ def _shown(value: Any) -> str:
     if len(text) <= MAX_VALUE_CHARS:
         return text
     return f"{text[:MAX_VALUE_CHARS]}...({len(text)} chars)"
+
+
+MAX_VIEW_RECORDS = 200  # enrolment records per view reply: ~100 KB, below any max_payload
+MAX_VIEW_AGENTS = 100
+
+
+class SharedEnrolment(Message):
+    """An enrolment as a node shows it to an agent: its projects cut to those the agent shares (maybe none now)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    agent_id: AgentId
+    public_key: PublicKey
+    owner: Owner
+    roles: Annotated[list[Role], Field(min_length=1, max_length=len(Role))]
+    projects: Annotated[list[ProjectScope], Field(max_length=256)]
+    enrolled_by: Owner
+    enrolled_at: UtcTime
+    revoked_at: UtcTime | None = None
+
+
+class EnrolmentViewRecord(Message):
+    seq: Annotated[int, Field(ge=1)]
+    enrolment: SharedEnrolment
+
+
+class EnrolmentViewRequest(Message):
+    """The enrolment records after stream sequence `after_seq` that the signer may see: those of the agents it
+    shares a project with (ever: a removal is seen too), cut to the projects shared."""
+
+    after_seq: Annotated[int, Field(ge=0)] = 0
+    agents: Annotated[list[AgentId], Field(max_length=MAX_VIEW_AGENTS)] = []  # their registry records, if visible
+
+
+class EnrolmentViewReply(Message):
+    node: NodeName
+    records: Annotated[list[EnrolmentViewRecord], Field(max_length=MAX_VIEW_RECORDS)]
+    last_seq: Annotated[int, Field(ge=0)]  # where the next page starts (after it), seen or not
+    more: bool
+    scope: Annotated[list[ProjectScope], Field(max_length=256)] | None  # the projects cut to (None: all of them)
+    current: Annotated[list[SharedEnrolment], Field(max_length=MAX_VIEW_AGENTS)]  # the asked agents' registry records
+    nodes: Annotated[list[SharedEnrolment], Field(max_length=10_000)]  # the nodes' own identities
+    node_keys: Annotated[list[PublicKey], Field(max_length=10_000)]

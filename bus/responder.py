@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from bus.errors import ConfigError, Forbidden, error_summary
 from bus.nats_errors import NATS_UNAVAILABLE
 from bus.requests import MAX_ERROR_CHARS, ErrorReply, describe_invalid, describe_undecodable, refusal
-from bus.service_rules import Authorizer, Rule, ServiceGuard
+from bus.service_rules import Authorizer, Rule, ServiceGuard, answering
 from bus.tally import LatencyHistogram
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,8 @@ class Responder(Generic[Req, Rep]):
             except Forbidden as e:
                 return self._forbidden(e)
         try:
-            body = await self.handle(request)
+            with answering(asker):
+                body = await self.handle(request)
             reply = json.dumps({"node": self.node} | body, allow_nan=False).encode()
         except Exception as e:  # noqa: BLE001 - answered, counted and logged: a silent node looks absent
             return self._failed(f"{type(e).__name__}: {e}", e)

@@ -57,7 +57,6 @@ CONSUMER_GONE: tuple[type[BaseException], ...] = (
 )
 
 
-
 class Observer(Protocol):
     """What the runner feeds. `name` is the durable consumer name: two runners of one observer share it."""
 
@@ -105,18 +104,22 @@ def signature_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {name: _header_safe(value, 512) for name, value in (headers or {}).items() if name in kept}
 
 
-def dead_letter_copy(data: bytes, headers: dict[str, str], *, max_payload: int) -> bytes:
-    """What of a message goes to the DLQ. Its digest and size always go in the headers; the whole message when
-    it fits the DLQ's limits, else a prefix (marked truncated), so one huge message never makes the
-    dead-lettering itself fail, or exceed the connection's max payload, which makes the server close it."""
-    headers[DLQ_DIGEST] = hashlib.sha256(data).hexdigest()
-    headers[DLQ_SIZE] = str(len(data))
-    header_bytes = sum(len(k) + len(v) + 4 for k, v in headers.items()) + 64  # + "NATS/1.0" line, Nats-Expected-Stream
+def dead_letter_id(subject: str, data: bytes) -> str:
+    """What names a bad message in the DLQ: its subject and bytes, hashed."""
+    return hashlib.sha256(subject.encode("utf-8", "surrogateescape") + b"\0" + data).hexdigest()
+
+
+def dead_letter_copy(data: bytes, headers: Mapping[str, str], *, max_payload: int) -> tuple[bytes, dict[str, str]]:
+    """What of a message goes to the DLQ, and its headers: `headers` plus its digest and size; the whole message
+    when it fits the DLQ's limits, else a prefix (marked truncated), so one huge message never makes the
+    dead-lettering itself fail, or exceed the connection's max payload, which makes the server close it.
+    `headers` is left as it was."""
+    copied = {**headers, DLQ_DIGEST: hashlib.sha256(data).hexdigest(), DLQ_SIZE: str(len(data))}
+    header_bytes = sum(len(k) + len(v) + 4 for k, v in copied.items()) + 64  # + "NATS/1.0" line, Nats-Expected-Stream
     room = min(max_payload, DLQ_MAX_MSG_BYTES) - header_bytes - len(DLQ_TRUNCATED) - 32
     if len(data) <= room:
-        return data
-    headers[DLQ_TRUNCATED] = str(room)
-    return data[:room]
+        return data, copied
+    return data[:room], {**copied, DLQ_TRUNCATED: str(room)}
 
 
 class ConsumerRunner:
@@ -398,7 +401,10 @@ class ConsumerRunner:
         is not acked and comes back: a dead letter is never dropped."""
         seq = msg.metadata.sequence.stream
         headers = {
-            MSG_ID_HEADER: f"{self.observer.name}:{seq}",  # a retried dead-lettering is stored once
+            # One copy per bad message (its stream sequence and bytes) and reason, whichever consumer on whichever
+            # node refuses it first: not one per consumer. A replayed letter is a new message (a new sequence), so
+            # its dead-lettering is kept, never deduplicated against the copy the replay removed.
+            MSG_ID_HEADER: f"dlq:{reason.value}:{seq}:{dead_letter_id(msg.subject, msg.data)}",
             DLQ_REASON: reason.value,
             DLQ_ERROR: _header_safe(error),
             DLQ_SUBJECT: _header_safe(msg.subject, 512),
@@ -407,7 +413,7 @@ class ConsumerRunner:
             DLQ_AT: datetime.now(UTC).isoformat(),
         }
         headers |= signature_headers(msg.headers)
-        data = dead_letter_copy(msg.data, headers, max_payload=self.nc.max_payload)
+        data, headers = dead_letter_copy(msg.data, headers, max_payload=self.nc.max_payload)
         subject = dlq_subject(self.observer.name, reason.value)
         try:
             async with asyncio.timeout(10):

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (2, 11, 0)
 AUTHORIZATION_FILE = "authorization.conf"
+RELOADED = "Reloaded server configuration"  # what nats-server logs once a reload applied
 
 
 def nats_server_binary() -> Path:
@@ -87,7 +88,10 @@ class NatsServer:
         extra_config: str = "",
         extra_args: Sequence[str] = (),
         authorization: str | None = None,
+        system_user: str | None = None,
         cluster: ClusterRoutes | None = None,
+        jetstream: bool = True,
+        jetstream_domain: str | None = None,
     ) -> None:
         self.store_dir = store_dir
         self.host = host
@@ -99,7 +103,14 @@ class NatsServer:
         self.extra_config = extra_config
         self.extra_args = tuple(extra_args)
         self.authorization = authorization  # an `authorization {...}` block; None runs without authentication
+        # The nkey of the system account's one user (the node's view of connections and server state, in place
+        # of an HTTP monitoring port any local user could read); None: no system user.
+        self.system_user = system_user
         self.cluster = cluster  # routes to the other servers of a cluster; None runs alone
+        # A fleet's leaf runs no JetStream of its own: its clients use the stream of the server it leafs to,
+        # whose JetStream domain names it (`$JS.<domain>.API`).
+        self.jetstream = jetstream
+        self.jetstream_domain = jetstream_domain
         self.binary = nats_server_binary()
         self._process: subprocess.Popen[bytes] | None = None
         self._lock = StoreLock(store_dir)
@@ -112,7 +123,14 @@ class NatsServer:
 
     @property
     def monitor_url(self) -> str:
+        """The HTTP monitoring endpoint. Raises ConfigError on a server that serves none (monitor_port 0)."""
+        if self.monitor_port == 0:
+            raise ConfigError("monitor port", "this server serves no monitoring endpoint (monitor_port 0)")
         return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def monitoring(self) -> bool:
+        return self.monitor_port != 0
 
     @property
     def pid(self) -> int | None:
@@ -130,16 +148,25 @@ class NatsServer:
         if self.authorization is not None:
             write_private(self.store_dir / AUTHORIZATION_FILE, self.authorization)
             auth = f'include "{AUTHORIZATION_FILE}"\n'  # relative to this file's directory
+        http = f'http: "{self.host}:{self.monitor_port}"\n' if self.monitoring else ""
+        if self.system_user is not None:
+            auth += f"accounts {{ SYS {{ users: [{{nkey: {self.system_user}}}] }} }}\nsystem_account: SYS\n"
         write_private(
             config,
             f'server_name: "{self.server_name}"\n'
             f'listen: "{self.host}:{self.port}"\n'
-            f'http: "{self.host}:{self.monitor_port}"\n'
+            f"{http}"
             f'ports_file_dir: "{self.store_dir}"\n'
-            f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}\n}}\n'
+            f"{self._jetstream_block(sync)}"
             f"{auth}{self.cluster.config_block() if self.cluster else ''}{self.extra_config}\n",
         )
         return config
+
+    def _jetstream_block(self, sync: str) -> str:
+        if not self.jetstream:
+            return ""
+        domain = f'\n  domain: "{self.jetstream_domain}"' if self.jetstream_domain else ""
+        return f'jetstream {{\n  store_dir: "{self.store_dir}"\n  {sync}{domain}\n}}\n'
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Start the process and wait until JetStream is healthy. Raises Unavailable with the log's tail, or
@@ -156,9 +183,9 @@ class NatsServer:
         ports_file = self.store_dir / f"nats-server_{self._process.pid}.ports"
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                if "address already in use" in self._log_tail():
+                if "address already in use" in self.log_tail():
                     self._require_free_ports()  # taken between the check and the listen
-                raise Unavailable("nats-server", f"exited with {self._process.returncode}: {self._log_tail()}")
+                raise Unavailable("nats-server", f"exited with {self._process.returncode}: {self.log_tail()}")
             if ports_file.exists() and self._read_ports(ports_file) and self._healthy():
                 if self.keep_ports:
                     keep_ports(self.store_dir, ServerPorts(self.port, self.monitor_port))
@@ -167,7 +194,7 @@ class NatsServer:
                 return
             time.sleep(0.05)
         self.kill()
-        raise Unavailable("nats-server", f"not healthy after {timeout_s}s: {self._log_tail()}")
+        raise Unavailable("nats-server", f"not healthy after {timeout_s}s: {self.log_tail()}")
 
     def _spawn(self, config: Path) -> subprocess.Popen[bytes]:
         lock_fd = self._lock.fd
@@ -225,11 +252,14 @@ class NatsServer:
         kept = read_ports(self.store_dir) if self.keep_ports else None
         if kept is not None:
             self.port = self.port if self.port > 0 else kept.client
-            self.monitor_port = self.monitor_port if self.monitor_port > 0 else kept.monitor
+            if self.monitor_port < 0:  # 0 stays 0: no monitoring endpoint, whatever an earlier start kept
+                self.monitor_port = kept.monitor if kept.monitor > 0 else -1
         self._require_free_ports()
 
     def _require_free_ports(self) -> None:
-        ports = [("client", self.port, "--port"), ("monitor", self.monitor_port, "--monitor-port")]
+        ports = [("client", self.port, "--port")]
+        if self.monitoring:
+            ports.append(("monitor", self.monitor_port, "--monitor-port"))
         if self.cluster is not None:
             ports.append(("route", self.cluster.port, "--cluster-port"))
         for role, port, option in ports:
@@ -242,10 +272,15 @@ class NatsServer:
         except json.JSONDecodeError:
             return False  # written but not yet complete
         self.port = int(ports["nats"][0].rsplit(":", 1)[1])
-        self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])
+        if self.monitoring:
+            if not ports.get("monitoring"):
+                return False
+            self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])
         return True
 
     def _healthy(self) -> bool:
+        if not self.monitoring:  # the ports file is written once clients may connect, after JetStream started
+            return True
         url = f"{self.monitor_url}/healthz?js-enabled-only=true"
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
@@ -253,7 +288,7 @@ class NatsServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def _log_tail(self, lines: int = 5) -> str:
+    def log_tail(self, lines: int = 5) -> str:
         if not self.log_file.exists():
             return "(no log)"
         return " | ".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
@@ -267,21 +302,37 @@ class NatsServer:
         process = self._process
         if process is None or process.poll() is not None:
             return  # applied at the next start
-        before = self._config_load_time()
+        mark = self._log_size()
         process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout_s
-        while self._config_load_time() == before:
+        # The server logs the outcome of every reload; read from where the log stood (no monitoring port needed).
+        while (outcome := self._reload_outcome(mark)) is None:
             if time.monotonic() > deadline or process.poll() is not None:
-                raise Unavailable("nats-server", f"did not reload its authorization: {self._log_tail()}")
+                raise Unavailable("nats-server", f"did not reload its authorization: {self.log_tail()}")
             time.sleep(0.02)
+        if outcome != RELOADED:
+            raise Unavailable("nats-server", f"refused the new authorization: {outcome}")
 
-    def _config_load_time(self) -> str | None:
+    def _log_size(self) -> int:
         try:
-            with urllib.request.urlopen(f"{self.monitor_url}/varz", timeout=1) as response:
-                value = json.loads(response.read()).get("config_load_time")
-                return str(value) if value is not None else None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            return self.log_file.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _reload_outcome(self, mark: int) -> str | None:
+        """RELOADED, the server's error line, or None while the log shows neither after `mark`."""
+        try:
+            with self.log_file.open("rb") as log_in:
+                log_in.seek(mark)
+                text = log_in.read().decode("utf-8", "replace")
+        except FileNotFoundError:
             return None
+        for line in text.splitlines():
+            if RELOADED in line:
+                return RELOADED
+            if "[ERR]" in line and "reload" in line.lower():
+                return line.strip()[-500:]
+        return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Graceful stop (SIGTERM), then SIGKILL if it does not exit in time; frees the store directory."""

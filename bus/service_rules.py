@@ -12,7 +12,9 @@ keep out nobody who leaves the signature off."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Generic, TypeVar
@@ -20,18 +22,29 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from bus.auth import ANY_PROJECT as ANY
 from bus.auth import AUDIT_ROLES, Enrolment, inbox_owner, inbox_prefix
-from bus.errors import Conflict, Forbidden
+from bus.errors import ConfigError, Conflict, Forbidden
 from bus.registry import AgentRegistry
 from bus.requests import (
+    ConsumerOpenRequest,
     EraseRequest,
     ForgetProofRequest,
+    JournalReadRequest,
     RecallRequest,
     ReindexRequest,
+    TombstoneCheckRequest,
     VerifyRequest,
 )
 from bus.signing import verify_request
-from bus.subjects import SIGNATURE_HEADER, SIGNED_AT_HEADER, SIGNER_HEADER, SIGNER_KEY_HEADER
+from bus.subjects import (
+    POLICY_PROJECT,
+    SIGNATURE_HEADER,
+    SIGNED_AT_HEADER,
+    SIGNER_HEADER,
+    SIGNER_KEY_HEADER,
+    readable_project,
+)
 from bus.vocab import Role
 
 ENROLMENT_CACHE_S = 2.0  # how long a signer's enrolment is reused: a revocation elsewhere takes effect within it
@@ -61,6 +74,23 @@ class Asker:
 
 
 Rule = Callable[[Asker, Req], None]
+_ASKER: ContextVar[Asker | None] = ContextVar("epibus_asker", default=None)
+
+
+@contextmanager
+def answering(asker: Asker | None) -> Iterator[None]:
+    """While a responder's handler runs: `current_asker()` names who signed the request."""
+    token = _ASKER.set(asker)
+    try:
+        yield
+    finally:
+        _ASKER.reset(token)
+
+
+def current_asker() -> Asker | None:
+    """Who signed the request being answered: None on a node without authentication (unsigned), or when the
+    node's own key signed it (Asker.enrolment None: the operator, who sees everything)."""
+    return _ASKER.get()
 
 
 @dataclass(frozen=True)
@@ -141,7 +171,8 @@ def admin_rule(asker: Asker, request: BaseModel) -> None:
 
 
 def enrolled_rule(asker: Asker, request: BaseModel) -> None:
-    """Any enrolled, active agent (the guard has checked that): the journal lookup."""
+    """Any enrolled, active agent (the guard has checked that): the journal lookup, the enrolment view (which
+    shows each asker what its projects share)."""
 
 
 def recall_rule(asker: Asker, request: RecallRequest) -> None:
@@ -179,6 +210,36 @@ def forget_proof_rule(asker: Asker, request: ForgetProofRequest) -> None:
 def erase_rule(asker: Asker, request: EraseRequest) -> None:
     """Erase a forgotten artifact's messages from the stream: admins."""
     admin_rule(asker, request)
+
+
+def consumer_rule(asker: Asker, request: ConsumerOpenRequest) -> None:
+    """Open a consumer: for the signing key only, filtered to one project the signer is a member of (or to the
+    fleet's own records, which every enrolled agent reads); across projects only for an agent of every project."""
+    if request.owner_key != asker.public_key:
+        raise asker.refuse("owner_key must be the signing key: an agent opens consumers for itself only")
+    try:
+        project = readable_project(request.stream, request.filter_subject)
+    except ConfigError as e:
+        raise asker.refuse(str(e)) from e
+    if project != POLICY_PROJECT:
+        _member(asker, project)
+
+
+def tombstone_check_rule(asker: Asker, request: TombstoneCheckRequest) -> None:
+    """Check claims against a project's tombstones: its members, who may publish claims there."""
+    _member(asker, request.project)
+
+
+def journal_read_rule(asker: Asker, request: JournalReadRequest) -> None:
+    """Read a node's journal: members of the project (every project, project null: agents of every project);
+    the audit read (every state): reviewers and admins of it, as the audit door of recall."""
+    if request.project is None:
+        if not asker.member_of(ANY):
+            raise asker.refuse("project: null (every project) is for agents of every project; name a project (-p)")
+    else:
+        _member(asker, request.project)
+    if request.read == "audit" and not asker.has_role(*AUDIT_ROLES):
+        raise asker.refuse("the audit read (every state, with the verification log) is for reviewers and admins")
 
 
 def _member(asker: Asker, project: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -409,14 +409,6 @@ def _decide_resolution(event: Envelope, body: ResolvedBody, current: ArtifactSta
     if body.resolution is ResolutionKind.retracted:
         tomb = Tombstone(current.content_hash, aid, str(event.event_id), "retracted")
     return Change(str(event.event_id), (updated,), tombstone=tomb)
-
-
-def as_of_filter(at: datetime | None) -> Callable[[Envelope], bool]:
-    """Events that had been recorded by `at` (all events when None)."""
-    if at is None:
-        return lambda _event: True
-    cutoff = at.astimezone(UTC)
-    return lambda event: event.recorded_at <= cutoff
 
 
 def by_id(states: Iterable[ArtifactState]) -> Mapping[str, ArtifactState]:

@@ -20,6 +20,10 @@ AGENT_KEYS_BUCKET = "epibus_agents"
 TOMBSTONES_BUCKET = "epibus_tombstones"
 # Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
 JOURNAL_LOOKUP = "epibus.journal.has"
+# Core NATS request answered by one node of the `epibus-journal` queue group: a read of its journal (events,
+# artifacts, audit, briefing, lineage, vocab report) for a signed asker, under the same membership rules as recall.
+JOURNAL_READ = "epibus.journal.read"
+JOURNAL_QUEUE = "epibus-journal"
 # Core NATS request every node answers: "which of these event ids has your mirror indexed?" (a node without a
 # mirror says so, rather than leaving the asker to wait).
 MIRROR_LOOKUP = "epibus.mirror.has"
@@ -33,6 +37,19 @@ VERIFY = "epibus.verify"
 # `progress` inbox).
 REINDEX = "epibus.reindex"
 
+# Core NATS request answered by one node of the `epibus-consumers` queue group: open a pull consumer for the
+# signing agent, named for it and filtered to one of its projects (agents may not create consumers themselves).
+CONSUMER_OPEN = "epibus.consumer.open"
+CONSUMER_QUEUE = "epibus-consumers"
+# Core NATS request, one node of `epibus-tombstones` answers: which of these claims' content hashes are
+# tombstoned in a project (agents may not list the bucket: its keys are every project's hashes).
+TOMBSTONE_CHECK = "epibus.tombstones.check"
+TOMBSTONE_QUEUE = "epibus-tombstones"
+# Core NATS request, one node of `epibus-enrolments` answers: the enrolment records an agent may see (of the agents
+# it shares a project with; agents may not read the registry or the records: they name the whole fleet).
+ENROLMENT_VIEW = "epibus.enrolments.view"
+ENROLMENT_VIEW_QUEUE = "epibus-enrolments"
+
 # Core NATS requests answered by one node of the `epibus-admin` queue group: enrol, revoke and list agents, and
 # erase a forgotten artifact's messages from the stream (an admin asks; the node finds the messages itself).
 FORGET_ERASE = "epibus.forget.erase"
@@ -40,6 +57,14 @@ ENROL = "epibus.agent.enrol"
 REVOKE = "epibus.agent.revoke"
 LIST_AGENTS = "epibus.agent.list"
 ADMIN_QUEUE = "epibus-admin"
+# Core NATS requests answered by a fleet's hub (the node holding the fleet CA): an admin invites a node or removes
+# one; a joining node redeems its invite, signed by the invite's one-time key.
+FLEET_INVITE = "epibus.fleet.invite"
+FLEET_REMOVE = "epibus.fleet.remove"
+FLEET_JOIN = "epibus.fleet.join"
+FLEET_QUEUE = "epibus-fleet"
+# A fleet hub's JetStream domain: a joined node's server maps its clients' `$JS.API.>` to `$JS.fleet.API.>`.
+FLEET_DOMAIN = "fleet"
 
 # Core NATS requests answered by one node of the `epibus-mesh` queue group: the node is the only writer of the
 # mesh bucket; an agent asks it to apply a signed protocol step, a roster change or its capabilities.
@@ -184,6 +209,61 @@ def heartbeats_filter() -> str:
     return heartbeat_subject(">")
 
 
+AGENT_CONSUMER_PREFIX = "agent_"
+
+
+def agent_consumer_name(public_key: str, slot: int) -> str:
+    """The name of an agent's consumer in slot `slot`: the broker lets an agent pull from, inspect and delete
+    exactly the names built from its own key, so the name is the permission."""
+    return f"{AGENT_CONSUMER_PREFIX}{public_key}_{slot}"
+
+
+ANY_PROJECT_TOKEN = "*"
+
+
+def readable_project(stream: str, filter_subject: str) -> str:
+    """The project a consumer filter on `stream` is confined to: a slug, `*` for a filter across projects (for
+    agents of every project), or the fleet's own project for enrolment records and the mesh's capability
+    records, which every agent reads. Raises ConfigError naming the filter forms allowed."""
+    tokens = filter_subject.split(".")
+    if tokens in (["epi", ">"], ["$KV", MESH_BUCKET, "task", ">"]):
+        return ANY_PROJECT_TOKEN
+    if stream == STREAM:
+        allowed = "epi.<project|*>.>, epi.<project|*>.<kind|*>.<artifact|*|>>"
+        project = tokens[1] if len(tokens) >= 3 and tokens[0] == "epi" else ""
+        if _project_ok(project) and _event_tail_ok(tokens[2:]):
+            return project
+    elif stream == MESH_STREAM:
+        allowed = "$KV.epibus_mesh.task.<project|*>.<task|*>, $KV.epibus_mesh.roster.<project>, $KV.epibus_mesh.agent.*"
+        head, rest = tokens[:2], tokens[2:]
+        if head == ["$KV", MESH_BUCKET] and rest:
+            if rest[0] == "task" and len(rest) == 3 and _project_ok(rest[1]) and _token_ok(rest[2]):
+                return rest[1]
+            if rest[0] == "roster" and len(rest) == 2 and _project_ok(rest[1]):
+                return rest[1]
+            if rest[0] == "agent" and len(rest) == 2 and _token_ok(rest[1]):
+                return POLICY_PROJECT
+    else:
+        raise ConfigError("stream", f"{stream!r} has no consumers for agents", allowed=(STREAM, MESH_STREAM))
+    raise ConfigError("filter_subject", f"{filter_subject[:200]!r} is no filter of a project", allowed=[allowed])
+
+
+def _project_ok(token: str) -> bool:
+    return token == ANY_PROJECT_TOKEN or PROJECT_PATTERN.fullmatch(token) is not None
+
+
+def _token_ok(token: str) -> bool:
+    return token == "*" or ARTIFACT_PATTERN.fullmatch(token) is not None
+
+
+def _event_tail_ok(tail: list[str]) -> bool:
+    if tail == [">"]:
+        return True
+    if len(tail) == 2 and (tail[0] == "*" or KIND_PATTERN.fullmatch(tail[0])):
+        return tail[1] == ">" or _token_ok(tail[1])
+    return False
+
+
 def kv_subject_key(subject: str) -> str:
     """The key of a mesh KV stream message subject (`$KV.<bucket>.<key>`)."""
     return subject.removeprefix(kv_subject(MESH_BUCKET, ""))
@@ -206,6 +286,11 @@ JS_API = "$JS.API"
 def js_api(*parts: str) -> str:
     """A JetStream API subject (also a pattern when a part is a wildcard), for permissions and raw requests."""
     return ".".join((JS_API, *parts))
+
+
+def in_js_domain(subject: str, domain: str) -> str:
+    """A JetStream API subject as addressed to JetStream domain `domain` (`$JS.<domain>.API.…`)."""
+    return f"$JS.{domain}.API" + subject.removeprefix(JS_API)
 
 
 # Headers. JetStream's own: the event id deduplicates, and the expected last sequence on a subject filter makes

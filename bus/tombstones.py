@@ -1,24 +1,17 @@
 """Tombstones, in one place: a retracted or rolled-back claim leaves one, keyed by the claim's normalised content
 hash, and a later claim with the same content is flagged previously_retracted. This module owns the hash, the
-record, its key in the KV bucket clients check before publishing, and that bucket's reader and writer; the journal
-keeps its own table of them (observers/schema.py), derived by the same state rule."""
+record and its key in the KV bucket (pure: no NATS here); bus/tombstone_registry.py reads and writes the bucket,
+and the journal keeps its own table of them (observers/schema.py), derived by the same state rule."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
-
 from bus.errors import MalformedRecord
-from bus.nats_errors import JS_TIMEOUT_S, nats_call
-from bus.records import Quarantine
-from bus.streams import open_bucket
-from bus.subjects import PROJECT_PATTERN, TOMBSTONES_BUCKET, kv_stream, kv_subject
+from bus.subjects import PROJECT_PATTERN, TOMBSTONES_BUCKET, kv_subject
 
 FLAG_PREVIOUSLY_RETRACTED = "previously_retracted"
 CONTENT_HASH_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -58,41 +51,3 @@ def decode_tombstone_key(subject: str, *, project: str) -> str:
     if not CONTENT_HASH_PATTERN.fullmatch(parts[1]):
         raise MalformedRecord(TOMBSTONES_BUCKET, key, None, "does not end in a content hash (64 lowercase hex)")
     return parts[1]
-
-
-class TombstoneRegistry:
-    """Content hashes of retracted and rolled-back claims per project, in a KV bucket `<project>.<hash>`."""
-
-    def __init__(self, js: JetStreamContext) -> None:
-        self._js = js
-        self._kv: KeyValue | None = None
-        self.quarantine = Quarantine("tombstone registry")
-
-    async def _bucket(self) -> KeyValue:
-        if self._kv is None:
-            self._kv = await open_bucket(self._js, TOMBSTONES_BUCKET)
-        return self._kv
-
-    async def hashes(self, project: str, *, timeout_s: float = JS_TIMEOUT_S) -> set[str]:
-        """Every tombstoned content hash of a project, in one request (the keys of the KV stream). A key that
-        is not `<project>.<content hash>` is quarantined and left out: it can flag or refuse nothing."""
-        async with nats_call(f"tombstones of {project}", timeout_s=timeout_s):
-            await self._bucket()
-            info = await self._js.stream_info(
-                kv_stream(TOMBSTONES_BUCKET), subjects_filter=kv_subject(TOMBSTONES_BUCKET, f"{project}.>")
-            )
-        found: set[str] = set()
-        for subject in info.state.subjects or {}:
-            try:
-                found.add(decode_tombstone_key(subject, project=project))
-            except MalformedRecord as e:
-                self.quarantine.add(e)
-        return found
-
-    async def record(self, project: str, tombstone: Tombstone) -> None:
-        value = json.dumps(
-            {"artifact_id": tombstone.artifact_id, "event_id": tombstone.event_id, "reason": tombstone.reason}
-        ).encode()
-        async with nats_call("recording a tombstone"):
-            kv = await self._bucket()
-            await kv.put(tombstone_key(project, tombstone.content_hash), value)

@@ -118,11 +118,13 @@ def _leaf(
     usages: list[x509.ObjectIdentifier],
     ca_key: ec.EllipticCurvePrivateKey,
     ca_cert: x509.Certificate,
+    *,
+    not_after: datetime | None = None,
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
+    until = ca_cert.not_valid_after_utc if not_after is None else not_after
     builder = (
-        _builder(_name(common_name), ca_cert.subject, key.public_key(), ca_cert.not_valid_before_utc,
-                 ca_cert.not_valid_after_utc)
+        _builder(_name(common_name), ca_cert.subject, key.public_key(), ca_cert.not_valid_before_utc, until)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
@@ -232,3 +234,56 @@ def _alt_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
         if entry not in out:
             out.append(entry)
     return out
+
+
+# A fleet's own CA: made once by the node that invites others, under <home>/fleet. Every node's certificate is
+# both a server and a client certificate: a leaf connection is TLS from the joining node to the inviting one.
+FLEET_CA_DAYS = 3650
+
+
+def fleet_authority(directory: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The fleet CA kept in `directory` (ca.key, ca.crt), made at the first call. Raises ConfigError when the
+    files are there but unreadable."""
+    key_path, cert_path = directory / f"{CA_NAME}.key", directory / f"{CA_NAME}.crt"
+    if key_path.exists() and cert_path.exists():
+        try:
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(directory), f"the fleet CA cannot be read ({e}); restore it from a backup") from e
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ConfigError(str(key_path), "is not the fleet CA's EC key; restore it from a backup")
+        return key, cert
+    private_dir_of(directory)
+    now = datetime.now(UTC).replace(microsecond=0)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = _name("epibus fleet CA")
+    cert = (
+        _builder(subject, subject, key.public_key(), now - BACKDATE, now + timedelta(days=FLEET_CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(cert_sign=True), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    _write_pair(directory, CA_NAME, "CA", key, cert)
+    return key, cert
+
+
+def issue_node_certificate(
+    directory: Path, name: str, hosts: Sequence[str], *, days: int = DEFAULT_DAYS
+) -> tuple[str, str, int]:
+    """A new key and certificate for node `name`, signed by the fleet CA in `directory`: (key PEM, certificate
+    PEM, serial). Raises ConfigError."""
+    ca_key, ca_cert = fleet_authority(directory)
+    names = _alt_names([*_server_names([name]), *LOCAL_NAMES, *hosts])
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    until = min(ca_cert.not_valid_after_utc, datetime.now(UTC).replace(microsecond=0) + timedelta(days=days))
+    key, cert = _leaf(name, names, usages, ca_key, ca_cert, not_after=until)
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    return pem_key, cert.public_bytes(serialization.Encoding.PEM).decode(), cert.serial_number
+
+
+def private_dir_of(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)

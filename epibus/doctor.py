@@ -17,6 +17,7 @@ from pathlib import Path
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
 
 from bus.connection import open_nats
 from bus.drift import Difference, automatic, differences, show
@@ -26,8 +27,9 @@ from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.registry import AgentRegistry
 from bus.server import MIN_SERVER_VERSION
 from bus.signing import NODE_KEY_FILE, AgentKey, node_key
-from bus.streams import managed_streams
-from bus.subjects import AGENT_KEYS_BUCKET, STREAM, stream_info_subject
+from bus.streams import managed_streams, node_settings_of
+from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, stream_info_subject
+from epibus.doctor_fleet import certificate_checks, fleet_role, member_checks
 from epibus.doctor_local import (
     FAIL,
     OK,
@@ -130,6 +132,9 @@ async def _connected_checks(nc: NatsClient, home: Path, url: str, replicas: int 
     registry = next(f"stream {s.name}" for s in managed_streams() if s.bucket == AGENT_KEYS_BUCKET)
     if any(c.check == registry and c.status != FAIL for c in streams):
         checks += await registry_checks(js, home)
+    checks += certificate_checks(home)
+    if fleet_role(home) is not None:
+        checks += await member_checks(js)
     return checks
 
 
@@ -162,10 +167,12 @@ async def stream_checks(js: JetStreamContext, replicas: int | None = None) -> li
         except NATS_OR_API_ERROR as e:
             found.append(Check(what, FAIL, f"did not answer: {type(e).__name__} {e}", "try again; see `epibus health`"))
             continue
-        if replicas is None:
-            stream.config.num_replicas = info.config.num_replicas
+        wanted_replicas = stream.config.num_replicas
+        node_settings_of(stream, info.config)  # its limits are the node's configuration, unknown here
+        if replicas is not None:
+            stream.config.num_replicas = wanted_replicas
         diffs = differences(info.config, stream)
-        refused = [d for d in diffs if not automatic(d)]
+        refused = [d for d in diffs if not automatic(d, bucket=stream.bucket is not None)]
         config = info.config
         summary = (
             f"duplicate window {show('duplicate_window', float(config.duplicate_window or 0))}, "
@@ -176,9 +183,33 @@ async def stream_checks(js: JetStreamContext, replicas: int | None = None) -> li
             found.append(Check(what, FAIL, *_refused(refused)))
         elif diffs:
             found.append(Check(what, WARN, f"{diffs[0].text(first=True)}", "the node sets it at its next start"))
+        elif near := _near_limit(info):
+            found.append(Check(what, WARN, near, _LIMIT_FIX.get(stream.name, "raise the limit at the next start")))
         else:
             found.append(Check(what, OK, summary))
     return found
+
+
+NEAR_LIMIT = 0.8  # doctor warns from this share of a stream's byte, message or consumer limit
+_LIMIT_FIX = {
+    STREAM: "when full it refuses new events: raise `epibus up --events-max-gib/--events-max-msgs`, or forget "
+    "and erase what is no longer needed",
+    DLQ_STREAM: "its oldest dead letters are dropped first: read them (`epibus dlq list`) or raise --dlq-max-mib",
+}
+
+
+def _near_limit(info: StreamInfo) -> str | None:
+    """What a stream holds against each of its limits, when at or past NEAR_LIMIT of one."""
+    config, state = info.config, info.state
+    used = [
+        ("bytes", state.bytes, config.max_bytes),
+        ("messages", state.messages, config.max_msgs),
+        ("consumers", state.consumer_count, config.max_consumers),
+    ]
+    for what, have, limit in used:
+        if limit is not None and limit > 0 and have is not None and have >= NEAR_LIMIT * limit:
+            return f"holds {have} of its {limit} {what} limit ({100 * have / limit:.0f}%)"
+    return None
 
 
 def _refused(refused: list[Difference]) -> tuple[str, str]:

@@ -11,31 +11,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
 import nkeys
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from bus.admission import Admission
-from bus.auth import ANY_PROJECT, FIRST_USE, NODE_PREFIX, Enrolment, first_use_enrolment, render_authorization
+from bus.auth import (
+    ANY_PROJECT,
+    DEFAULT_CONSUMER_SLOTS,
+    FIRST_USE,
+    NODE_PREFIX,
+    Enrolment,
+    first_use_enrolment,
+    is_node_identity,
+    render_authorization,
+)
 from bus.authority import enrolment_event
 from bus.batch_context import EnrolmentLog
-from bus.errors import ConfigError, EpibusError, Unavailable
+from bus.enrolment_view import shared_fields, shared_view
+from bus.errors import ConfigError, EpibusError
 from bus.fields import AGENT_PATTERN
-from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.nats_errors import JS_TIMEOUT_S
 from bus.outbox_file import OutboxRow
 from bus.publish import retrying_unavailable, send_one
 from bus.registry import AgentRegistry
-from bus.requests import AgentListReply, AgentListRequest, EnrolmentReply, EnrolRequest, RevokeRequest
-from bus.responder import Responder, serve
+from bus.requests import (
+    MAX_VIEW_RECORDS,
+    AgentListReply,
+    AgentListRequest,
+    EnrolmentReply,
+    EnrolmentViewReply,
+    EnrolmentViewRequest,
+    EnrolRequest,
+    RevokeRequest,
+)
+from bus.responder import Responder, Service, serve
 from bus.server import AUTHORIZATION_FILE, NatsServer
-from bus.service_rules import Authorizer, ServiceGuard, admin_rule
+from bus.service_rules import Authorizer, ServiceGuard, admin_rule, current_asker, enrolled_rule
 from bus.signing import AgentKey, node_event_key
-from bus.subjects import ADMIN_QUEUE, ENROL, LIST_AGENTS, REVOKE, STREAM
+from bus.subjects import ADMIN_QUEUE, ENROL, ENROLMENT_VIEW, ENROLMENT_VIEW_QUEUE, LIST_AGENTS, REVOKE
 from bus.vocab import Role
 
 log = logging.getLogger(__name__)
@@ -84,8 +103,11 @@ class Enrolments:
         *,
         node_name: str,
         local_keys: Path | None = None,
+        consumer_slots: int = DEFAULT_CONSUMER_SLOTS,
     ) -> None:
         self.js = js
+        self.consumer_slots = consumer_slots
+        self.suspended: frozenset[str] = frozenset()  # keys over their publish budget (epibus/budget.py)
         self.local_keys = local_keys  # auto-enrolment: agents whose keys live under the node's home
         self.node = node
         self.server = server
@@ -97,6 +119,12 @@ class Enrolments:
         self.records = EnrolmentLog(js, Admission(self.registry))  # the stream's records, read on as they grow
         self._applied: str | None = None
         self._lock = asyncio.Lock()
+        # On a fleet's leaf, agents' JetStream API subjects are stated in the hub's domain too (its server maps
+        # them there before checking); on a hub, the joined nodes and pending invites are users as well.
+        self.js_domain: str | None = None
+        self._told_taken: set[str] = set()  # local agents whose name the fleet gave another key (logged once)
+        self.taken_names = 0
+        self.extra_users: Callable[[], list[dict[str, Any]]] = list
 
     async def start(self) -> int:
         """Before serving: enrol this node's identity (so its records are admitted where the registry is closed)
@@ -167,6 +195,41 @@ class Enrolments:
             ),
         }
 
+    def view_service(self) -> Service[EnrolmentViewRequest]:
+        """What an agent may see of the fleet's enrolments (`bus.enrolment_view`): any enrolled agent asks, and
+        sees the agents it shares a project with, cut to the projects shared, and the nodes."""
+
+        async def answer(request: EnrolmentViewRequest) -> dict[str, Any]:
+            asker = current_asker()
+            scope = None if asker is None or asker.enrolment is None else list(asker.enrolment.projects)
+            visible = shared_view((await self.records.read()).in_order(), scope)
+            after = [(seq, e) for seq, e in visible if seq > request.after_seq]
+            page = after[:MAX_VIEW_RECORDS]
+            more = len(after) > len(page)
+            last_seq = page[-1][0] if more else max(request.after_seq, self.records.last_seq)
+            nodes, node_keys = await self.registry.node_identities()
+            asked = [(0, e) for agent in request.agents if (e := await self.registry.get(agent)) is not None]
+            seen = {e.agent_id for _, e in visible} | ({asker.agent_id} if asker is not None else set())
+            current = shared_view(asked, scope, also=seen)
+            return {
+                "records": [{"seq": seq, "enrolment": shared_fields(e)} for seq, e in page],
+                "last_seq": last_seq,
+                "more": more,
+                "scope": scope,
+                "current": [shared_fields(e) for _, e in current],
+                "nodes": [shared_fields(e) for e in nodes],
+                "node_keys": node_keys,
+            }
+
+        return Service(
+            ENROLMENT_VIEW,
+            EnrolmentViewRequest,
+            EnrolmentViewReply,
+            answer,
+            enrolled_rule,
+            queue=ENROLMENT_VIEW_QUEUE,
+        )
+
     async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
         if request.agent_id.startswith(NODE_PREFIX):
             why = f"{request.agent_id!r}: ids starting {NODE_PREFIX!r} name nodes; choose another name"
@@ -205,6 +268,19 @@ class Enrolments:
     async def _list(self, request: AgentListRequest) -> dict[str, Any]:
         return {"agents": [e.model_dump(mode="json") for e in await self.registry.enrolments()]}
 
+    async def suspend(self, keys: frozenset[str]) -> None:
+        """Suspend exactly these agent keys at the broker (over their publish budget); the rest publish again."""
+        self.suspended = keys
+        await self.apply()
+
+    async def agent_keys(self) -> dict[str, str]:
+        """Every active enrolled agent's key and id (the node's identities excluded)."""
+        return {
+            e.public_key: e.agent_id
+            for e in await self.registry.enrolments()
+            if e.active and not is_node_identity(e.agent_id, e.public_key)
+        }
+
     async def apply(self) -> bool:
         """Render the authorization from the registry and reload the embedded server if it changed. Returns
         whether it changed. Raises Unavailable."""
@@ -212,9 +288,16 @@ class Enrolments:
             return False
         async with self._lock:
             enrolments = await self.registry.enrolments()
-            if await self._enrol_local_agents({e.agent_id for e in enrolments}):
+            if await self._enrol_local_agents({e.agent_id: e.public_key for e in enrolments}):
                 enrolments = await self.registry.enrolments()  # read again only when a local agent was added
-            text = render_authorization([self.node.public_key], enrolments, node_consumers=await self._durables())
+            text = render_authorization(
+                [self.node.public_key],
+                enrolments,
+                consumer_slots=self.consumer_slots,
+                suspended=self.suspended,
+                js_domain=self.js_domain,
+                extra_users=self.extra_users(),
+            )
             if text == self._applied:
                 return False
             await asyncio.to_thread(self.server.authorize, text)
@@ -222,38 +305,38 @@ class Enrolments:
             log.info("server authorization updated from the agent registry")
             return True
 
-    async def _enrol_local_agents(self, known: set[str]) -> bool:
+    async def _enrol_local_agents(self, known: dict[str, str]) -> bool:
         """Agents created under the node's home (their keys in `<home>/keys`) are enrolled as the local user's,
         like a client enrolling itself with the node's key: an agent of every project, its own owner. This covers
         events they signed while no node ran, which the node forwards from the home's outbox. `known`: the agents
-        the registry holds. Returns whether it enrolled any."""
+        the registry holds and their keys. Returns whether it enrolled any."""
         if self.local_keys is None:
             return False
         enrolled = False
         for agent_id, path in local_agent_keys(self.local_keys):
-            if agent_id in known:
-                continue  # enrolled already (perhaps revoked: never re-enrolled behind an admin's back)
             try:
                 key = AgentKey(agent_id, path.read_bytes().strip())
             except (OSError, ValueError, nkeys.ErrInvalidSeed) as e:
                 log.warning("cannot read the key %s (%s); it is not enrolled", path, e)
+                continue
+            if agent_id in known:
+                # enrolled already (perhaps revoked: never re-enrolled behind an admin's back), or by another
+                # key: agent ids are the fleet's, and another host's agent of that name holds it
+                if known[agent_id] != key.public_key and agent_id not in self._told_taken:
+                    self._told_taken.add(agent_id)
+                    self.taken_names += 1
+                    log.error(
+                        "local agent %s (%s) cannot connect: the fleet enrolled that name with another key (an agent "
+                        "of another home or host); give this one another name (--agent), or an admin moves the name "
+                        "to this key: epibus agent add %s --key %s --replace-key -p P",
+                        agent_id, path, agent_id, key.public_key,
+                    )  # fmt: skip
                 continue
             first_use = first_use_enrolment(agent_id, key.public_key, enrolled_at=datetime.now(UTC))
             if await self.registry.enrol_if_absent(first_use) is not None:  # else enrolled meanwhile: that stands
                 log.info("enrolled local agent %s", agent_id)
                 enrolled = True
         return enrolled
-
-    async def _durables(self) -> list[str]:
-        """The node services' durable consumers on the event stream: no agent may pull from them."""
-        try:
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                consumers = await self.js.consumers_info(STREAM)
-        except nats.js.errors.NotFoundError:
-            return []
-        except NATS_OR_API_ERROR as e:
-            raise Unavailable("nats", f"consumers of {STREAM}: {type(e).__name__} {e}") from e
-        return sorted(c.config.durable_name for c in consumers if c.config.durable_name)
 
     async def keep_in_step(self) -> None:
         """Re-apply the registry every few seconds: enrolments written through other nodes, new durables."""

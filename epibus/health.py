@@ -78,6 +78,9 @@ def problems(
             )
         elif stats.get("degraded"):
             found.append(f"observer {name} degraded, holding events: {stats.get('last_error')}")
+    refused = (report.get("fleet") or {}).get("refused")
+    if refused:
+        found.append(str(refused))
     drift = (report.get("streams") or {}).get("drift")
     if drift:
         found.append(f"{drift}; until then the node forwards nothing (its outbox keeps the events)")
@@ -105,10 +108,13 @@ def node_health(node: Node) -> dict[str, Any]:
         },
         "observers": observers,
         "streams": {"drift": node.stream_drift},
+        "fleet": {"refused": node.fleet_link.problem if node.fleet_link and node.fleet_link.refused else None},
         "mirror": _mirror(node),
         "forwarder": asdict(node.forwarder.stats) if node.forwarder is not None else None,
         "services": {subject: asdict(responder.counts) for subject, responder in node.services.items()},
         "service_failures": dict(service_failures),
+        "budgets": node.budget.report() if node.budget is not None else None,
+        "consumer_slots": asdict(node.consumer_slots.counts) if node.consumer_slots is not None else None,
     }
 
 

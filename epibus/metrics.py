@@ -71,7 +71,7 @@ class NodeMetrics:
     async def gather(self) -> list[Metric]:
         node = self.node
         found = [*_observer_families(node), *_consumer_families(node), *_service_families(node)]
-        found += [*_embed_families(node), *_node_families(node), *_mesh_families(node)]
+        found += [*_embed_families(node), *_node_families(node), *_mesh_families(node), *_limit_families(node)]
         found += await self._stream_families()
         found += await self._outbox_families()
         errors = CounterMetricFamily(
@@ -270,6 +270,39 @@ def _service_families(node: Node) -> list[Metric]:
     for name, n in sorted(service_failures.items()):
         failures.add_metric([name], n)
     return [requests, seconds, failures]
+
+
+def _limit_families(node: Node) -> list[Metric]:
+    """Each agent's publish budget and use on this node's server, and the consumer slots it was refused."""
+    found: list[Metric] = []
+    if node.budget is not None:
+        report = node.budget.report()
+        limit = GaugeMetricFamily("epibus_publish_budget", "What one agent may send per window.", labels=["unit"])
+        limit.add_metric(["messages"], report["msgs_per_window"])
+        limit.add_metric(["bytes"], report["bytes_per_window"])
+        used = GaugeMetricFamily(
+            "epibus_agent_publish_window", "What each agent sent in the last window.", labels=["agent", "unit"]
+        )
+        suspended = GaugeMetricFamily("epibus_agent_suspended", "1 while an agent is over budget.", labels=["agent"])
+        suspensions = CounterMetricFamily(
+            "epibus_agent_budget_suspensions", "Times each agent went over its budget.", labels=["agent"]
+        )
+        for agent, use in report["agents"].items():
+            used.add_metric([agent, "messages"], use["msgs"])
+            used.add_metric([agent, "bytes"], use["bytes"])
+            suspended.add_metric([agent], 1.0 if use["suspended"] else 0.0)
+            suspensions.add_metric([agent], use["suspensions"])
+        found += [limit, used, suspended, suspensions]
+    if node.consumer_slots is not None:
+        slots = CounterMetricFamily(
+            "epibus_agent_consumers",
+            "Agents' consumers this node opened, or refused (all slots in use).",
+            labels=["outcome"],
+        )
+        slots.add_metric(["opened"], node.consumer_slots.counts.opened)
+        slots.add_metric(["refused"], node.consumer_slots.counts.full)
+        found.append(slots)
+    return found
 
 
 def _embed_families(node: Node) -> list[Metric]:

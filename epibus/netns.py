@@ -167,6 +167,11 @@ def _remove_stale_locked() -> list[str]:
     return removed
 
 
+def namespaces_made_by(pid: int) -> list[str]:
+    """The network namespaces process `pid` made and has not removed (their names carry its pid)."""
+    return [name for name in _netns_names() if (match := _NETNS_NAME.match(name)) and int(match[1], 36) == pid]
+
+
 def remove_stale() -> list[str]:
     """Remove the namespaces, bridges and veths of runs whose process no longer runs; returns their names."""
     with _machine_lock():

@@ -11,9 +11,11 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
+import nats
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from bus.consumers import ConsumerSlots
 from bus.errors import ConfigError
 from bus.forwarder import Forwarder
 from bus.home import (
@@ -27,6 +29,7 @@ from bus.home import (
 )
 from bus.loops import cancel_and_wait
 from bus.outbox import Outbox
+from bus.ports import read_ports
 from bus.presence import Presence
 from bus.responder import Responder, Service, serve_services
 from bus.runner import ConsumerRunner
@@ -36,16 +39,19 @@ from bus.signing import AgentKey, node_key
 from bus.subjects import (
     JOURNAL_LOOKUP,
 )
-from bus.tombstones import TombstoneRegistry
+from bus.tombstone_registry import TombstoneRegistry
+from epibus.budget import BudgetWatch
 from epibus.coordinating import start_coordinators
 from epibus.dashboard import Dashboard
 from epibus.enrolment import Enrolments, starting_authorization
 from epibus.erase import erase_service
 from epibus.failpoints import observed
+from epibus.fleet import FleetHub
 from epibus.health import report_health
 from epibus.metrics_http import MetricsServer, MetricsSettings, start_metrics
 from epibus.node_config import CLUSTER_START_S, NodeConfig, check_config, settle_s
 from epibus.node_connection import NodeConnection, settling
+from epibus.node_fleet import FleetLink, FleetPlace, fleet_place, join_if_invited, serve_hub
 from epibus.node_mirror import NodeMirror, open_mirror
 from epibus.recovery import Recovery
 from epibus.status import MeshView, StatusWriter
@@ -61,6 +67,7 @@ from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress
 from observers.mirror.service import MirrorServices
 from observers.mirror.store import VectorStore
+from observers.read_service import journal_read_service
 from observers.residue import NodeFiles, forget_proof_service
 from observers.verify import verify_service
 
@@ -69,21 +76,47 @@ __all__ = ["CLUSTER_START_S", "MESH_KINDS", "Node", "NodeConfig", "service_failu
 log = logging.getLogger(__name__)
 # Importing mesh.events registered these kinds, so this node's observers admit the mesh's events.
 MESH_KINDS = (mesh_events.TASK_KIND, mesh_events.COORDINATORS_KIND)
+SYSTEM_KEY_FILE = "system.nk"
+
+
+def system_key(config: NodeConfig) -> AgentKey:
+    """The key of the embedded server's system-account user: the node reads its clients' counts with it."""
+    return AgentKey.load_or_create_at(config.home / "nats" / SYSTEM_KEY_FILE, "system")
+
+
+def monitor_port(config: NodeConfig) -> int:
+    """The embedded server's HTTP monitoring port: the one asked for; otherwise none on a server with
+    authentication (its pages list every client's key and every consumer to any local user; the node asks
+    the system account instead), a free one without authentication or in a cluster (which waits on it)."""
+    if config.monitor_port is not None:
+        return config.monitor_port
+    if config.cluster is not None or not config.authenticate:
+        return -1
+    kept = read_ports(config.home / "nats")  # a port asked for once is kept for later starts
+    return kept.monitor if kept is not None and kept.monitor > 0 else 0
 
 
 async def start_server(
-    config: NodeConfig, name: str, authorization: str | None, stack: contextlib.AsyncExitStack
+    config: NodeConfig,
+    name: str,
+    authorization: str | None,
+    stack: contextlib.AsyncExitStack,
+    fleet: dict[str, Any] | None = None,
 ) -> NatsServer:
-    """The embedded nats-server under home/nats, stopped with `stack`."""
+    """The embedded nats-server under home/nats, stopped with `stack`; `fleet`: its options as a fleet's hub or
+    leaf (epibus/node_fleet.py)."""
     server = NatsServer(
         config.home / "nats",
-        host=config.host,
+        # In a fleet only the hub's listener for joining nodes (mutual TLS) faces the network; clients stay local.
+        host="127.0.0.1" if fleet else config.host,
         port=config.port or -1,
-        monitor_port=config.monitor_port or -1,
+        monitor_port=monitor_port(config),
+        system_user=system_key(config).public_key if authorization is not None else None,
         keep_ports=True,  # clients following this node find it where it was before a restart
         authorization=authorization,
-        server_name=name if config.cluster else "epibus",  # unique in a cluster, kept
+        server_name=name if config.cluster or fleet else "epibus",  # unique in a cluster or a fleet, kept
         cluster=config.cluster,
+        **(fleet or {}),
     )
     stack.callback(server.stop)  # first: a start that fails half-way still frees the store
     # A cluster's server waits for a majority of its peers, which start at the same time.
@@ -110,6 +143,12 @@ class Node:
         self.coordinators: list[Coordinator] = []
         self.recorder: MeshRecorder | None = None
         self.mesh_service: MeshService | None = None
+        self.fleet = FleetPlace(None, None)  # alone, a fleet's hub or a joined node (epibus/node_fleet.py)
+        self.fleet_hub: FleetHub | None = None
+        self.fleet_link: FleetLink | None = None  # a joined node's link to its hub
+        self._system: NatsClient | None = None
+        self.consumer_slots: ConsumerSlots | None = None  # opens agents' consumers (bus/consumers.py)
+        self.budget: BudgetWatch | None = None  # agents' publish budgets on the embedded server
         self.name = config.name or ""  # settled at start (node_name)
         self.key = AgentKey.generate("node")  # replaced at start by the key kept in home (node_key)
         self.enrolments: Enrolments | None = None
@@ -117,7 +156,7 @@ class Node:
         self.status: StatusWriter | None = None
         self.metrics: MetricsServer | None = None
         self.presence: Presence | None = None
-        self.connection = NodeConnection(replicas=config.replicas)
+        self.connection = NodeConnection(replicas=config.replicas, limits=config.limits)
         self.recovery = Recovery(self.connection, self._stop_services, self._start)
         self.loops = Loops()
         self._tasks = self.loops.tasks  # the running loops: the same list for the node's life
@@ -189,11 +228,14 @@ class Node:
         check_config(config)
         if (was := private_dir(home)) is not None:
             log.info("%s was mode %04o and is now 0700: a fleet's memory is readable by its owner only", home, was)
-        self.name = node_name(home, config.name)
+        self.fleet = fleet_place(config)
+        self.name = node_name(home, config.name or self.fleet.joining_as)
         self.key = node_key(home)
         if config.nats_url is None:
             authorization = starting_authorization(home / "nats", self.key) if self.authenticated else None
-            self.server = await start_server(config, self.name, authorization, self._stack)
+            options = self.fleet.server_options(home, self.name, config.host, self.key)
+            self.server = await start_server(config, self.name, authorization, self._stack, options)
+            self.fleet = await join_if_invited(self.fleet, self.server, self.key, host=config.host)
         self.journal = Journal(config.journal_url or default_journal_url(home))
         self._stack.callback(self.journal.close)
         await asyncio.to_thread(self.journal.migrate)
@@ -203,11 +245,15 @@ class Node:
             name=f"epibus-node:{self.name}",
             key=self.key,
             stack=self._stack,
-            settle_s=settle_s(config),
+            settle_s=max(settle_s(config), self.fleet.settle_s),
             repair=config.repair_streams,
         )
         self.js = self.connection.require_js()
         enrolments = await self._start_authority(self.nc, self.js)
+        self.fleet_hub = await serve_hub(
+            self.fleet, home=home, nc=self.nc, js=self.js, name=self.name, key=self.key, host=config.host,
+            enrolments=enrolments, system=self._system_connection,
+        )  # fmt: skip
         await self._start_stores(self.nc, self.js, self.journal)
         await self._serve_requests(self.nc, self.js, self.journal, enrolments)
         await self._start_loops(enrolments)
@@ -217,7 +263,9 @@ class Node:
         """The enrolment services (keeping the server's authorization in step) and the mesh bucket's writer."""
         local_keys = self.config.home / "keys" if self.authenticated and self.config.auto_enrol else None
         server = self.server if self.authenticated else None
-        enrolments = Enrolments(js, self.key, server, node_name=self.name, local_keys=local_keys)
+        enrolments = Enrolments(
+            js, self.key, server, node_name=self.name, local_keys=local_keys, consumer_slots=self.config.agent_consumers
+        )
         self.enrolments = enrolments
         await enrolments.start()
         self.services |= await enrolments.serve(nc)
@@ -260,13 +308,36 @@ class Node:
         lookups = enrolments.guard.authorizer(enrolled_rule)
         self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(nc, authorize=lookups)
         self.mirror_services = MirrorServices(self.live_mirror, journal, node=self.name, publish=nc.publish)
+        self.consumer_slots = ConsumerSlots(nc, js, slots=self.config.agent_consumers)
         requests: list[Service[Any]] = [
             forget_proof_service(lambda: node_files(self, journal)),
+            journal_read_service(journal),
             verify_service(js, journal, lambda: self.mirror),
             erase_service(js, enrolments.registry),
+            self.consumer_slots.service(),
+            TombstoneRegistry(js).service(),
+            enrolments.view_service(),
             *self.mirror_services.services(),
         ]
         self.services |= await serve_services(nc, requests, node=self.name, guard=enrolments.guard)
+
+    async def _watch_budgets(self, server: NatsServer, enrolments: Enrolments) -> BudgetWatch:
+        """Every agent's publish budget, counted by the embedded server, read as its system account's user."""
+        system = await self._system_connection()
+        return BudgetWatch(system, self.config.budget, agents=enrolments.agent_keys, apply=enrolments.suspend)
+
+    async def _system_connection(self) -> NatsClient:
+        """The node's one connection as its server's system-account user (budgets, the fleet's leaf links)."""
+        if self._system is None:
+            assert self.server is not None
+            self._system = await nats.connect(
+                self.server.url,
+                name=f"epibus-system:{self.name}",
+                max_reconnect_attempts=-1,
+                **system_key(self.config).nats_credentials,
+            )
+            self._stack.push_async_callback(self._system.close)
+        return self._system
 
     async def _start_loops(self, enrolments: Enrolments) -> None:
         """Every loop of the node, announced first; each runs supervised: one that fails is logged, counted and
@@ -276,7 +347,10 @@ class Node:
         assert self.journal is not None
         connection, home = self.connection, self.config.home
         # Announced once every service is subscribed; withdrawn when the node stops, before its services do.
-        self.presence = Presence(connection.require_js, self.key, self.name, lambda: self.services)
+        runner = self.runner
+        self.presence = Presence(
+            connection.require_js, self.key, self.name, lambda: self.services, lambda: runner.stats.pending
+        )
         # The nodes bucket may have no leader yet when a peer has just made it: the same bounded wait.
         await settling(settle_s(self.config), self.presence.beat)
         self._stack.push_async_callback(self.presence.withdraw)
@@ -288,6 +362,12 @@ class Node:
         loops.supervise("health report", lambda: report_health(self))
         loops.supervise("authorization", enrolments.keep_in_step)
         loops.supervise("heartbeat", self.presence.run)
+        if self.server is not None and self.fleet.leaf is not None:
+            self.fleet_link = FleetLink(self.server, self.fleet.leaf)
+            loops.supervise("fleet link", self.fleet_link.watch)
+        if self.server is not None and self.authenticated:
+            self.budget = await self._watch_budgets(self.server, enrolments)
+            loops.supervise("publish budget", self.budget.run)
         if self.live_mirror is not None:
             self.live_mirror.start(loops)
         if self.server is not None:
@@ -381,7 +461,7 @@ def node_info(node: Node) -> NodeInfo:
     return NodeInfo(
         pid=os.getpid(),
         nats_url=node.nats_url,
-        monitor_url=node.server.monitor_url if node.server else None,
+        monitor_url=node.server.monitor_url if node.server and node.server.monitoring else None,
         journal_url=node.journal.url,
         outbox_path=str(node.forwarder.outbox.path),
         embedded_server=node.server is not None,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.auth import DEFAULT_CONSUMER_SLOTS
 from bus.errors import ConfigError
 from bus.routes import ClusterRoutes
+from bus.streams import StreamLimits
+from epibus.budget import PublishBudget
 from epibus.dashboard.security import check_bind_host
 
 CLUSTER_START_S = 120.0
+MAX_CONSUMER_SLOTS = 64  # each slot is three permission subjects per stream in every agent's broker entry
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,12 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_remote: bool = False
     cluster: ClusterRoutes | None = None  # the embedded server's routes to the other servers of a cluster
+    limits: StreamLimits = field(default_factory=StreamLimits)  # what the streams may hold
+    budget: PublishBudget = field(default_factory=PublishBudget)  # what one agent may send per minute
+    agent_consumers: int = DEFAULT_CONSUMER_SLOTS  # consumers one agent may hold open per stream it reads
+    # A fleet across machines: listen for joining nodes here (on `host`, mutual TLS): this node is the hub.
+    fleet_port: int | None = None
+    join: str | None = None  # an invite token: join the fleet it names (kept in home; later starts need none)
     failpoints: bool = False  # honour the failpoints `epibus chaos` arms under home/failpoints (epibus/failpoints.py)
 
 
@@ -53,6 +63,8 @@ def check_config(config: NodeConfig) -> None:
     own_server = (config.port, config.monitor_port, config.cluster, config.host != "127.0.0.1")
     if config.nats_url is not None and any(own_server):
         raise ConfigError("--port", "only the embedded server has a host, ports and routes; drop them, or --nats")
+    if not 1 <= config.agent_consumers <= MAX_CONSUMER_SLOTS:
+        raise ConfigError("--agent-consumers", f"{config.agent_consumers} is not between 1 and {MAX_CONSUMER_SLOTS}")
     if config.ui_port is not None:  # a refused address stops the start before anything runs
         check_bind_host(config.ui_host, allow_remote=config.ui_remote)
 

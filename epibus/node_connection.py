@@ -17,7 +17,7 @@ from bus.errors import StreamDrift, Unavailable
 from bus.loops import cancel_and_wait
 from bus.nats_errors import NATS_UNAVAILABLE
 from bus.signing import AgentKey
-from bus.streams import DRIFT_CHECK_EVERY_S, ensure_streams
+from bus.streams import DRIFT_CHECK_EVERY_S, StreamLimits, ensure_streams
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ class NodeConnection:
     """The connection every service of the node shares. One object for the node's life: `open` makes a new
     connection at each (re)start of the services."""
 
-    def __init__(self, *, replicas: int) -> None:
+    def __init__(self, *, replicas: int, limits: StreamLimits) -> None:
         self.replicas = replicas
+        self.limits = limits
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
         self.stream_drift: str | None = None  # the StreamDrift found at the last check, reported in health
@@ -88,7 +89,7 @@ class NodeConnection:
         if self._streams_ready and now - self._streams_checked_at < DRIFT_CHECK_EVERY_S:
             return
         try:
-            await ensure_streams(self.require_js(), replicas=self.replicas, repair=repair)
+            await ensure_streams(self.require_js(), replicas=self.replicas, repair=repair, limits=self.limits)
         except StreamDrift as e:
             self.stream_drift = str(e)
             raise

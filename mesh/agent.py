@@ -51,8 +51,12 @@ class MeshAgent:
 
     @property
     def store(self) -> MeshStore:
-        if self._store is None or self._store.js is not self.client.js:
-            self._store = MeshStore(self.client.js, replicas=self.client.replicas)
+        enrolment = self.client.enrolment  # known once connected: a confined agent reads its projects only
+        projects = enrolment.projects if enrolment is not None else None
+        store = self._store
+        if store is None or store.js is not self.client.js or store.projects != MeshStore.readable(projects):
+            self._store = MeshStore(self.client.js, replicas=self.client.replicas, projects=projects)
+        assert self._store is not None
         return self._store
 
     async def _ask(self, subject: str, request: BaseModel) -> int:

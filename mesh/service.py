@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from bus.auth import Enrolment, inbox_owner
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
-from bus.event import Actor, raise_for_validation
+from bus.event import Actor, invalid_event_of
 from bus.responder import Responder, serve
 from bus.service_rules import ENROLMENT_CACHE_S, Asker, Authorizer
 from bus.signing import (
@@ -233,7 +233,7 @@ class MeshService:
         try:
             changed = Roster(project=project, changes=(*roster.changes, change))
         except ValidationError as e:  # the roster's history is full
-            raise raise_for_validation(e) from e
+            raise invalid_event_of(e) from e
         try:
             verify_signature(roster_event(changed, changed.version - 1))
         except InvalidEvent as e:

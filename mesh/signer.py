@@ -8,7 +8,7 @@ from datetime import datetime
 
 from pydantic import ValidationError
 
-from bus.event import raise_for_validation
+from bus.event import invalid_event_of
 from bus.signing import AgentKey
 from mesh.events import opening_record, unsigned_roster_event, unsigned_step_event
 from mesh.task import (
@@ -95,4 +95,4 @@ class MeshSigner:
                 }
             )
         except ValidationError as e:
-            raise raise_for_validation(e) from e
+            raise invalid_event_of(e) from e

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus.auth import ANY_PROJECT
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, nats_call
 from bus.reader import read_stream
@@ -148,8 +149,11 @@ class MeshStore:
         replicas: int | None = None,
         timeout_s: float = JS_TIMEOUT_S,
         create: bool = True,
+        projects: Sequence[str] | None = None,
     ) -> None:
         self.js = js
+        # The projects a confined agent may read (the broker and the node refuse the rest); None: every one.
+        self.projects = self.readable(projects)
         self.replicas = replicas
         self.create = create  # False: a reader that must not create the bucket (NotFound instead)
         self.timeout_s = timeout_s
@@ -158,6 +162,10 @@ class MeshStore:
         self._kv: KeyValue | None = None
         self._rosters: dict[str, _KnownRoster] = {}
         self.verified = VerifiedTasks()
+
+    @staticmethod
+    def readable(projects: Sequence[str] | None) -> tuple[str, ...] | None:
+        return None if projects is None or ANY_PROJECT in projects else tuple(sorted(set(projects)))
 
     def _answering(self, what: str) -> AbstractAsyncContextManager[None]:
         return nats_call(f"mesh bucket, {what}", timeout_s=self.timeout_s)
@@ -292,9 +300,12 @@ class MeshStore:
         """A task by id in whatever project holds it. Raises Conflict when several projects hold that id
         (ids chosen by hand can repeat): name the project then."""
         await self.bucket()
-        subject = tasks_key_filter().removesuffix("*") + task_id
         unreadable: list[MalformedRecord] = []
-        found = await self._decoded(await self._current(subject, f"find task {task_id}"), unreadable)
+        messages: list[Msg] = []
+        for project in self.projects or ["*"]:
+            subject = kv_subject(MESH_BUCKET, task_key(project, task_id))
+            messages += await self._current(subject, f"find task {task_id}")
+        found = await self._decoded(messages, unreadable)
         if not found and unreadable:
             raise unreadable[0]
         if len(found) > 1:
@@ -306,7 +317,10 @@ class MeshStore:
         """The current record of every task (of one project, or all); records that cannot be understood or
         trusted are left out and quarantined (`self.quarantine`)."""
         await self.bucket()
-        return await self._decoded(await self._current(tasks_key_filter(project), "list tasks"), [])
+        messages: list[Msg] = []
+        for one in [project] if project is not None or self.projects is None else self.projects:
+            messages += await self._current(tasks_key_filter(one), "list tasks")
+        return await self._decoded(messages, [])
 
     async def _decoded(self, messages: list[Msg], unreadable: list[MalformedRecord]) -> list[TaskEntry]:
         entries: list[TaskEntry] = []

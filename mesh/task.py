@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
 
 from bus.errors import InvalidEvent
-from bus.event import canonical_json, raise_for_validation
+from bus.event import canonical_json, invalid_event_of
 from bus.fields import AgentId, ProjectSlug, PublicKey, ShortText, Text
 from bus.kinds import Evidence, Model
 from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
@@ -219,7 +219,7 @@ def parse_message(raw: dict[str, Any]) -> Message:
     try:
         return Message.model_validate(raw)
     except ValidationError as e:
-        error = raise_for_validation(e)
+        error = invalid_event_of(e)
         task = raw.get("task_id", "?")
         action = raw.get("action", "?")
         field = error.field.replace("completion.sha", "sha")

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from bus.consumers import pull_consumer
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.follow import ResumingSubscription, resume_config
 from bus.home import write_private
-from bus.nats_errors import JS_TIMEOUT_S, RETRYABLE
+from bus.nats_errors import RETRYABLE
+from bus.reader import last_matching
 from bus.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value
@@ -197,23 +199,22 @@ class TaskWatcher(ResumingSubscription):
             await self._store_for(js).bucket()  # a watcher may start before anyone wrote: the bucket must exist
             await self._check_cursor(js)
             config = resume_config(tasks_key_filter(self.project), self.last_seen)
-            async with asyncio.timeout(JS_TIMEOUT_S):
-                self._subscription = await js.pull_subscribe(
-                    tasks_key_filter(self.project), stream=MESH_STREAM, config=config
-                )
+            self._subscription = await pull_consumer(js, MESH_STREAM, config)
             self.stats.resubscribed += 1
         return self._subscription
 
     async def _check_cursor(self, js: JetStreamContext) -> None:
         """A cursor past the bucket's last revision means the bucket was reset (a new server, a wiped store):
         waiting for revisions that will never come would look like an empty inbox, so it is an error."""
-        async with asyncio.timeout(JS_TIMEOUT_S):
-            info = await js.stream_info(MESH_STREAM)
-        if self.last_seen > info.state.last_seq:
+        if self.last_seen == 0:
+            return
+        # the newest revision the watcher could have seen: a direct get, which the broker scopes to an agent's keys
+        newest = await last_matching(js, MESH_STREAM, tasks_key_filter(self.project))
+        if self.last_seen > newest:
             raise ConfigError(
                 "cursor",
-                f"{self.name} resumes after revision {self.last_seen}, but the mesh bucket ends at "
-                f"{info.state.last_seq}: it was reset; start the watcher over (--reset, or a new --out file)",
+                f"{self.name} resumes after revision {self.last_seen}, but the mesh bucket's newest task revision "
+                f"is {newest}: it was reset; start the watcher over (--reset, or a new --out file)",
             )
 
 

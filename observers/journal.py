@@ -41,9 +41,10 @@ from bus.requests import LookupReply, LookupRequest
 from bus.responder import Responder, serve
 from bus.service_rules import Authorizer
 from bus.subjects import JOURNAL_LOOKUP
-from bus.tombstones import Tombstone, TombstoneRegistry
+from bus.tombstone_registry import TombstoneRegistry
+from bus.tombstones import Tombstone
 from observers.projection import project_deliveries, rebuild
-from observers.schema import artifacts, as_utc, events, journal_identity, migrate, tombstones
+from observers.schema import artifacts, as_utc, events, journal_identity, migrate, stored_at, tombstones
 
 log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
@@ -159,6 +160,7 @@ class JournalRow:
     signature_status: str
     envelope: dict[str, Any]
     status: str = "applied"  # applied | rejected | forgotten (content erased, this row is its audit trail)
+    stored_at: datetime | None = None  # when the stream had it (its place in time: bus.admission.TimeBounds)
 
     def event(self) -> Envelope:
         return validate_event(self.envelope)
@@ -173,6 +175,7 @@ class JournalRow:
             "artifact_id": self.artifact_id,
             "actor": self.actor_id,
             "recorded_at": self.recorded_at.isoformat(),
+            "stored_at": self.stored_at.isoformat() if self.stored_at is not None else None,
             "received_at": self.received_at.isoformat(),
             "signature_status": self.signature_status,
             "status": self.status,
@@ -356,10 +359,10 @@ class Journal:
         ):
             if value is not None:
                 statement = statement.where(column == value)
-        if q.since is not None:
-            statement = statement.where(events.c.recorded_at >= q.since)
+        if q.since is not None:  # when the stream had it: a backdated recorded_at hides nothing from --since
+            statement = statement.where(stored_at() >= q.since)
         if q.until is not None:
-            statement = statement.where(events.c.recorded_at < q.until)
+            statement = statement.where(stored_at() < q.until)
         order = events.c.stream_seq.desc() if q.newest_first else events.c.stream_seq.asc()
         statement = statement.order_by(order).limit(q.limit)
         with self._connect("querying events") as conn:
@@ -395,6 +398,7 @@ class Journal:
             signature_status=m["signature_status"],
             envelope=json.loads(m["envelope"]),
             status=m["status"],
+            stored_at=as_utc(m["stream_time"] if m["stream_time"] is not None else m["recorded_at"]),
         )
 
 

@@ -22,7 +22,7 @@ from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
-from observers.schema import as_utc, events, verifications
+from observers.schema import as_utc, events, stored_at, verifications
 
 RECENT = timedelta(days=14)
 UNKNOWN_KIND = "unknown"
@@ -109,7 +109,7 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
             # JetStream's clock, not the publisher's: what had reached the stream by then is a prefix of it
             .where(
                 events.c.project == project,
-                func.coalesce(events.c.stream_time, events.c.recorded_at) <= cutoff,
+                stored_at() <= cutoff,
                 events.c.status != FORGOTTEN,  # erased content is not part of any past either
             )
             .order_by(events.c.stream_seq)

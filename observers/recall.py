@@ -76,6 +76,7 @@ def safe_filter(project: str, *, kinds: Sequence[str] | None, include_resolved: 
         none_of={"trust": ["contradicted", "rolled_back"], "resolution": ["retracted", "mistyped"]},
     )
 
+
 # What a hit shows of its artifact's state.
 HIT_STATE_FIELDS = ("trust", "lifecycle", "resolution", "superseded_by", "contradicted_by")
 

@@ -24,12 +24,14 @@ from sqlalchemy import (
     Table,
     Text,
     false,
+    func,
     inspect,
     select,
     text,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
 
 from bus.event import event_digest, validate_event
 
@@ -83,6 +85,14 @@ events = Table(
     Index("ix_events_artifact", "project", "artifact_id"),
     Index("ix_events_stream_seq", "stream_seq"),
 )
+
+
+def stored_at() -> ColumnElement[datetime]:
+    """An event's place in time: when the stream had it (JetStream's clock, which no publisher sets). Every
+    journal read that asks "when" cuts on it: as-of reads and events --since/--until. The publisher's
+    recorded_at is its claim, admitted within bus.admission.TimeBounds of this. Rows journaled before the
+    stream's time was kept fall back to their recorded_at."""
+    return func.coalesce(events.c.stream_time, events.c.recorded_at)
 
 
 artifacts = Table(

@@ -258,7 +258,8 @@ def request_headers() -> str:
 
 
 def agent_broker_permissions() -> str:
-    """bus.auth.agent_permissions for an agent enrolled in project `demo` (its key shown as <key>)."""
+    """bus.auth.agent_permissions for an agent enrolled in project `demo` (its key shown as <key>), with two consumer
+    slots (`epibus up --agent-consumers`, 8 by default)."""
     key = "U" + "A" * 55
     enrolment = Enrolment(
         agent_id="alice",
@@ -269,7 +270,7 @@ def agent_broker_permissions() -> str:
         enrolled_by="admin",
         enrolled_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
-    permissions = agent_permissions(enrolment)
+    permissions = agent_permissions(enrolment, consumer_slots=2)  # each slot: the same three calls, numbered
     rows = [
         (f"{direction} {verdict}", f"`{subject.replace(key, '<key>')}`")
         for direction in ("publish", "subscribe")
@@ -333,7 +334,7 @@ EXTERNAL = ("http://", "https://", "mailto:")
 
 
 def doc_files() -> list[Path]:
-    return sorted(DOCS.glob("*.md"))
+    return [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 
 
 def _problems(found: dict[str, list[str]]) -> str:

@@ -50,6 +50,7 @@ class ChaosSettings:
     max_events: int = 20_000
     hold_s: float = 4.0  # how long a fault with a duration lasts
     min_run_s: float = 10.0  # the workload runs at least this long, and until every fault has run
+    min_events: int = 0  # ... and until this many publishes were attempted (faults slow a loaded machine down)
     settle_s: float = 180.0  # bound on the wait for outboxes to drain and observers to catch up
     network: Any = None  # epibus.netns.Namespaces for the partition fault; None: no partition possible
     network_unavailable: str | None = None  # why there are no namespaces, when there are none
@@ -185,6 +186,9 @@ async def _publish_through_faults(
             left_s = settings.min_run_s - (loop.time() - started)
             if left_s > 0 and not publishing.done():
                 await asyncio.sleep(left_s)
+            enough = group.create_task(workload.attempted(settings.min_events))
+            await asyncio.wait([publishing, enough], return_when=asyncio.FIRST_COMPLETED)
+            enough.cancel()  # the publishers stopped short of it (max_events): waiting longer would wait forever
         finally:
             stop.set()
     return records

@@ -39,6 +39,7 @@ class Workload:
         self.keys = [AgentKey.load_or_create(self.root / f"p{i}", f"chaos-p{i}") for i in range(publishers)]
         self.clients: list[EpibusClient] = []
         self.attempts: list[Attempt] = []
+        self._attempted = asyncio.Condition()
 
     async def enrol(self, admin: AgentKey) -> None:
         """Enrol every publisher in the chaos projects, signed by the nodes' key."""
@@ -68,6 +69,11 @@ class Workload:
             for index, client in enumerate(self.clients):
                 group.create_task(self._publish(index, client, stop, per_publisher))
 
+    async def attempted(self, count: int) -> None:
+        """Return once `count` publishes were attempted (waits forever if the run stops short of it)."""
+        async with self._attempted:
+            await self._attempted.wait_for(lambda: len(self.attempts) >= count)
+
     async def _publish(self, index: int, client: EpibusClient, stop: asyncio.Event, count: int) -> None:
         loop = asyncio.get_running_loop()
         interval_s = len(self.clients) / self.rate
@@ -83,6 +89,8 @@ class Workload:
                 project=project,
             )  # fmt: skip
             self.attempts.append(await self._attempt(client, event, index, project))
+            async with self._attempted:
+                self._attempted.notify_all()
             next_at += interval_s
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             next_at = max(next_at, loop.time() - interval_s)  # after an outage, go on at the rate, no burst

@@ -16,6 +16,7 @@ from epibus.cli import (
     cluster,
     dlq,
     events,
+    fleet,
     forget,
     health,
     lineage,
@@ -25,6 +26,7 @@ from epibus.cli import (
     mesh_roster,
     mesh_views,
     ops,
+    reads,
     recall,
     reindex,
     state,
@@ -53,6 +55,7 @@ app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
 app.add_typer(streams.streams_app, name="streams")
 app.add_typer(cluster.cluster_app, name="cluster")
+app.add_typer(fleet.fleet_app, name="fleet")
 # mesh commands: reading in mesh_views, the roster in mesh_roster, coordinate and advertise in mesh_agents
 app.add_typer(mesh.mesh_app, name="mesh")
 assert mesh_views.show is not None
@@ -67,11 +70,11 @@ app.command()(health.health)
 app.command()(state.resolve)
 for command in (verify.verify, state.contradict, state.rollback):
     app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)
-app.command("artifacts")(state.artifacts_command)
-app.command()(state.audit)
+app.command("artifacts")(reads.artifacts_command)
+app.command()(reads.audit)
 app.command("lineage")(lineage.lineage_command)
-app.command("briefing")(state.briefing_command)
-app.command("vocab-report")(state.vocab_report_command)
+app.command("briefing")(reads.briefing_command)
+app.command("vocab-report")(reads.vocab_report_command)
 app.command("recall")(recall.recall_command)
 app.command("audit-recall")(recall.audit_recall_command)
 app.command("forget")(forget.forget_command)

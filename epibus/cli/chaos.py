@@ -3,12 +3,14 @@ then every store read back. Exit code 1 when an acknowledged event was lost, dup
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -20,6 +22,7 @@ from epibus.cli.display import shown
 if TYPE_CHECKING:  # the run loads the journal's and the mirror's libraries: only a chaos run needs them
     from epibus.chaos.run import ChaosReport
 
+T = TypeVar("T")
 FAULTS_HELP = "; ".join(f"{name}: {text}" for name, text in FAULTS.items())
 STORE_COLUMNS = ("store", "acked", "present", "lost", "duplicated", "unknown", "wrong", "error")
 # An attached cluster's servers listen where `epibus cluster up` put them: on loopback, where nothing can be cut.
@@ -45,6 +48,10 @@ def chaos(
     min_run_s: Annotated[
         float, typer.Option("--min-run-s", min=1.0, max=86_400.0, help="Publish at least this long.")
     ] = 10.0,
+    min_events: Annotated[
+        int,
+        typer.Option("--min-events", min=0, max=10_000_000, help="Publish at least this many (with --min-run-s)."),
+    ] = 0,
     max_events: Annotated[
         int, typer.Option("--max-events", min=1, max=10_000_000, help="Stop publishing after this many.")
     ] = 20_000,
@@ -76,8 +83,8 @@ def chaos(
     network, why_not = _namespaces(nodes, chosen) if not attach else (None, ATTACHED_ON_LOOPBACK)
     settings = ChaosSettings(
         run_dir=where, size=nodes, faults=chosen, rounds=rounds, publishers=publishers, projects=projects, rate=rate,
-        max_events=max_events, hold_s=hold_s, min_run_s=min_run_s, settle_s=settle_s, network=network,
-        network_unavailable=why_not, attach=epibus_home(home) if attach else None,
+        max_events=max_events, hold_s=hold_s, min_run_s=min_run_s, min_events=min_events, settle_s=settle_s,
+        network=network, network_unavailable=why_not, attach=epibus_home(home) if attach else None,
     )  # fmt: skip
     say_to = err_console if as_json else console
     private_dir(where)
@@ -85,12 +92,14 @@ def chaos(
     root = logging.getLogger()
     kept_handlers = root.handlers[:]
     root.handlers = [logging.FileHandler(where / "chaos.log")]
-    # SIGTERM unwinds like Ctrl-C: the nodes are stopped and the namespaces removed, not left behind.
-    kept_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    stopped: list[int] = []
     try:
-        report = run(run_chaos(settings, lambda line: say_to.log(shown(line))))
+        report = run(_until_stopped(run_chaos(settings, lambda line: say_to.log(shown(line))), stopped))
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+        raise typer.Exit(128 + stopped[0]) from None  # the nodes are stopped; what the run measured is moot
     finally:
-        signal.signal(signal.SIGTERM, kept_sigterm)
         root.handlers = kept_handlers
         if network is not None:
             network.close()
@@ -102,8 +111,22 @@ def chaos(
         raise typer.Exit(1)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+async def _until_stopped(work: Coroutine[Any, Any, T], stopped: list[int]) -> T:
+    """Run `work`; SIGTERM cancels it, so it unwinds at an await (nodes stopped, namespaces removed) like
+    Ctrl-C. Never an exception raised from a signal handler: that lands at any line, even inside a lock."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def stop() -> None:
+        stopped.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    try:
+        return await work
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _namespaces(nodes: int, chosen: tuple[str, ...]) -> tuple[Any, str | None]:

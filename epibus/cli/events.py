@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import datetime
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -14,8 +15,9 @@ from bus.follow import StreamFollower
 from bus.home import epibus_home, resolve_journal_url
 from bus.reader import replay
 from bus.registry import AgentRegistry
+from bus.requests import JournalReadRequest, build_request
 from bus.subjects import STREAM, events_filter
-from epibus.cli import ids, inputs
+from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -32,6 +34,7 @@ from epibus.cli.common import (
 )
 from epibus.cli.display import shown
 from epibus.cli.inputs import EventKindOpt, ProjectFilterOpt
+from epibus.cli.reads import ReadJournalOpt, journal_read
 from epibus.times import parse_time
 
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
@@ -129,47 +132,42 @@ def events(
     until: Annotated[str | None, typer.Option("--until", help="ISO time or age (30m, 2h, 7d).")] = None,
     limit: Annotated[int, typer.Option("--limit", callback=inputs.limit(100_000))] = 50,
     oldest_first: Annotated[bool, typer.Option("--oldest-first")] = False,
-    journal: JournalOpt = None,
+    journal: ReadJournalOpt = None,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Query the journal."""
-    from observers.journal import EventQuery, Journal
-
-    query = EventQuery(
+    """Query the journal (through a node as --agent; --journal reads it directly, as the node's operator)."""
+    request = build_request(
+        JournalReadRequest,
+        read="events",
         project=project,
-        kind=kind,
+        kinds=[kind] if kind else None,
         actor=actor,
-        artifact_id=ids.optional_artifact_id(
-            artifact_id, field="--artifact-id", project=project, journal=journal, home=home
-        ),
+        artifact_id=artifact_id,
         since=parse_time(since, "--since"),
         until=parse_time(until, "--until"),
         limit=limit,
-        newest_first=not oldest_first,
+        oldest_first=oldest_first,
     )
-    store = Journal(resolve_journal_url(journal, epibus_home(home)))
-    try:
-        store.migrate()
-        rows = store.query(query)
-    finally:
-        store.close()
+    rows = journal_read(request, journal=journal, nats=nats, agent=agent, home=home, as_json=as_json)
     if as_json:
-        emit_json([row.as_dict() for row in rows])
+        emit_json(rows)
         return
     console.print(
         table(
             f"{len(rows)} event(s)",
-            ["seq", "recorded_at", "project", "kind", "artifact", "actor", "text"],
+            ["seq", "stored", "project", "kind", "artifact", "actor", "text"],
             [
                 [
-                    r.stream_seq,
-                    f"{r.recorded_at:%Y-%m-%d %H:%M:%S}",
-                    r.project,
-                    r.kind,
-                    r.artifact_id,
-                    r.actor_id,
-                    ("[forgotten]" if r.status == "forgotten" else r.event().body.content_text()[:80]),
+                    r["stream_seq"],
+                    f"{datetime.fromisoformat(r['stored_at'] or r['recorded_at']):%Y-%m-%d %H:%M:%S}",
+                    r["project"],
+                    r["kind"],
+                    r["artifact_id"],
+                    r["actor"],
+                    "[forgotten]" if r["text"] is None else r["text"][:80],
                 ]
                 for r in rows
             ],

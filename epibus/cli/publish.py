@@ -14,7 +14,7 @@ from pydantic.fields import FieldInfo
 
 from bus.client import connect
 from bus.errors import InvalidEvent
-from bus.event import draft_event, raise_for_validation
+from bus.event import draft_event, invalid_event_of
 from bus.home import default_agent, epibus_home
 from bus.ids import new_event_id
 from bus.kinds import Body, Evidence, kind_names, require_kind
@@ -58,7 +58,7 @@ def _parse_evidence(values: list[str]) -> list[Evidence]:
         try:
             evidence.append(Evidence(kind=EvidenceKind(kind), ref=ref))
         except ValidationError as e:  # an empty, too long or undecodable REF: one line, not a traceback
-            raise InvalidEvent(f"--evidence={value!r}", f"REF: {raise_for_validation(e).problem}") from None
+            raise InvalidEvent(f"--evidence={value!r}", f"REF: {invalid_event_of(e).problem}") from None
     return evidence
 
 

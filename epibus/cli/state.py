@@ -1,19 +1,16 @@
-"""State commands: resolve, verify, contradict, rollback (writes, validated and compare-and-set), and the
-journal reads artifacts, audit, briefing, vocab-report (every read takes --as-of)."""
+"""State commands: resolve, verify, contradict, rollback (writes, validated and compare-and-set). The journal
+reads are in epibus/cli/reads.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from bus.client import connect
-from bus.home import epibus_home, resolve_journal_url
 from bus.kinds import Evidence
 from bus.publish import Receipt
-from bus.recall import RecallAnswer
 from bus.state import TRUST_TRANSITIONS
 from bus.vocab import ResolutionKind, Trust, describe
 from epibus.cli import ids, inputs
@@ -31,13 +28,11 @@ from epibus.cli.common import (
 )
 from epibus.cli.display import shown
 from epibus.cli.inputs import ArtifactKindsOpt, ProjectOpt
-from epibus.times import parse_time
 
 # The journal reads are loaded by the commands that read, not at the top: SQLAlchemy is a large part of every
 # CLI start, `epibus --help` included.
 if TYPE_CHECKING:
-    from observers.journal import Journal
-    from observers.reads import ArtifactView
+    pass
 
 T = TypeVar("T")
 ArtifactArg = Annotated[str, typer.Argument(help="The artifact acted on: its id or a unique prefix (4+ hex digits).")]
@@ -193,158 +188,3 @@ async def _rollback(
         if not apply:
             return await client.plan_rollback(project, artifact_id, cascade=cascade), []
         return await client.rollback(project, artifact_id, reason=reason, cascade=cascade)
-
-
-# -- reads ------------------------------------------------------------------------------------------------
-
-
-def _read(journal: str | None, home: Path | None, read: Callable[[Journal], T]) -> T:
-    """Open the journal, read, close: every read command's frame."""
-    from observers.journal import Journal
-
-    store = Journal(resolve_journal_url(journal, epibus_home(home)))
-    try:
-        store.migrate()
-        return read(store)
-    finally:
-        store.close()
-
-
-def _artifact_rows(views: list[ArtifactView]) -> list[list[Any]]:
-    return [
-        [
-            v.state.artifact_id,
-            v.state.kind,
-            v.state.state_label,
-            v.state.author,
-            f"{v.relevance:.3f}",
-            ",".join(sorted(v.state.flags)),
-            v.state.content[:70],
-        ]
-        for v in views
-    ]
-
-
-COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "relevance", "flags", "content"]
-
-
-@handles_errors
-def artifacts_command(
-    project: ProjectOpt,
-    kind: KindFilter = None,
-    include_resolved: Annotated[bool, typer.Option("--include-resolved", help="Also stale/superseded ones.")] = False,
-    as_of: AsOfOpt = None,
-    limit: LimitOpt = 50,
-    journal: JournalOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """The safe read: never contradicted, rolled back, retracted or mistyped artifacts. Ranked by relevance."""
-    from observers.reads import artifacts
-
-    cutoff = parse_time(as_of, "--as-of")
-    kinds = set(kind) if kind else None
-    views = _read(
-        journal,
-        home,
-        lambda j: artifacts(j, project, kinds=kinds, include_resolved=include_resolved, as_of=cutoff, limit=limit),
-    )
-    if as_json:
-        emit_json([v.as_dict() for v in views])
-        return
-    console.print(table(f"{len(views)} artifact(s) in {project}", COLUMNS, _artifact_rows(views)))
-
-
-@handles_errors
-def audit(
-    project: ProjectOpt,
-    kind: KindFilter = None,
-    as_of: AsOfOpt = None,
-    limit: LimitOpt = 500,
-    journal: JournalOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """The audit read: every artifact whatever its state, with its verification log."""
-    from observers.reads import audit_artifacts
-
-    cutoff = parse_time(as_of, "--as-of")
-    kinds = set(kind) if kind else None
-    views = _read(journal, home, lambda j: audit_artifacts(j, project, kinds=kinds, as_of=cutoff, limit=limit))
-    if as_json:
-        emit_json([v.as_dict() for v in views])
-        return
-    console.print(table(f"audit of {project}: {len(views)} artifact(s)", COLUMNS, _artifact_rows(views)))
-
-
-@handles_errors
-def briefing_command(
-    project: ProjectOpt,
-    goal: Annotated[str | None, typer.Option("--goal", help="Goal id: adds what was recorded under it.")] = None,
-    goal_text: Annotated[
-        str | None, typer.Option("--goal-text", help="The goal in words: adds what the mirrors recall for it.")
-    ] = None,
-    as_of: AsOfOpt = None,
-    limit: LimitOpt = 10,
-    journal: JournalOpt = None,
-    nats: NatsOpt = None,
-    agent: AgentOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
-    superseded items and confidence flags; with --goal-text, what the mirrors recall for the goal."""
-    from observers.reads import briefing
-
-    cutoff = parse_time(as_of, "--as-of")
-    brief = _read(journal, home, lambda j: briefing(j, project, goal, as_of=cutoff, limit=limit))
-    semantic = run(_recall_goal(goal_text, project, limit, cutoff, nats, agent, home)) if goal_text else None
-    if as_json:
-        emit_json(brief.as_dict() | {"semantic": semantic.as_dict() if semantic else None})
-        return
-    for title, views in (
-        ("top artifacts", brief.top),
-        (f"recorded under goal {goal}", brief.for_goal if goal else None),
-        ("open unknowns", brief.open_unknowns),
-        ("recent mistakes and dead ends", brief.recent_mistakes_and_dead_ends),
-        ("recently superseded", brief.recently_superseded),
-        ("unearned confidence (>= 0.8 on intuition)", brief.unearned_confidence),
-        ("repeats a retracted claim", brief.previously_retracted),
-    ):
-        if views is not None:
-            console.print(table(f"{title} ({len(views)})", COLUMNS, _artifact_rows(views)))
-    if semantic is not None:
-        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"], h["content"][:70]] for h in semantic.hits]
-        console.print(table(f"recalled for the goal ({len(rows)})", ["score", "kind", "artifact", "content"], rows))
-
-
-async def _recall_goal(
-    goal_text: str, project: str, limit: int, as_of: Any, nats: str | None, agent: str | None, home: Path | None
-) -> RecallAnswer:
-    async with connect(nats, agent=agent, home=home, outbox=False) as client:
-        return await client.recall(goal_text, project, k=limit, as_of=as_of)
-
-
-@handles_errors
-def vocab_report_command(
-    project: ProjectOpt,
-    as_of: AsOfOpt = None,
-    journal: JournalOpt = None,
-    home: HomeOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Counts of resolutions per kind, trust states and sources: are errors being recorded at all?"""
-    from observers.reads import vocab_report
-
-    cutoff = parse_time(as_of, "--as-of")
-    report = _read(journal, home, lambda j: vocab_report(j, project, as_of=cutoff))
-    if as_json:
-        emit_json(report.as_dict())
-        return
-    rows = [[f"resolution {k}", v] for k, v in report.resolutions.items()]
-    rows += [[f"trust {k}", v] for k, v in report.trust.items()]
-    rows += [[f"source {k}", v] for k, v in report.sources.items()]
-    rows.append(["unearned confidence", report.unearned_confidence])
-    console.print(table(f"vocabulary report for {project} ({report.artifacts} artifacts)", ["what", "count"], rows))
-    for warning in report.warnings:
-        console.print(shown(("warning:", "yellow"), f" {warning}"), soft_wrap=True)

@@ -22,6 +22,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.health import read_health
 
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
 # and the mesh store would otherwise cost every CLI start, `epibus --help` included.
@@ -56,7 +57,27 @@ def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as
                 f"pending {c['pending']}, ack pending {c['ack_pending']}, redelivered {c['redelivered']}",
             ]
         )
+    rows += _budget_rows(figures.get("budgets"))
     console.print(table("epibus stats", ["figure", "value"], rows))
+
+
+def _budget_rows(budgets: dict[str, Any] | None) -> list[list[Any]]:
+    """The node's publish budget and each agent's use of it over the last window (from the node's health)."""
+    if not budgets:
+        return []
+    window = f"{budgets['window_s']:g} s"
+    rows: list[list[Any]] = [
+        ["publish budget", f"{budgets['msgs_per_window']} msgs, {budgets['bytes_per_window']} bytes per {window}"]
+    ]
+    for agent, use in budgets["agents"].items():
+        state = "SUSPENDED" if use["suspended"] else "ok"
+        rows.append(
+            [
+                f"budget of {agent}",
+                f"{use['msgs']} msgs, {use['bytes']} bytes; {state}; over {use['suspensions']} time(s)",
+            ]
+        )
+    return rows
 
 
 async def _stats(target: Target) -> dict[str, Any]:
@@ -83,6 +104,7 @@ async def _stats(target: Target) -> dict[str, Any]:
         "outbox_parked": parked,
         "mesh_pending": pending,
         "mesh_quarantined": quarantined,
+        "budgets": (read_health(home) or {}).get("budgets"),  # the local node's, from its health report
     }
 
 

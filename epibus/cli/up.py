@@ -13,6 +13,8 @@ from bus.errors import ConfigError
 from bus.home import default_agent, epibus_home, read_node_info
 from bus.routes import require_ipv4
 from bus.server import MIN_SERVER_VERSION
+from bus.streams import GIB, MIB, StreamLimits
+from epibus.budget import PublishBudget
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -32,8 +34,8 @@ from epibus.cluster import cluster_routes
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
 # and the mesh store would otherwise cost every CLI start, `epibus --help` included.
 if TYPE_CHECKING:
-
     from epibus.node import NodeConfig
+
 
 @handles_errors
 def up(
@@ -147,6 +149,50 @@ def up(
         Path | None,
         typer.Option("--route-secret-file", help="The cluster's route secret (0600); routes must present it."),
     ] = None,
+    fleet_port: Annotated[
+        int | None,
+        typer.Option(
+            "--fleet-port",
+            min=1,
+            max=65535,
+            help="Be a fleet's hub: listen here (on --host) for nodes joining from other machines "
+            "(mutual TLS with the fleet's CA, each node its own key).",
+        ),
+    ] = None,
+    join: Annotated[
+        str | None,
+        typer.Option("--join", help="Join the fleet of this invite token (`epibus fleet invite` on its hub)."),
+    ] = None,
+    events_max_gib: Annotated[
+        float,
+        typer.Option(
+            "--events-max-gib",
+            min=0.001,
+            help="The event stream's size limit; when full it refuses new "
+            "events (they wait in the publishers' outboxes).",
+        ),
+    ] = 8.0,
+    events_max_msgs: Annotated[
+        int, typer.Option("--events-max-msgs", min=-1, help="The event stream's message limit (-1: none).")
+    ] = -1,
+    dlq_max_mib: Annotated[
+        float, typer.Option("--dlq-max-mib", min=0.001, help="The dead-letter stream's size (oldest dropped first).")
+    ] = 256.0,
+    dlq_max_age_days: Annotated[
+        float, typer.Option("--dlq-max-age-days", min=0.001, help="How long a dead letter is kept.")
+    ] = 30.0,
+    max_consumers: Annotated[
+        int, typer.Option("--max-consumers", min=1, help="Consumers per stream, every node's and agent's.")
+    ] = 1024,
+    budget_msgs: Annotated[
+        int, typer.Option("--budget-msgs", min=1, help="Messages one agent may send per minute (events, requests).")
+    ] = 30_000,
+    budget_mib: Annotated[
+        float, typer.Option("--budget-mib", min=0.001, help="MiB one agent may send per minute.")
+    ] = 64.0,
+    agent_consumers: Annotated[
+        int, typer.Option("--agent-consumers", min=1, max=64, help="Consumers one agent may hold open per stream.")
+    ] = 8,
     failpoints: Annotated[
         bool,
         typer.Option("--failpoints", hidden=True, help="Honour failpoints armed in <home>/failpoints."),
@@ -192,7 +238,18 @@ def up(
         metrics_remote=metrics_remote,
         host=require_ipv4(host, "--host"),
         cluster=cluster_routes(cluster_port, routes, route_secret_file, host=host),
+        limits=StreamLimits(
+            events_max_bytes=int(events_max_gib * GIB),
+            events_max_msgs=events_max_msgs,
+            dlq_max_bytes=int(dlq_max_mib * MIB),
+            dlq_max_age_s=dlq_max_age_days * 86400.0,
+            max_consumers=max_consumers,
+        ),
+        agent_consumers=agent_consumers,
+        budget=PublishBudget(msgs_per_window=budget_msgs, bytes_per_window=int(budget_mib * MIB)),
         failpoints=failpoints,
+        fleet_port=fleet_port,
+        join=join,
     )
     run(_up(config, as_json))
 

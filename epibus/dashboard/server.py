@@ -105,5 +105,3 @@ class Dashboard:
         except TimeoutError as e:
             raise Unavailable("recall", f"no answer within {RECALL_TIMEOUT_S:g}s; the node is busy, try again") from e
         return [hit.as_dict() for hit in found.hits]
-
-

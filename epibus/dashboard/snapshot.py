@@ -33,6 +33,7 @@ async def node_snapshot(node: Node) -> dict[str, Any]:
         "observers": {name: _observer(stats) for name, stats in report["observers"].items()},
         "forwarder": report["forwarder"],
         "service_failures": report["service_failures"],
+        "budgets": report["budgets"],  # each agent's publish budget on this node's server (epibus/budget.py)
     }
     snapshot["dlq_depth"] = await _dlq_depth(node, found)
     snapshot["outbox"] = await _outbox(node, found)

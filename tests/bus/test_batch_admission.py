@@ -26,7 +26,6 @@ from bus.vocab import DeadLetterReason
 from tests.histories import Message, Op, build, fresh_project, histories, make_keys, publish, register_keys
 from tests.hostile import hostile_payloads
 
-NOW = datetime.now(UTC)
 QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 Answer = tuple[str, object]
 
@@ -86,7 +85,9 @@ def test_a_batch_is_checked_exactly_as_one_message_at_a_time(
 ) -> None:
     monkeypatch.setattr(admission_module, "VERIFY_CHUNK", chunk)  # several chunks on threads, and a tail
     messages = build(history, make_keys(), fresh_project())
-    stream_time = datetime(2999, 1, 1, tzinfo=UTC) if late else NOW  # late: every event is implausibly old
+    # stored now (not when the module was imported: a worker may reach this test minutes later), or, late, so
+    # far ahead that every event is implausibly old
+    stream_time = datetime(2999, 1, 1, tzinfo=UTC) if late else datetime.now(UTC)
     items = [(s, d, stream_time, h) for s, d, h in tampered(messages, choices)]
     batched = [answer(outcome) for outcome in asyncio.run(check_messages(items, TimeBounds()))]
     single = one_at_a_time(items)
@@ -99,8 +100,9 @@ def test_the_property_sees_both_answers_and_every_refusal_it_claims_to() -> None
     keys = make_keys()
     ops: list[Op] = [("claim", 0, 0, 0, "none", 0), ("forged", 1), ("bad_signature", 0), ("wrong_subject", 2)]
     messages = build(ops, keys, fresh_project())
-    items = [(s, d, NOW, h) for s, d, h in tampered(messages, [])]
-    items.append((messages[0].subject, b"[" * 30000, NOW, messages[0].headers))
+    now = datetime.now(UTC)
+    items = [(s, d, now, h) for s, d, h in tampered(messages, [])]
+    items.append((messages[0].subject, b"[" * 30000, now, messages[0].headers))
     items.append((messages[0].subject, messages[0].data, datetime(2999, 1, 1, tzinfo=UTC), messages[0].headers))
     found = asyncio.run(check_messages(items, TimeBounds()))
     kinds = [a.reason.value if isinstance(a, Rejected) else "admitted" for a in found]

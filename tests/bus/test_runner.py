@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -15,10 +16,19 @@ from bus.admission import Delivery
 from bus.client import connect
 from bus.event import encode_event
 from bus.reader import dead_letters, stream_figures
-from bus.runner import ConsumerRunner
+from bus.runner import ConsumerRunner, dead_letter_copy
 from bus.server import NatsServer
 from bus.signing import AgentKey, wire_message
-from bus.subjects import DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, event_subject
+from bus.subjects import (
+    DLQ_DIGEST,
+    DLQ_ERROR,
+    DLQ_REASON,
+    DLQ_SIZE,
+    DLQ_STREAM_SEQ,
+    DLQ_SUBJECT,
+    DLQ_TRUNCATED,
+    event_subject,
+)
 from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding
@@ -95,6 +105,30 @@ async def test_foreign_garbage_is_dead_lettered_with_reasons_and_the_journal_sta
     assert {m.data for m in garbage} == {b"\x00\xffnot json at all", b'{"kind": "finding"}'}  # kept as received
     report = missing_and_extra({str(good.event_id), str(last.event_id)}, journal_event_ids(journal.url, project))
     assert report == {"missing": [], "extra": [], "doubled": []}
+
+
+async def test_a_bad_message_costs_the_dlq_one_copy_however_many_consumers_refuse_it(
+    nats_server: NatsServer, home: Path, project: str, tmp_path: Path
+) -> None:
+    journals = [Journal(f"sqlite:///{tmp_path / f'journal-{i}.db'}") for i in range(3)]
+    for journal in journals:
+        journal.migrate()
+    observers = [JournalObserver(journal) for journal in journals]
+    assert len({o.name for o in observers}) == 3  # three durable consumers, as three nodes would have
+    async with (
+        connect(nats_server.url, agent="alice", home=home) as client,
+        running(nats_server.url, *observers) as runners,
+    ):
+        raw = await nats.connect(nats_server.url)
+        for _ in range(20):  # a flood of one bad message: twenty messages on the stream
+            await raw.jetstream().publish(f"epi.{project}.finding.junk", b"not an event")
+        await raw.jetstream().publish(f"epi.{project}.finding.junk", b"another bad message")
+        await raw.close()
+        await eventually(lambda: all(sum(r.stats.dead_lettered.values()) == 21 for r in runners))
+        letters = await dead_letters(client.js)
+    for journal in journals:
+        journal.close()
+    assert sorted(m.data for m in letters) == [b"another bad message"] + [b"not an event"] * 20  # not 63
 
 
 class FailingObserver:
@@ -330,3 +364,15 @@ async def test_an_observer_that_stops_advancing_while_events_wait_is_reported_st
             await eventually(lambda: not runner.stats.stalled, timeout_s=10)
         finally:
             watching.cancel()
+
+
+def test_a_dead_letters_copy_leaves_the_callers_headers_as_they_were() -> None:
+    headers = {"Epibus-Dlq-Reason": "bad_signature"}
+    data, copied = dead_letter_copy(b"x" * 2_000_000, headers, max_payload=1_048_576)
+    assert headers == {"Epibus-Dlq-Reason": "bad_signature"}
+    assert copied[DLQ_SIZE] == "2000000"
+    assert int(copied[DLQ_TRUNCATED]) == len(data) < 1_048_576
+    assert copied[DLQ_DIGEST] == hashlib.sha256(b"x" * 2_000_000).hexdigest()
+    small, kept = dead_letter_copy(b"ok", headers, max_payload=1_048_576)
+    assert small == b"ok"
+    assert DLQ_TRUNCATED not in kept

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -20,7 +20,6 @@ from bus.state import (
     Change,
     IdUse,
     Verification,
-    as_of_filter,
     decide,
     event_references,
     id_use,
@@ -282,17 +281,6 @@ def test_the_safe_door_shows_exactly_what_the_hand_written_table_says(
     lifecycle = Lifecycle.active if resolution is None else Lifecycle.resolved
     artifact = state("a", trust, lifecycle, resolution=resolution, forgotten=forgotten)
     assert (artifact.safe(), artifact.safe(include_resolved=True)) == expected
-
-
-def test_as_of_keeps_events_recorded_up_to_and_including_the_cut(agents: dict[str, AgentKey]) -> None:
-    event = claim(agents["alice"], "a1")
-    at = event.recorded_at
-    assert as_of_filter(None)(event)
-    assert as_of_filter(at)(event)
-    assert not as_of_filter(at - timedelta(microseconds=1))(event)
-    two_hours_east = timezone(timedelta(hours=2))
-    assert as_of_filter(at.astimezone(two_hours_east))(event)
-    assert not as_of_filter((at - timedelta(seconds=1)).astimezone(two_hours_east))(event)
 
 
 def test_relevance_without_an_impact_uses_a_neutral_impact_and_confidence_as_longevity() -> None:

@@ -25,38 +25,35 @@ from nats.js.api import (
 )
 
 from bus.client import connect
-from bus.errors import ConfigError, StreamDrift
+from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.home import read_node_info
+from bus.nats_errors import translate_publish_error
 from bus.server import NatsServer
 from bus.streams import (
     BUCKETS,
     DLQ_MAX_MSG_BYTES,
     DRIFT_CHECK_EVERY_S,
     EVENT_MAX_MSG_BYTES,
+    MIB,
+    StreamLimits,
     ensure_streams,
     managed_streams,
     open_bucket,
     stream_configs,
 )
-from bus.subjects import DLQ_STREAM, MESH_BUCKET, STREAM
+from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, MESH_BUCKET, MESH_STREAM, STREAM
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig
 from tests.e2e.test_cli import as_json, epibus, error_json
 from tests.support import eventually
 
-MESH_STREAM = f"KV_{MESH_BUCKET}"
-
 # One hostile value per managed field that the server lets an update change and change back.
 EVENT_STREAM_CHANGES: list[tuple[str, Any]] = [
     ("subjects", ["epi.only.>"]),
     ("retention", RetentionPolicy.INTEREST),
-    ("discard", DiscardPolicy.NEW),
     ("max_age", 3600.0),  # the server wants max_age above the duplicate window, so the window stays as it is
-    ("max_msgs", 10),
-    ("max_bytes", 1_000_000),
     ("max_msg_size", 100),
     ("max_msgs_per_subject", 1),
-    ("max_consumers", 1),
     ("duplicate_window", 1.0),
     ("no_ack", True),
     ("allow_rollup_hdrs", True),
@@ -70,7 +67,6 @@ BUCKET_CHANGES: list[tuple[str, Any]] = [
     ("max_msgs_per_subject", 1),  # the bucket's history
     ("max_age", 3600.0),
     ("discard", DiscardPolicy.OLD),
-    ("allow_direct", True),
     ("allow_rollup_hdrs", False),
     ("max_bytes", 1_000_000),
     ("max_msg_size", 100),
@@ -132,7 +128,8 @@ async def test_a_changed_managed_field_is_refused_by_name_and_left_alone_until_r
         ({"deny_delete": True}, ["deny_delete"]),  # would make `epibus forget` fail to erase
         ({"deny_purge": True}, ["deny_purge"]),
         ({"allow_msg_ttl": True}, ["allow_msg_ttl"]),  # a publisher could make its own event vanish
-        ({"sealed": True}, ["discard", "sealed", "deny_delete", "deny_purge"]),  # sealing sets the other three
+        # Sealing sets the other three (and discard new, which the event stream has already).
+        ({"sealed": True}, ["sealed", "deny_delete", "deny_purge"]),
     ],
     ids=["deny_delete", "deny_purge", "allow_msg_ttl", "sealed"],
 )
@@ -169,12 +166,13 @@ async def test_a_short_max_age_is_refused_in_one_line_naming_each_change(nats_se
     async with jetstream(nats_server) as js:
         await ensure_streams(js)
         await change(js, STREAM, max_age=3.0, duplicate_window=1.0)  # the window may not exceed max_age
-        await change(js, DLQ_STREAM, discard=DiscardPolicy.NEW)
+        await change(js, DLQ_STREAM, duplicate_window=60.0)
         with pytest.raises(StreamDrift) as refused:
             await ensure_streams(js)
     assert str(refused.value) == (
         "stream EPI drifted: max_age=3.0s (epibus needs 0: keep forever), duplicate_window=1.0s (needs 600.0s); "
-        "stream EPI_DLQ drifted: discard=new (epibus needs old); run `epibus streams repair` to restore them"
+        "stream EPI_DLQ drifted: duplicate_window=60.0s (epibus needs 600.0s); run `epibus streams repair` to "
+        "restore them"
     )
 
 
@@ -187,6 +185,70 @@ async def test_streams_and_buckets_as_epibus_makes_them_show_no_drift(nats_serve
         assert await ensure_streams(js, replicas=1) == {}
         names = [(await js.stream_info(stream.name)).config.name for stream in managed_streams()]
     assert names == [STREAM, DLQ_STREAM, *(f"KV_{bucket}" for bucket in BUCKETS)]
+
+
+# The limits a node sets from its configuration (`epibus up --events-max-gib` and the like), never drift.
+LIMIT_CHANGES: list[tuple[str, Any]] = [
+    ("discard", DiscardPolicy.OLD),  # with a byte limit this would drop the oldest memory to make room
+    ("max_msgs", 10),
+    ("max_bytes", 1_000_000),
+    ("max_consumers", 1),
+]
+
+
+async def test_a_node_applies_its_limits_and_a_client_leaves_them_to_the_node(nats_server: NatsServer) -> None:
+    limits = StreamLimits(events_max_bytes=10 * MIB, dlq_max_bytes=MIB, dlq_max_age_s=3600.0, max_consumers=50)
+    async with jetstream(nats_server) as js:
+        await ensure_streams(js, replicas=1, limits=limits)
+        made = await config_of(js, STREAM)
+        await change(js, STREAM, **dict(LIMIT_CHANGES))
+        assert await ensure_streams(js) == {}  # a client compares everything else, and leaves limits alone
+        changed = await ensure_streams(js, replicas=1, limits=limits)
+        restored = await config_of(js, STREAM)
+        dlq = (await js.stream_info(DLQ_STREAM)).config
+    assert sorted(d.field for d in changed[STREAM]) == sorted(field for field, _ in LIMIT_CHANGES)
+    assert restored == made
+    assert (made["discard"], made["max_bytes"], made["max_age"]) == ("new", 10 * MIB, 0)
+    assert (dlq.discard, dlq.max_bytes, dlq.max_age, dlq.max_consumers) == (DiscardPolicy.OLD, MIB, 3600.0, 50)
+
+
+async def test_a_full_event_stream_refuses_new_events_and_keeps_every_old_one(nats_server: NatsServer) -> None:
+    async with jetstream(nats_server) as js:
+        await ensure_streams(js, replicas=1, limits=StreamLimits(events_max_bytes=4000))
+        refusal: nats.js.errors.APIError | None = None
+        sent = 0
+        while refusal is None and sent < 100:
+            sent += 1
+            try:
+                await js.publish("epi.p.finding.a", b"x" * 500, headers={"Nats-Msg-Id": str(sent)})
+            except nats.js.errors.APIError as e:
+                refusal = e
+        first = await js.get_msg(STREAM, seq=1)
+    assert refusal is not None
+    assert translate_publish_error(refusal, "epi.p.finding.a").__class__ is Unavailable
+    assert "the stream is full" in str(translate_publish_error(refusal, "epi.p.finding.a"))
+    assert first.data == b"x" * 500  # nothing old was dropped to make room
+    assert 1 < sent < 99
+
+
+async def test_a_mesh_bucket_without_direct_gets_them_without_asking_and_other_buckets_are_left_alone(
+    nats_server: NatsServer,
+) -> None:
+    """Direct gets are how the broker confines an agent's reads of the mesh bucket to its projects' keys: a
+    bucket made before that gets them, since they only add a way to read one key."""
+    async with jetstream(nats_server) as js:
+        await ensure_streams(js, replicas=1)
+        await change(js, MESH_STREAM, allow_direct=False)
+        changed = await ensure_streams(js, replicas=1)
+        mesh = (await js.stream_info(MESH_STREAM)).config
+        await change(js, f"KV_{AGENT_KEYS_BUCKET}", allow_direct=True)
+        with pytest.raises(StreamDrift) as refused:
+            await ensure_streams(js, replicas=1)
+    assert {name: [tuple(d) for d in diffs] for name, diffs in changed.items()} == {
+        MESH_STREAM: [("allow_direct", False, True)]
+    }
+    assert mesh.allow_direct is True
+    assert refused.value.fields == {f"KV_{AGENT_KEYS_BUCKET}": ["allow_direct"]}
 
 
 async def test_an_older_epibus_stream_without_a_size_limit_gets_the_limit_without_asking(
@@ -206,11 +268,11 @@ async def test_an_older_epibus_stream_without_a_size_limit_gets_the_limit_withou
 
 async def test_a_size_limit_is_not_added_while_another_setting_drifted(nats_server: NatsServer) -> None:
     async with jetstream(nats_server) as js:
-        await js.add_stream(dataclasses.replace(stream_configs()[0], max_msg_size=-1, max_msgs=5))
+        await js.add_stream(dataclasses.replace(stream_configs()[0], max_msg_size=-1, max_age=3600.0))
         before = await config_of(js, STREAM)
         with pytest.raises(StreamDrift) as refused:
             await ensure_streams(js)
-        assert refused.value.fields == {STREAM: ["max_msgs"]}
+        assert refused.value.fields == {STREAM: ["max_age"]}
         assert await config_of(js, STREAM) == before
 
 
@@ -243,14 +305,14 @@ async def test_a_node_does_not_start_on_a_drifted_stream_and_repairs_it_when_tol
     config = NodeConfig(home=home, nats_url=nats_server.url, journal_url=sqlite_journal_url, mirror="off")
     async with jetstream(nats_server) as js:
         await ensure_streams(js)
-        drifted = await change(js, STREAM, discard=DiscardPolicy.NEW)
-        with pytest.raises(StreamDrift, match=r"^stream EPI drifted: discard=new \(epibus needs old\); run `epibus"):
+        drifted = await change(js, STREAM, max_age=3600.0)
+        with pytest.raises(StreamDrift, match=r"^stream EPI drifted: max_age=3600.0s \(epibus needs 0: keep forever\)"):
             async with Node(config):
                 pass
         assert await config_of(js, STREAM) == drifted
         async with Node(dataclasses.replace(config, repair_streams=True)) as node:
             assert node.stream_drift is None
-            assert (await js.stream_info(STREAM)).config.discard == DiscardPolicy.OLD
+            assert (await js.stream_info(STREAM)).config.max_age == 0
 
 
 @pytest.mark.slow
@@ -259,14 +321,14 @@ async def test_epibus_up_on_a_drifted_stream_exits_with_the_drift_in_one_line(
 ) -> None:
     async with jetstream(nats_server) as js:
         await ensure_streams(js)
-        drifted = await change(js, STREAM, max_msgs=10)
+        drifted = await change(js, STREAM, max_age=3600.0)
         args = ("up", "--nats", nats_server.url, "--mirror", "off", "--json")
         result = await asyncio.to_thread(epibus, tmp_path / "up-home", *args, check=False)
         assert await config_of(js, STREAM) == drifted
     assert result.returncode == 1
     assert error_json(result) == {
         "ok": False,
-        "error": "stream EPI drifted: max_msgs=10 (epibus needs -1: no limit); "
+        "error": "stream EPI drifted: max_age=3600.0s (epibus needs 0: keep forever); "
         "run `epibus streams repair` to restore it",
         "type": "StreamDrift",
     }
@@ -282,10 +344,10 @@ async def test_a_running_node_reports_a_stream_that_drifts_and_keeps_running(
     node: Node, nats_server: NatsServer, home: Path
 ) -> None:
     async with jetstream(nats_server) as js:
-        await change(js, STREAM, max_msgs=10)
+        await change(js, STREAM, max_age=3600.0)
         report = await eventually(lambda: drift_reported(home), timeout_s=DRIFT_CHECK_EVERY_S * 3)
         found = problems(home, read_node_info(home), report)
-        assert [p for p in found if p.startswith("stream EPI drifted: max_msgs=10 (epibus needs -1: no limit)")]
+        assert [p for p in found if p.startswith("stream EPI drifted: max_age=3600.0s (epibus needs 0: keep forever)")]
         assert node.forwarder is not None
         assert node.forwarder.stats.errors_by_kind.get("StreamDrift", 0) >= 1  # it forwards nothing meanwhile
         assert not any(task.done() for task in node._tasks), "a node service stopped"

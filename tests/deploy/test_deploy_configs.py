@@ -561,7 +561,7 @@ async def test_every_stream_and_bucket_takes_the_configured_replicas(
     publishing (tombstones unchecked) and the mesh recorder. A bucket a client made first is brought to three."""
     from bus.streams import BUCKETS, ensure_streams
     from bus.subjects import DLQ_STREAM, STREAM, TOMBSTONES_BUCKET
-    from bus.tombstones import TombstoneRegistry
+    from bus.tombstone_registry import TombstoneRegistry
 
     nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5, tls=client_tls)
     try:

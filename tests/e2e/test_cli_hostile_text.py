@@ -98,7 +98,11 @@ def test_claims_with_hostile_texts_are_shown_inert_by_every_read_and_exact_in_js
             await client.publish_many(events, wait_for=ReceiptLevel.journaled)
 
     asyncio.run(publish())
-    for command in (["events", "-p", project], ["artifacts", "-p", project], ["audit", "-p", project]):
+    for command in (
+        ["events", "-p", project],
+        ["artifacts", "-p", project],
+        ["audit", "-p", project, "--journal", "node"],
+    ):
         assert_inert(cli(home, *command), *VISIBLE)
         rows = json_lines(cli(home, *command, "--json"))[0]
         texts = [r["body"]["text"] for r in rows] if command[0] == "events" else [r["content"] for r in rows]

@@ -225,13 +225,26 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
         await nc.close()
 
 
-@pytest.mark.timeout(1800)
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=QUIET)
-@given(history=histories, seed=st.integers(0, 2**32 - 1))
-def test_every_path_that_builds_state_gives_the_same_state(
-    bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
-) -> None:
-    asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
+# The suite's examples in two halves, each a class: xdist gives each class a worker of its own (loadscope), so
+# the two halves run side by side; each test draws its own examples (hypothesis seeds by the test's name).
+class TestFirstHalf:
+    @pytest.mark.timeout(1800)
+    @settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
+    @given(history=histories, seed=st.integers(0, 2**32 - 1))
+    def test_every_path_that_builds_state_gives_the_same_state(
+        self, bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
+    ) -> None:
+        asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
+
+
+class TestSecondHalf:
+    @pytest.mark.timeout(1800)
+    @settings(max_examples=EXAMPLES - EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
+    @given(history=histories, seed=st.integers(0, 2**32 - 1))
+    def test_every_path_builds_the_same_state_on_other_histories(
+        self, bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
+    ) -> None:
+        asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
 
 
 @pytest.mark.long

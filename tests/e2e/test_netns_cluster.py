@@ -34,7 +34,10 @@ from tests.conftest import finding
 from tests.support import enrol_agent, eventually, eventually_sync, journal_event_ids, operator_credentials
 
 UNAVAILABLE = netns_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or ""),
+]
 QUIET_S = 3.0  # how long a cut-off side is watched for what must not reach it
 
 ECHO_SERVER = """

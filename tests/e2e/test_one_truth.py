@@ -225,7 +225,7 @@ async def test_a_reused_event_id_keeps_the_first_event_in_every_store(
             reasons = [
                 r for r, s in await dlq_reasons(js) if s == event_subject(project, "finding", second.artifact_id)
             ]
-            assert reasons == ["duplicate_id_conflict", "duplicate_id_conflict"]  # the journal and the mirror
+            assert reasons == ["duplicate_id_conflict"]  # refused by the journal and the mirror; one copy kept
             assert (await verify(js, node.journal, node.mirror, project=project)).clean
 
             vectors = await node.mirror.embedder.embed([second.body.content_text()])

@@ -44,7 +44,8 @@ def test_status_doctor_and_down_on_a_running_node(tmp_path: Path) -> None:
         assert (status["running"], status["answering"], status["problems"]) == (True, True, [])
         assert status["pid"] == up["pid"] == process.pid
         assert status["server_pids"] == servers
-        assert status["urls"] == {"nats": up["nats_url"], "monitor": up["monitor_url"], "metrics": up["metrics_url"]}
+        assert up["monitor_url"] is None  # none is served: its pages would list every client's key
+        assert status["urls"] == {"nats": up["nats_url"], "metrics": up["metrics_url"]}
         assert (status["name"], status["authenticated"], status["mirror"]["backend"]) == (up["name"], True, "off")
         journal = [stats for name, stats in status["observers"].items() if name.startswith("journal-")]
         assert len(journal) == 1

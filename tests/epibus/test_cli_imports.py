@@ -75,9 +75,9 @@ def test_commands_that_do_not_need_them_load_none_of_the_heavy_libraries(tmp_pat
 
 
 def test_a_command_that_needs_one_loads_it_when_it_runs(tmp_path: Path) -> None:
-    # The check above could pass on a list of names nothing imports: `events` reads the journal, `mcp
+    # The check above could pass on a list of names nothing imports: `events --journal` reads the journal, `mcp
     # --print-config --http` makes the HTTP server's token. A kind the mesh registers is known without its agent.
-    argvs = [["events", "--kind", "task", "--json"], ["mcp", "--print-config", "--http"]]
+    argvs = [["events", "--journal", "node", "--kind", "task", "--json"], ["mcp", "--print-config", "--http"]]
     codes, heavy = loaded_heavy(argvs, tmp_path / "home")
     assert codes == [0, 0]
     assert {"sqlalchemy", "observers.journal", "mcp", "epibus.mcp_tools.server"} <= set(heavy)

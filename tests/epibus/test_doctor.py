@@ -227,3 +227,28 @@ def test_disk_space_and_clock_skew_thresholds() -> None:
     assert skew_verdict(-(SKEW_WARN_S + 0.5), 0.001).status == "warn"
     assert skew_verdict(SKEW_FAIL_S + 1, 0.001).status == "fail"
     assert skew_verdict(SKEW_WARN_S + 0.5, 1.0).status == "ok"  # within the round trip's uncertainty
+
+
+def test_a_stream_near_its_byte_limit_is_a_warning_naming_the_share_and_the_option(
+    sound: tuple[Path, str, str],
+) -> None:
+    home, url, journal = sound
+
+    async def nearly_fill() -> None:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(STREAM)
+            info.config.max_bytes = info.state.bytes + 10_000  # as a node configured with a small limit sets it
+            await js.update_stream(info.config)
+            for i in range(20):
+                await js.publish(f"epi.doctor.finding.fill{i}", b"x" * 400)
+        finally:
+            await nc.close()
+
+    asyncio.run(nearly_fill())
+    code, report = doctor(home, url, journal)
+    assert code == 0  # a warning, not a failure
+    assert report["stream EPI"]["status"] == "warn", report["stream EPI"]
+    assert "bytes limit" in report["stream EPI"]["detail"]
+    assert "--events-max-gib" in report["stream EPI"]["hint"]

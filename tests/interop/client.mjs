@@ -2,8 +2,8 @@
 // node's stream, verifies each signature with plain ed25519 over the documented bytes, and publishes one signed
 // event of its own. Input: EPIBUS_NATS_URL, EPIBUS_SEED (the agent's nkey seed), EPIBUS_AGENT, EPIBUS_PROJECT.
 // Output: one JSON line, {"verified", "legacy", "failed", "published": {"event_id", "subject", "seq"}}.
-import { createPublicKey, randomBytes, verify } from "node:crypto";
-import { AckPolicy, DeliverPolicy, connect, headers, nanos, nkeyAuthenticator } from "nats";
+import { createHash, createPublicKey, randomBytes, verify } from "node:crypto";
+import { connect, createInbox, headers, nkeyAuthenticator } from "nats";
 import { fromPublic, fromSeed } from "@nats-io/nkeys";
 
 const STREAM = "EPI";
@@ -42,14 +42,31 @@ function signedBytes(subject, body) {
   return Buffer.concat([Buffer.from(DOMAIN + subject + "\n", "utf8"), Buffer.from(body)]);
 }
 
-function check(msg) {
+// The key the registry binds to an agent, asked of a node: an agent may not read the registry itself (it names
+// the whole fleet). `agents` asks for their current records; an `after_seq` past the stream's end asks for no
+// enrolment history. An agent outside every project this one shares is not in `current`: not verifiable here.
+const registered = new Map();
+async function registeredKey(nc, pair, me, agentId) {
+  if (!registered.has(agentId)) {
+    const answer = await ask(nc, pair, me, "epibus.enrolments.view", {
+      after_seq: Number.MAX_SAFE_INTEGER,
+      agents: [agentId],
+    });
+    const record = answer.current.find((e) => e.agent_id === agentId);
+    registered.set(agentId, record ? record.public_key : null);
+  }
+  return registered.get(agentId);
+}
+
+async function check(nc, pair, me, msg) {
   const signature = msg.headers?.get(SIGNATURE_HEADER) ?? "";
   const publicKey = msg.headers?.get(KEY_HEADER) ?? "";
   if (!signature && !publicKey) return "legacy"; // schema_version 1: the signature is inside the body
   const event = JSON.parse(Buffer.from(msg.data).toString("utf8"));
   if (event.schema_version !== 2 || event.actor?.public_key !== publicKey) return "failed";
   const ok = verify(null, signedBytes(msg.subject, msg.data), ed25519Key(publicKey), Buffer.from(signature, "base64url"));
-  return ok ? "verified" : "failed";
+  if (!ok) return "failed";
+  return (await registeredKey(nc, pair, me, event.actor.agent_id)) === publicKey ? "verified" : "failed";
 }
 
 function uuid7() {
@@ -61,31 +78,50 @@ function uuid7() {
   return `${h.slice(0, 8)}-${h.slice(8, 12)}-${h.slice(12, 16)}-${h.slice(16, 20)}-${h.slice(20)}`;
 }
 
-async function readProject(nc, project) {
-  const jsm = await nc.jetstreamManager();
-  // Named, with the filter in the request subject: the only consumer create the broker lets an agent make.
-  const name = `interop_${randomBytes(6).toString("hex")}`;
-  const info = await jsm.consumers.add(STREAM, {
-    name,
+// A signed request to the nodes: the signature covers subject, reply subject, time and the body's sha256.
+async function ask(nc, pair, agent, subject, request) {
+  const body = Buffer.from(JSON.stringify(request), "utf8");
+  const reply = createInbox(`_INBOX_${pair.getPublicKey()}`);
+  const signedAt = new Date().toISOString();
+  const digest = createHash("sha256").update(body).digest("hex");
+  const payload = Buffer.from([subject, reply, signedAt, digest].join("\n"), "utf8");
+  const h = headers();
+  h.set("Epibus-Signer", agent);
+  h.set("Epibus-Signer-Key", pair.getPublicKey());
+  h.set("Epibus-Signed-At", signedAt);
+  h.set("Epibus-Signature", Buffer.from(pair.sign(payload)).toString("base64url"));
+  const msg = await nc.request(subject, body, { timeout: 10_000, headers: h, noMux: true, reply });
+  const answer = JSON.parse(Buffer.from(msg.data).toString("utf8"));
+  if (answer.error) throw new Error(`${subject}: node ${answer.node} refused: ${answer.error}`);
+  return answer;
+}
+
+async function readProject(nc, pair, agent, project) {
+  // An agent creates no consumer: it asks a node, which names the consumer for the agent's key and filters it
+  // to the project; the broker then lets the agent read, inspect and delete that one name.
+  const opened = await ask(nc, pair, agent, "epibus.consumer.open", {
+    owner_key: pair.getPublicKey(),
+    stream: STREAM,
     filter_subject: `epi.${project}.>`,
-    ack_policy: AckPolicy.None,
-    deliver_policy: DeliverPolicy.All,
-    inactive_threshold: nanos(30_000),
-    mem_storage: true,
+    start_seq: 1,
+    idle_s: 30,
   });
+  if (!opened.name) throw new Error(`no consumer slot free: ${opened.open.join(", ")}`);
+  const name = opened.name;
   const consumer = await nc.jetstream().consumers.get(STREAM, name);
   const counts = { verified: 0, legacy: 0, failed: 0 };
-  let left = info.num_pending;
+  let left = (await consumer.info()).num_pending;
   while (left > 0) {
     const batch = await consumer.fetch({ max_messages: left, expires: 5_000 });
     let got = 0;
     for await (const msg of batch) {
-      counts[check(msg)] += 1;
+      counts[await check(nc, pair, agent, msg)] += 1;
       got += 1;
     }
     if (got === 0) throw new Error(`the consumer stopped with ${left} message(s) still pending`);
     left -= got;
   }
+  await consumer.delete(); // frees the slot at once (idle ones close by themselves)
   return counts;
 }
 
@@ -124,7 +160,7 @@ async function main() {
   });
   try {
     const project = need("EPIBUS_PROJECT");
-    const counts = await readProject(nc, project);
+    const counts = await readProject(nc, pair, need("EPIBUS_AGENT"), project);
     const published = await publishOne(nc, pair, need("EPIBUS_AGENT"), project);
     process.stdout.write(JSON.stringify({ ...counts, published }) + "\n");
   } finally {

@@ -371,6 +371,8 @@ async def test_a_deadline_passing_expires_open_tasks(mesh_as: MeshFactory, proje
             return found[undecided.task_id] is found[accepted.task_id] is TaskState.expired
 
         await eventually(states, timeout_s=10)
+        # the service counts an expiry once its write returned, a moment after the bucket shows it
+        await eventually(lambda: service.stats.expired == 2, timeout_s=10)
     finally:
         await cancel_and_wait([running])
     assert (await alice.locate(later.task_id)).record.state is TaskState.proposed

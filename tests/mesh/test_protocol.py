@@ -254,7 +254,7 @@ def test_the_readme_shows_the_transition_table_the_code_applies() -> None:
 
     from mesh.protocol import TRANSITIONS
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "mesh-protocol.md").read_text()
     for action, move in TRANSITIONS.items():
         sources = ", ".join(sorted(s.value for s in move.sources)) or "(none: creates the task)"
         roles = " or ".join(sorted(r.value for r in move.roles))

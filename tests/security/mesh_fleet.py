@@ -133,7 +133,10 @@ async def fleet_on_a_node(tmp_path: Path, project: str) -> AsyncIterator[Fleet]:
             )
             for name in ROLES
         }
-        yield Fleet(node, home, project, mesh, keys)
+        fleet = Fleet(node, home, project, mesh, keys)
+        # the seat is journaled before a test takes its "nothing changed" snapshot
+        await fleet.journaled("coordinators", 1)
+        yield fleet
 
 
 async def watch_until(watcher: TaskWatcher, revision: int) -> None:

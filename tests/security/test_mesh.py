@@ -4,11 +4,11 @@ and the mesh bucket and the journal read back unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -274,29 +274,29 @@ async def test_steps_appended_around_the_node_are_quarantined_and_mesh_ack_refus
     before = await fleet.bucket()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(fleet.home)}
-    acked = subprocess.run(  # noqa: ASYNC221 - the CLI as a user runs it; nothing else runs meanwhile
-        [
-            sys.executable,
-            "-m",
-            "epibus",
-            "mesh",
-            "ack",
-            task.task_id,
-            "--agent",
-            "alice",
-            "--nats",
-            fleet.url,
-            "--json",
-        ],
+    # Run without blocking this loop: the node in it opens the CLI's consumers.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "epibus",
+        "mesh",
+        "ack",
+        task.task_id,
+        "--agent",
+        "alice",
+        "--nats",
+        fleet.url,
+        "--json",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
     )
-    assert acked.returncode == 1, acked.stdout + acked.stderr
-    refusal = json.loads(acked.stderr.strip().splitlines()[-1])
-    assert refusal["type"] == "UntrustedRecord"
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode == 1, out.decode() + err.decode()
+    refusal = json.loads(err.decode().strip().splitlines()[-1])
+    assert refusal["type"] == "UntrustedRecord", err.decode()[-3000:]
     assert refusal["error"].startswith("epibus_mesh key task.")
     assert fleet.node.recorder is not None
     assert fleet.node.recorder.watcher.stats.untrusted == len(forged)

@@ -20,7 +20,7 @@ function badge(text, cls) {
   return span;
 }
 
-const BAD = new Set(["contradicted", "rolled_back", "retracted", "mistyped", "rejected", "forgotten", "stalled"]);
+const BAD = new Set(["suspended", "contradicted", "rolled_back", "retracted", "mistyped", "rejected", "forgotten", "stalled"]);
 const WARN = new Set(["unverified", "resolved", "superseded", "stale", "degraded", "disputed"]);
 
 function tone(value) {
@@ -107,6 +107,17 @@ function showHealth(h) {
       stateCell([t.state, t.awaits_ack ? "awaiting ack" : null]), cell(t.proposer), cell(t.assignee));
     return tr;
   }, h.mesh ? "no mesh tasks" : "the mesh is not followed by this node");
+  const budgets = h.budgets;
+  $("budget-limit").textContent = budgets
+    ? "(" + budgets.msgs_per_window + " messages, " + budgets.bytes_per_window + " bytes per " + budgets.window_s + " s)"
+    : "";
+  fill($("budgets").tBodies[0], budgets ? Object.entries(budgets.agents) : [], ([agent, b]) => {
+    const tr = document.createElement("tr");
+    tr.dataset.agent = agent;
+    tr.append(cell(agent), cell(b.msgs, "num"), cell(b.bytes, "num"),
+      stateCell([b.suspended ? "suspended" : "ok"]), cell(b.suspensions, "num"));
+    return tr;
+  }, budgets ? "no agent has sent anything yet" : "this node keeps no budgets (no authentication, or not its own server)");
 }
 
 function connect() {
