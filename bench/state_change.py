@@ -26,9 +26,9 @@ from bus.admission import Admission
 from bus.batch_context import EnrolmentLog
 from bus.client import EpibusClient, connect
 from bus.project_view import _read_admitted
-from bus.reader import last_matching
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
+from bus.stream_read import last_matching
 from bus.subjects import STREAM, artifact_filter, events_filter
 
 

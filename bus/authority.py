@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from bus.auth import NODE_PREFIX, Enrolment, first_use_enrolment, is_node_identity
 from bus.errors import Forbidden
@@ -29,7 +29,6 @@ from bus.vocab import ResolutionKind, Role
 
 if TYPE_CHECKING:
     from bus.signing import AgentKey
-    from bus.state import ArtifactState
 
 # The rules, by the name a refusal gives.
 RULE_ENROLMENT = "enrolment-records"
@@ -145,7 +144,18 @@ def _unrecorded(agent_id: str, public_key: str, *, node: bool) -> Enrolment:
 
 
 NO_RECORDS = Authority()
-Lookup = Callable[[str], "ArtifactState | None"]
+
+
+class Authored(Protocol):
+    """What the rules read of an artifact's state (bus.state.ArtifactState): who wrote it, and its id."""
+
+    @property
+    def artifact_id(self) -> str: ...
+    @property
+    def author(self) -> str: ...
+
+
+Lookup = Callable[[str], Authored | None]
 
 
 def authorize(event: Envelope, seq: int, lookup: Lookup, authority: Authority) -> None:
@@ -207,7 +217,7 @@ def _require_verifier(event: Envelope, seq: int, lookup: Lookup, authority: Auth
 
 
 def _require_author_or_admin(
-    event: Envelope, seq: int, target: ArtifactState | None, authority: Authority, standing: Enrolment
+    event: Envelope, seq: int, target: Authored | None, authority: Authority, standing: Enrolment
 ) -> None:
     actor = event.actor.agent_id
     if target is None or target.author == actor or standing.has_role(Role.admin):

@@ -21,6 +21,7 @@ from bus.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.errors import Unavailable
 from bus.event import Envelope
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
+from bus.stream_read import read_stream
 from bus.subjects import (
     ENROLMENTS_FILTER,
     STREAM,
@@ -174,8 +175,6 @@ class EnrolmentLog:
     async def read_filtered(self) -> Authority:
         """Every record up to now, read through a consumer filtered to the records (the read an unconfined
         client without message gets makes); a confined agent's comes from a node's view. Raises Unavailable."""
-        from bus.reader import read_stream  # the reader admits through this module: imported when used
-
         key = confined_key(self._js)
         if key is not None:
             return await self._read_served(enrolment_view(self._js._nc, key))

@@ -25,7 +25,6 @@ from bus.event import validate_event
 from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from bus.outbox import Outbox
 from bus.project_view import ProjectViews
-from bus.reader import read_stream
 from bus.recall import RecallAnswer, ask_all, recall_request
 from bus.requests import (
     EraseReply,
@@ -43,6 +42,7 @@ from bus.requests import (
     describe_invalid,
 )
 from bus.signing import AgentKey
+from bus.stream_read import read_stream
 from bus.subjects import FORGET_ERASE, JOURNAL_READ, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, artifact_filter
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bus.consumers import drop_consumer, pull_consumer
 from bus.errors import Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal, refused_at_once
-from bus.reader import last_matching
+from bus.stream_read import last_matching
 from bus.subjects import js_api
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bus.errors import ConfigError
+from bus.processes import alive
 
 log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
@@ -101,8 +102,6 @@ class NodeInfo:
     def alive(self) -> bool:
         """True while the node's process runs. A node killed but not reaped yet (a zombie) is not running: a
         restart right after a `kill -9` must not be refused as "already running"."""
-        from bus.server_guard import alive  # imported here: server_guard builds on this module
-
         return alive(self.pid)
 
 

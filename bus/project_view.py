@@ -18,9 +18,9 @@ from bus.erasure import ErasedMap
 from bus.event import Envelope
 from bus.fold import Fold
 from bus.kinds import FindingBody, ResolvedBody
-from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.state import event_references
+from bus.stream_read import read_stream
 from bus.subjects import STREAM, EventAddress, artifact_filter, events_filter, parse_event_subject
 from bus.tombstone_registry import TombstoneRegistry
 

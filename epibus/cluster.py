@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from bus.errors import ConfigError, Unavailable
 from bus.home import PRIVATE_FILE, node_name, private_dir, write_private
 from bus.ports import port_taken
+from bus.processes import alive
 from bus.routes import ClusterRoutes, make_route_secret, read_route_secret, require_ipv4
-from bus.server_guard import SPAWNER, alive, die_with_parent
+from bus.server_guard import SPAWNER, die_with_parent
 from bus.signing import NODE_KEY_FILE, node_key
 
 if TYPE_CHECKING:

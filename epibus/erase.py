@@ -15,11 +15,11 @@ from bus.batch_context import EnrolmentLog
 from bus.erasure import erased_record
 from bus.errors import NotFound, Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
-from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.requests import EraseReply, EraseRequest
 from bus.responder import Service
 from bus.service_rules import erase_rule
+from bus.stream_read import read_stream
 from bus.subjects import ADMIN_QUEUE, FORGET_ERASE, STREAM, artifact_filter
 
 

@@ -18,7 +18,7 @@ from bus.home import NodeInfo, write_private
 from epibus.supervise import service_failures
 
 if TYPE_CHECKING:
-    from epibus.node import Node
+    from epibus.node_view import NodeView
 
 HEALTH_FILE = "health.json"
 REPORT_EVERY_S = 2.0
@@ -87,7 +87,7 @@ def problems(
     return found
 
 
-def node_health(node: Node) -> dict[str, Any]:
+def node_health(node: NodeView) -> dict[str, Any]:
     """What the node reports about itself: its connection, each observer's runner, services and restarts."""
     nc = node.nc
     observers = {}
@@ -118,7 +118,7 @@ def node_health(node: Node) -> dict[str, Any]:
     }
 
 
-def _mirror(node: Node) -> dict[str, Any]:
+def _mirror(node: NodeView) -> dict[str, Any]:
     """The mirror's backend and the embedding model it was built for (`epibus status` shows them)."""
     embedder = node.embedder
     return {
@@ -128,7 +128,7 @@ def _mirror(node: Node) -> dict[str, Any]:
     }
 
 
-async def report_health(node: Node) -> None:
+async def report_health(node: NodeView) -> None:
     """Write the node's health every REPORT_EVERY_S, until cancelled."""
     while True:
         write_health(node.config.home, node_health(node))

@@ -34,7 +34,7 @@ from mesh.protocol import awaits_acknowledgement
 from observers.mirror.embed import FastEmbedder
 
 if TYPE_CHECKING:
-    from epibus.node import Node
+    from epibus.node_view import NodeView
 
 log = logging.getLogger(__name__)
 SOURCE_DEADLINE_S = 2.0  # a scrape waits this long for the server's stream figures, then reports without them
@@ -56,7 +56,7 @@ class NodeMetrics:
     """The node's registry and what fills it: `await render()` gathers everything on the node's event loop
     (no other thread reads the node's counts), then writes the text exposition."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodeView) -> None:
         self.node = node
         self.registry = CollectorRegistry(auto_describe=False)
         self._prepared = _Prepared()
@@ -157,14 +157,14 @@ class _Prepared(Collector):
         return list(self.families)
 
 
-def runners(node: Node) -> Iterator[tuple[str, ConsumerRunner]]:
+def runners(node: NodeView) -> Iterator[tuple[str, ConsumerRunner]]:
     """The node's observers by role, the label every per-observer series carries."""
     for role, runner in (("journal", node.runner), ("mirror", node.mirror_runner)):
         if runner is not None:
             yield role, runner
 
 
-def _dlq_by_role(node: Node, subjects: dict[str, int]) -> Counter[tuple[str, str]]:
+def _dlq_by_role(node: NodeView, subjects: dict[str, int]) -> Counter[tuple[str, str]]:
     roles = {runner.observer.name: role for role, runner in runners(node)}
     found: Counter[tuple[str, str]] = Counter()
     for subject, n in subjects.items():
@@ -185,7 +185,7 @@ def add_histogram(family: HistogramMetricFamily, labels: list[str], kept: Latenc
     family.add_metric(labels, buckets, kept.sum)
 
 
-def _observer_families(node: Node) -> list[Metric]:
+def _observer_families(node: NodeView) -> list[Metric]:
     """Per project and kind: what each observer applied and dead-lettered; recording-to-write latency."""
     applied = {
         "journal": CounterMetricFamily(
@@ -222,7 +222,7 @@ def _observer_families(node: Node) -> list[Metric]:
     return [*applied.values(), *latency.values(), dead]
 
 
-def _consumer_families(node: Node) -> list[Metric]:
+def _consumer_families(node: NodeView) -> list[Metric]:
     """Each observer's durable consumer as the server last reported it, and the runner's own counts."""
     labels = ["observer"]
     pending = GaugeMetricFamily(
@@ -254,7 +254,7 @@ def _consumer_families(node: Node) -> list[Metric]:
     return [pending, floor, stalled, degraded, redelivered, fetch_errors, failures]
 
 
-def _service_families(node: Node) -> list[Metric]:
+def _service_families(node: NodeView) -> list[Metric]:
     """Request services (by subject, a fixed set), and supervised loops' failures (by service name)."""
     requests = CounterMetricFamily(
         "epibus_requests", "Requests each service got, by outcome.", labels=["service", "outcome"]
@@ -272,7 +272,7 @@ def _service_families(node: Node) -> list[Metric]:
     return [requests, seconds, failures]
 
 
-def _limit_families(node: Node) -> list[Metric]:
+def _limit_families(node: NodeView) -> list[Metric]:
     """Each agent's publish budget and use on this node's server, and the consumer slots it was refused."""
     found: list[Metric] = []
     if node.budget is not None:
@@ -305,7 +305,7 @@ def _limit_families(node: Node) -> list[Metric]:
     return found
 
 
-def _embed_families(node: Node) -> list[Metric]:
+def _embed_families(node: NodeView) -> list[Metric]:
     texts = CounterMetricFamily("epibus_embed_texts", "Texts the embedding model embedded (cache misses).")
     spent = CounterMetricFamily("epibus_embed_seconds", "Seconds the embedding model spent embedding.")
     hits = CounterMetricFamily("epibus_embed_cache_hits", "Texts the embedding cache answered.")
@@ -319,7 +319,7 @@ def _embed_families(node: Node) -> list[Metric]:
     return [texts, spent, hits]
 
 
-def _node_families(node: Node) -> list[Metric]:
+def _node_families(node: NodeView) -> list[Metric]:
     connected = GaugeMetricFamily("epibus_nats_connected", "1 while the node's NATS connection is up.")
     connected.add_metric([], float(node.nc is not None and node.nc.is_connected))
     restarts = CounterMetricFamily(
@@ -339,7 +339,7 @@ def _node_families(node: Node) -> list[Metric]:
     return [connected, restarts, forwarded]
 
 
-def _mesh_families(node: Node) -> list[Metric]:
+def _mesh_families(node: NodeView) -> list[Metric]:
     """Mesh tasks by project and state, and completed tasks awaiting their proposer's acknowledgement, from the
     status snapshot's view of the mesh bucket (absent until it has read the bucket once)."""
     ready = GaugeMetricFamily("epibus_mesh_view_ready", "1 once the node has read the whole mesh bucket.")

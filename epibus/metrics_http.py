@@ -27,7 +27,7 @@ from epibus.http_serving import EmbeddedServer, listen, netloc
 from epibus.metrics import NodeMetrics
 
 if TYPE_CHECKING:
-    from epibus.node import Node
+    from epibus.node_view import NodeView
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.json"
@@ -95,7 +95,7 @@ def kept_port(home: Path) -> int | None:
 class MetricsServer:
     """`await start()` listens and serves; `await stop()` closes the socket and waits for the server's task."""
 
-    def __init__(self, node: Node, settings: MetricsSettings) -> None:
+    def __init__(self, node: NodeView, settings: MetricsSettings) -> None:
         self.node = node
         self.settings = settings
         self.metrics = NodeMetrics(node)
@@ -191,7 +191,7 @@ async def _reply(
     await send({"type": "http.response.body", "body": body})
 
 
-async def start_metrics(node: Node, settings: MetricsSettings) -> MetricsServer | None:
+async def start_metrics(node: NodeView, settings: MetricsSettings) -> MetricsServer | None:
     """The node's endpoint, serving; None when it is off (port 0)."""
     if settings.port == 0:
         return None

@@ -22,9 +22,9 @@ from nats.js.kv import KeyValue
 from bus.auth import ANY_PROJECT
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
 from bus.nats_errors import JS_TIMEOUT_S, nats_call
-from bus.reader import read_stream
 from bus.records import Quarantine, decode_json
 from bus.registry import AgentRegistry
+from bus.stream_read import read_stream
 from bus.streams import open_bucket
 from bus.subjects import (
     MESH_BUCKET,

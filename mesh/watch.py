@@ -25,8 +25,8 @@ from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
 from bus.follow import ResumingSubscription, resume_config
 from bus.home import write_private
 from bus.nats_errors import RETRYABLE
-from bus.reader import last_matching
 from bus.records import Quarantine
+from bus.stream_read import last_matching
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value
 from mesh.trust import UntrustedRecord

@@ -20,9 +20,9 @@ from bus.ask import fan_out
 from bus.errors import Unavailable
 from bus.event import event_digest
 from bus.ids import point_id
-from bus.reader import read_stream
 from bus.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupRequest
 from bus.signing import AgentKey
+from bus.stream_read import read_stream
 from bus.subjects import MIRROR_LOOKUP, MSG_ID_HEADER, STREAM, events_filter, stream_leader_stepdown_subject
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL

@@ -21,7 +21,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from bus.errors import ConfigError, Unavailable
-from bus.server_guard import StoreLock, alive
+from bus.processes import alive
+from bus.server_guard import StoreLock
 from bus.signing import AgentKey, node_key
 from bus.subjects import STREAM
 from epibus.cluster import Member, Supervisor, cluster_root, plan_members, read_cluster

@@ -11,7 +11,7 @@ import typer
 
 from bus.errors import ConfigError
 from bus.home import epibus_home
-from bus.server_guard import alive
+from bus.processes import alive
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, handles_errors, table
 from epibus.cli.display import shown
 from epibus.cluster import MAX_NODES, MIN_NODES, Supervisor, cluster_root, read_cluster

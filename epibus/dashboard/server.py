@@ -20,7 +20,7 @@ from epibus.http_serving import EmbeddedServer, listen, netloc
 from observers.recall import recall
 
 if TYPE_CHECKING:
-    from epibus.node import Node
+    from epibus.node_view import NodeView
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
@@ -32,7 +32,7 @@ MAX_CONNECTIONS = 64
 class Dashboard:
     """`await start()`, then `url_with_token` is what the operator opens; `await stop()` closes the port."""
 
-    def __init__(self, node: Node, *, host: str, port: int, allow_remote: bool = False) -> None:
+    def __init__(self, node: NodeView, *, host: str, port: int, allow_remote: bool = False) -> None:
         check_bind_host(host, allow_remote=allow_remote)
         self.node = node
         self.host = host

@@ -18,14 +18,14 @@ from mesh.protocol import awaits_acknowledgement
 from mesh.task import TaskRecord
 
 if TYPE_CHECKING:
-    from epibus.node import Node
+    from epibus.node_view import NodeView
 
 READ_TIMEOUT_S = 2.0
 MESH_TASKS_SHOWN = 30
 STREAM_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *NATS_OR_API_ERROR)
 
 
-async def node_snapshot(node: Node) -> dict[str, Any]:
+async def node_snapshot(node: NodeView) -> dict[str, Any]:
     report = node_health(node)
     found = problems(node.config.home, node.info, report) if node.info is not None else []
     snapshot: dict[str, Any] = {
@@ -55,7 +55,7 @@ def _observer(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _dlq_depth(node: Node, found: list[str]) -> int | None:
+async def _dlq_depth(node: NodeView, found: list[str]) -> int | None:
     js = node.js
     if js is None or node.nc is None or not node.nc.is_connected:
         found.append("dead letters: the node is not connected to NATS")
@@ -69,7 +69,7 @@ async def _dlq_depth(node: Node, found: list[str]) -> int | None:
     return int(info.state.messages)
 
 
-async def _outbox(node: Node, found: list[str]) -> dict[str, int] | None:
+async def _outbox(node: NodeView, found: list[str]) -> dict[str, int] | None:
     if node.forwarder is None:
         return None
     outbox = node.forwarder.outbox

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from bus import admission as admission_module
 from bus.admission import Admission, Delivery, Rejected, TimeBounds, check_message, check_messages
 from bus.event import Envelope
-from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
+from bus.stream_read import read_stream
 from bus.subjects import STREAM, events_filter
 from bus.vocab import DeadLetterReason
 from tests.histories import Message, Op, build, fresh_project, histories, make_keys, publish, register_keys

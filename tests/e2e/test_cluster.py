@@ -27,9 +27,9 @@ from nats.aio.client import Client as NatsClient
 
 from bus.ask import fan_out
 from bus.client import EpibusClient
+from bus.processes import alive
 from bus.recall import recall_request
 from bus.requests import RecallReply
-from bus.server_guard import alive
 from bus.signing import AgentKey
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, RECALL, STREAM
 from bus.vocab import Role

@@ -18,8 +18,8 @@ from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, Inva
 from bus.event import decode_event
 from bus.ids import new_event_id
 from bus.loops import cancel_and_wait
-from bus.reader import read_stream
 from bus.server import NatsServer
+from bus.stream_read import read_stream
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent

@@ -23,9 +23,9 @@ from sqlalchemy import select
 
 from bus.admission import Admission, Delivery, Rejected
 from bus.batch_context import BatchContext
-from bus.reader import read_stream
 from bus.registry import AgentRegistry
 from bus.server import NatsServer
+from bus.stream_read import read_stream
 from bus.subjects import STREAM, events_filter
 from bus.tombstones import content_hash
 from bus.vocab import ResolutionKind

@@ -23,7 +23,6 @@ from bus.client import EpibusClient, connect
 from bus.consumers import drop_consumer, pull_consumer
 from bus.errors import Forbidden, InvalidEvent, LimitReached
 from bus.follow import StreamFollower, resume_config
-from bus.reader import last_matching, last_sequence
 from bus.requests import (
     ConsumerOpenReply,
     ConsumerOpenRequest,
@@ -32,6 +31,7 @@ from bus.requests import (
     build_request,
 )
 from bus.signing import AgentKey, node_key
+from bus.stream_read import last_matching, last_sequence
 from bus.subjects import (
     CONSUMER_OPEN,
     MESH_BUCKET,
@@ -209,7 +209,7 @@ async def test_refusals_name_the_agent_and_what_to_do_as_soon_as_the_broker_refu
     node: Node, project: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the call's own deadline is ten minutes: the refusal must come from the broker's answer, not the deadline
-    monkeypatch.setattr("bus.reader.READ_TIMEOUT_S", 600.0)
+    monkeypatch.setattr("bus.stream_read.READ_TIMEOUT_S", 600.0)
     async with agent(node, "mallory", project) as mallory:
         with pytest.raises(
             Forbidden, match=r"agent 'mallory' may not use \$JS.API.STREAM.INFO.EPI: the broker refused"
