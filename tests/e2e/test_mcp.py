@@ -254,7 +254,14 @@ async def test_an_undeclared_wrong_or_oversized_argument_is_refused_and_nothing_
 
 async def test_the_audit_door_is_refused_to_an_agent_without_the_reviewer_role(node: Path, project: str) -> None:
     async with agent(node, "alice") as alice:
-        await call(alice, "publish_unknown", project=project, question="does warming delay readiness?", impact=0.4)
+        await call(
+            alice,
+            "publish_unknown",
+            project=project,
+            question="does warming delay readiness?",
+            impact=0.4,
+            wait="journaled",  # the briefing below reads the journal
+        )
         message = await refused(alice, "audit", project=project)
         assert message.startswith("Forbidden: agent 'alice' may not read through audit"), message
         message = await refused(alice, "audit_recall", project=project, query="readiness")
