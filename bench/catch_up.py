@@ -31,8 +31,8 @@ import nats  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bus.server import NatsServer  # noqa: E402
-from bus.stream_read import read_stream  # noqa: E402
+from bus.host.server import NatsServer  # noqa: E402
+from bus.intake.stream_read import read_stream  # noqa: E402
 from bus.subjects import STREAM  # noqa: E402
 from epibus.node import Node, NodeConfig  # noqa: E402
 from observers.verify import verify  # noqa: E402

@@ -36,12 +36,12 @@ import nats  # noqa: E402
 from nats.aio.client import Client as NatsClient  # noqa: E402
 from nats.js import JetStreamContext  # noqa: E402
 
-from bus.event import Envelope, draft_event  # noqa: E402
-from bus.registry import AgentRegistry  # noqa: E402
-from bus.runner import ConsumerRunner  # noqa: E402
-from bus.server import NatsServer  # noqa: E402
-from bus.signing import AgentKey, wire_message  # noqa: E402
-from bus.streams import ensure_streams  # noqa: E402
+from bus.broker.streams import ensure_streams  # noqa: E402
+from bus.enrolment.registry import AgentRegistry  # noqa: E402
+from bus.host.server import NatsServer  # noqa: E402
+from bus.identity.signing import AgentKey, wire_message  # noqa: E402
+from bus.intake.runner import ConsumerRunner  # noqa: E402
+from bus.model.event import Envelope, draft_event  # noqa: E402
 from bus.subjects import STREAM, events_filter  # noqa: E402
 from observers.journal import Journal, JournalObserver  # noqa: E402
 

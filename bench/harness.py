@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
-from bus.server import NatsServer, nats_server_binary
+from bus.host.server import NatsServer, nats_server_binary
 
 STALL_S = 5.0  # no progress for this long while waiting counts as a stall, reported with the row
 

@@ -32,7 +32,7 @@ from mcp import Client, StdioServerParameters  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bus.client import connect  # noqa: E402
+from bus.client.client import connect  # noqa: E402
 from observers import reads  # noqa: E402
 from observers.journal import Journal  # noqa: E402
 from tests.support import start_node_process, stop_node_process  # noqa: E402

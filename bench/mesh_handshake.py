@@ -30,9 +30,9 @@ import nats
 from rich.console import Console
 from rich.table import Table
 
-from bus.client import connect
-from bus.loops import cancel_and_wait
-from bus.server import NatsServer
+from bus.broker.loops import cancel_and_wait
+from bus.client.client import connect
+from bus.host.server import NatsServer
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy

@@ -35,12 +35,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import nats  # noqa: E402
 from nats.js.kv import KeyValue  # noqa: E402
 
-import bus.signing  # noqa: E402
-from bus.client import EpibusClient, connect  # noqa: E402
-from bus.connection import open_nats  # noqa: E402
-from bus.loops import cancel_and_wait  # noqa: E402
-from bus.server import NatsServer  # noqa: E402
-from bus.signing import AgentKey  # noqa: E402
+import bus.identity.signing  # noqa: E402
+from bus.broker.loops import cancel_and_wait  # noqa: E402
+from bus.client.client import EpibusClient, connect  # noqa: E402
+from bus.client.connection import open_nats  # noqa: E402
+from bus.host.server import NatsServer  # noqa: E402
+from bus.identity.signing import AgentKey  # noqa: E402
 from mesh import asker as mesh_asker  # noqa: E402
 from mesh import events as mesh_events  # noqa: E402
 from mesh import trust as mesh_trust  # noqa: E402
@@ -93,7 +93,7 @@ def counted() -> Iterator[None]:
     wrap(EpibusClient, "publish", "event publish")
     wrap(MeshService, "_apply_step", "node applies a step")
     wrap(MeshAgent, "send", "agent sends a message")
-    for module in (bus.signing, mesh_events, mesh_trust):
+    for module in (bus.identity.signing, mesh_events, mesh_trust):
         if hasattr(module, "verify_signature"):
             wrap(module, "verify_signature", "signature verified")
     try:

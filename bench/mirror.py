@@ -24,12 +24,12 @@ import nats
 from rich.console import Console
 from rich.table import Table
 
-from bus.client import connect
-from bus.ids import point_id
-from bus.reader import replay
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.intake.reader import replay
+from bus.intake.runner import ConsumerRunner
+from bus.model.ids import point_id
 from bus.subjects import events_filter
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver

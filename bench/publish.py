@@ -25,10 +25,10 @@ from nats.js.api import StorageType, StreamConfig
 from rich.console import Console
 from rich.table import Table
 
-from bus.client import connect
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.intake.runner import ConsumerRunner
 from bus.subjects import events_filter
 from observers.journal import Journal, JournalObserver
 

@@ -25,9 +25,9 @@ sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
     p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
 ]
 
-from bus.client import connect  # noqa: E402
-from bus.recall import recall_request  # noqa: E402
-from bus.server import NatsServer  # noqa: E402
+from bus.client.client import connect  # noqa: E402
+from bus.client.recall import recall_request  # noqa: E402
+from bus.host.server import NatsServer  # noqa: E402
 from bus.subjects import RECALL  # noqa: E402
 from epibus.node import Node, NodeConfig  # noqa: E402
 
@@ -130,7 +130,7 @@ async def run(points: int, rounds: int) -> dict[str, Any]:
 async def _presence_read(client: Any, rounds: int) -> dict[str, float] | None:
     """What reading the live set costs a fan-out (it overlaps the nodes' work); None before there was one."""
     try:
-        from bus.presence import live_nodes
+        from bus.broker.presence import live_nodes
     except ImportError:
         return None
     samples: list[float] = []

@@ -23,8 +23,8 @@ from nats.js.api import StorageType, StreamConfig
 
 from bench import mesh_handshake, mirror, publish
 from bench.harness import Line, Sizes, fresh_server, latency, percentile, throughput, wait_for_count
-from bus.client import EpibusClient, connect
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.client.client import EpibusClient, connect
 from bus.subjects import STREAM, events_filter
 from epibus.node import Node, NodeConfig
 from observers.mirror.backends import open_store

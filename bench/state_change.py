@@ -22,13 +22,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bus.admission import Admission
-from bus.batch_context import EnrolmentLog
-from bus.client import EpibusClient, connect
-from bus.project_view import _read_admitted
-from bus.registry import AgentRegistry
-from bus.server import NatsServer
-from bus.stream_read import last_matching
+from bus.client.client import EpibusClient, connect
+from bus.client.project_view import _read_admitted
+from bus.enrolment.registry import AgentRegistry
+from bus.host.server import NatsServer
+from bus.intake.admission import Admission
+from bus.intake.batch_context import EnrolmentLog
+from bus.intake.stream_read import last_matching
 from bus.subjects import STREAM, artifact_filter, events_filter
 
 

@@ -320,7 +320,7 @@ DLQ_DIGEST = "Epibus-Dlq-Sha256"  # of the original message, whole
 DLQ_SIZE = "Epibus-Dlq-Size"  # the original message's size in bytes
 DLQ_TRUNCATED = "Epibus-Dlq-Truncated"  # present when only this many first bytes were kept
 
-# A signed request's headers (bus/signing.py signs and checks them).
+# A signed request's headers (bus/identity/signing.py signs and checks them).
 SIGNER_HEADER = "Epibus-Signer"
 SIGNER_KEY_HEADER = "Epibus-Signer-Key"
 SIGNED_AT_HEADER = "Epibus-Signed-At"

@@ -15,7 +15,7 @@ from epibus.layers import require_own_layers
 require_own_layers()
 
 if TYPE_CHECKING:
-    from bus.client import EpibusClient, connect
+    from bus.client.client import EpibusClient, connect
     from bus.errors import (
         ConfigError,
         Conflict,
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
         NotFound,
         Unavailable,
     )
-    from bus.event import Envelope
-    from bus.kinds import Body, Evidence, register_kind
-    from bus.publish import Receipt
-    from bus.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
+    from bus.model.event import Envelope
+    from bus.model.kinds import Body, Evidence, register_kind
+    from bus.model.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
+    from bus.outbox.publish import Receipt
     from epibus import sync
     from epibus.node import Node, NodeConfig
     from mesh.agent import MeshAgent, Outcome
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # Where each public name lives: (module, attribute), attribute None for a module itself.
 _WHERE: dict[str, tuple[str, str | None]] = {
-    **{name: ("bus.client", name) for name in ("EpibusClient", "connect")},
+    **{name: ("bus.client.client", name) for name in ("EpibusClient", "connect")},
     **{
         name: ("bus.errors", name)
         for name in (
@@ -56,11 +56,11 @@ _WHERE: dict[str, tuple[str, str | None]] = {
             "Unavailable",
         )
     },
-    "Envelope": ("bus.event", "Envelope"),
-    **{name: ("bus.kinds", name) for name in ("Body", "Evidence", "register_kind")},
-    "Receipt": ("bus.publish", "Receipt"),
+    "Envelope": ("bus.model.event", "Envelope"),
+    **{name: ("bus.model.kinds", name) for name in ("Body", "Evidence", "register_kind")},
+    "Receipt": ("bus.outbox.publish", "Receipt"),
     **{
-        name: ("bus.vocab", name)
+        name: ("bus.model.vocab", name)
         for name in ("EpistemicSource", "ReceiptLevel", "ResolutionKind", "Reversibility", "Trust")
     },
     "sync": ("epibus.sync", None),

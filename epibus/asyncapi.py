@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import bus.authority  # noqa: F401 - registers the enrolment kind
+import bus.model.authority  # noqa: F401 - registers the enrolment kind
 import mesh.events  # noqa: F401 - registers the mesh's task and coordinators kinds
-from bus.event import LEGACY_SCHEMA_VERSION, MAX_EVENT_BYTES, SCHEMA_VERSION, Envelope
-from bus.kinds import kind_names, require_kind
-from bus.signing import EVENT_DOMAIN, SIGNATURE_PATTERN
+from bus.identity.signing import EVENT_DOMAIN, SIGNATURE_PATTERN
+from bus.model.event import LEGACY_SCHEMA_VERSION, MAX_EVENT_BYTES, SCHEMA_VERSION, Envelope
+from bus.model.kinds import kind_names, require_kind
+from bus.model.vocab import DeadLetterReason
 from bus.subjects import (
     ARTIFACT_PATTERN,
     DLQ_CONSUMER,
@@ -32,7 +33,6 @@ from bus.subjects import (
     dlq_subject,
     event_subject,
 )
-from bus.vocab import DeadLetterReason
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "asyncapi.json"
 REF = "#/components/schemas/{model}"

@@ -20,9 +20,9 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
+from bus.broker.nats_errors import JS_TIMEOUT_S, nats_call
+from bus.broker.streams import MIB
 from bus.errors import ConfigError, Unavailable
-from bus.nats_errors import JS_TIMEOUT_S, nats_call
-from bus.streams import MIB
 
 log = logging.getLogger(__name__)
 POLL_EVERY_S = 0.25  # how soon a flood is seen; the reload that suspends takes ~0.1-0.3 s more

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bus.errors import ConfigError
-from bus.home import write_private
+from bus.host.home import write_private
 
 DEFAULT_SERVERS = ("nats-1", "nats-2", "nats-3")  # the NATS services of docker-compose.yml
 DEFAULT_DAYS = 365

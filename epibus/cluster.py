@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError, Unavailable
-from bus.home import PRIVATE_FILE, node_name, private_dir, write_private
-from bus.ports import port_taken
-from bus.processes import alive
-from bus.routes import ClusterRoutes, make_route_secret, read_route_secret, require_ipv4
-from bus.server_guard import SPAWNER, die_with_parent
-from bus.signing import NODE_KEY_FILE, node_key
+from bus.host.home import PRIVATE_FILE, node_name, private_dir, write_private
+from bus.host.ports import port_taken
+from bus.host.processes import alive
+from bus.host.routes import ClusterRoutes, make_route_secret, read_route_secret, require_ipv4
+from bus.host.server_guard import SPAWNER, die_with_parent
+from bus.identity.signing import NODE_KEY_FILE, node_key
 
 if TYPE_CHECKING:
     from epibus.netns import Namespaces

@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from bus.client import EpibusClient
-from bus.enrol import enrol_locally
-from bus.signing import AgentKey
+from bus.client.client import EpibusClient
+from bus.client.enrol import enrol_locally
+from bus.identity.signing import AgentKey
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.watch import FileCursor

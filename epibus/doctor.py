@@ -1,7 +1,7 @@
 """`epibus doctor`: what would stop epibus from working here, one check per line (ok | warn | fail) with the fix.
 
 NATS (reachable, JetStream on, server version), every stream and KV bucket epibus relies on against the
-configuration it needs (bus/drift.py, the same comparison `ensure_streams` refuses drift with), the clock
+configuration it needs (bus/broker/drift.py, the same comparison `ensure_streams` refuses drift with), the clock
 against the server's, the key registry, then this machine's journal, mirror, disk space and file modes
 (epibus/doctor_local.py). Nothing is created or repaired: the doctor only reads."""
 
@@ -19,15 +19,16 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 
-from bus.connection import open_nats
-from bus.drift import Difference, automatic, differences, show
+from bus.broker.drift import Difference, automatic, differences, show
+from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.broker.streams import managed_streams, node_settings_of
+from bus.client.connection import open_nats
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import EpibusError, Forbidden
-from bus.home import epibus_home, explicit_nats_url, read_node_info, resolve_journal_url, split_servers
-from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
-from bus.registry import AgentRegistry
-from bus.server import MIN_SERVER_VERSION
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
-from bus.streams import managed_streams, node_settings_of
+from bus.host.home import epibus_home, explicit_nats_url, read_node_info, resolve_journal_url, split_servers
+from bus.host.server import MIN_SERVER_VERSION
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.services.enrolments import local_agent_keys
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, stream_info_subject
 from epibus.doctor_fleet import certificate_checks, fleet_role, member_checks
 from epibus.doctor_local import (
@@ -41,7 +42,6 @@ from epibus.doctor_local import (
     mirror_check,
     mode_checks,
 )
-from epibus.enrolment import local_agent_keys
 from epibus.node_process import connect_key
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, FastEmbedder
 

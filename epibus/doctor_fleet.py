@@ -10,8 +10,8 @@ from pathlib import Path
 from cryptography import x509
 from nats.js import JetStreamContext
 
+from bus.broker.presence import HEARTBEAT_S, live_nodes
 from bus.errors import Unavailable
-from bus.presence import HEARTBEAT_S, live_nodes
 from epibus.certs import CA_NAME
 from epibus.doctor_local import FAIL, OK, WARN, Check
 from epibus.fleet import HUB_CERT, FleetRoster

@@ -14,9 +14,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from bus.errors import ConfigError
-from bus.home import PRIVATE_DIR, PRIVATE_FILE
-from bus.signing import NODE_KEY_FILE
-from epibus.enrolment import local_agent_keys
+from bus.host.home import PRIVATE_DIR, PRIVATE_FILE
+from bus.identity.signing import NODE_KEY_FILE
+from bus.services.enrolments import local_agent_keys
 from epibus.layers import LAYERS, claimed_by_others, shadowed_layers
 from observers.journal import make_engine
 from observers.schema import LATEST_VERSION, current_version

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bus.admission import Delivery, Refusal
 from bus.errors import ConfigError, Unavailable
-from bus.home import private_dir
-from bus.runner import Observer
+from bus.host.home import private_dir
+from bus.intake.admission import Delivery, Refusal
+from bus.intake.runner import Observer
 from observers.mirror.store import CollectionInfo, Filter, Hit, Point, Vector, VectorStore
 
 log = logging.getLogger(__name__)

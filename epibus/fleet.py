@@ -22,21 +22,21 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 
-from bus.auth import inbox_owner, inbox_prefix
+from bus.broker.nats_errors import nats_call
+from bus.broker.streams import open_bucket
+from bus.enrolment.service_rules import Asker, Authorizer, admin_rule
 from bus.errors import ConfigError, Forbidden, InvalidEvent, NotFound, Unavailable
-from bus.home import write_private
-from bus.nats_errors import nats_call
-from bus.requests import (
+from bus.host.home import write_private
+from bus.identity.signing import verify_document, verify_request
+from bus.model.auth import inbox_owner, inbox_prefix
+from bus.model.requests import (
     FleetInviteReply,
     FleetInviteRequest,
     FleetJoinRequest,
     FleetRemoveRequest,
     FleetReply,
 )
-from bus.responder import Responder, Service, serve
-from bus.service_rules import Asker, Authorizer, admin_rule
-from bus.signing import verify_document, verify_request
-from bus.streams import open_bucket
+from bus.services.responder import Responder, Service, serve
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     FLEET_DOMAIN,

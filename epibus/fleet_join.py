@@ -19,13 +19,13 @@ import nats
 from nats.aio.client import Client as NatsClient
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from bus.ask import ask_one
-from bus.auth import inbox_prefix
+from bus.broker.ask import ask_one
+from bus.broker.nats_errors import CONNECT_OR_REFUSED
 from bus.errors import ConfigError, Forbidden, Unavailable
-from bus.home import private_dir, write_private
-from bus.nats_errors import CONNECT_OR_REFUSED
-from bus.requests import FleetJoinRequest, FleetReply
-from bus.signing import AgentKey
+from bus.host.home import private_dir, write_private
+from bus.identity.signing import AgentKey
+from bus.model.auth import inbox_prefix
+from bus.model.requests import FleetJoinRequest, FleetReply
 from bus.subjects import FLEET_JOIN
 from epibus.certs import CA_NAME
 from epibus.fleet import JOIN_PROOF_PURPOSE, join_proof_document, leaf_remote_block

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
-from bus.home import NodeInfo, write_private
+from bus.host.home import NodeInfo, write_private
 from epibus.supervise import service_failures
 
 if TYPE_CHECKING:

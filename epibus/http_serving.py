@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from bus.errors import ConfigError
-from bus.ports import port_holder
+from bus.host.ports import port_holder
 
 BACKLOG = 128
 

@@ -19,7 +19,7 @@ import nkeys
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from bus.errors import ConfigError, Forbidden
-from bus.home import private_dir, write_private
+from bus.host.home import private_dir, write_private
 
 TOKEN_PREFIX = "epibus-join-1."
 FLEET_DIR = "fleet"

@@ -1,9 +1,9 @@
 """A node's Prometheus metrics, gathered when they are scraped from the counts the node already keeps: its
-runners' stats and tallies (bus/runner.py, bus/tally.py), its services' responders, its embedder, forwarder
-and outbox, the status snapshot's mesh view, and the EPI and EPI_DLQ streams (asked with a deadline). Each
+runners' stats and tallies (bus/intake/runner.py, bus/broker/tally.py), its services' responders, its embedder,
+forwarder and outbox, the status snapshot's mesh view, and the EPI and EPI_DLQ streams (asked with a deadline). Each
 node has its own CollectorRegistry, so two nodes in one process never share a series.
 
-Label values a publisher chooses (projects, kinds) are capped (bus/tally.py): past the cap they count under
+Label values a publisher chooses (projects, kinds) are capped (bus/broker/tally.py): past the cap they count under
 `_other`, a value no project or kind can take. Every other label comes from a fixed vocabulary."""
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bus.broker.nats_errors import NATS_OR_API_ERROR
+from bus.broker.tally import DEFAULT_MAX_KEYS, OTHER, LatencyHistogram, fold_top
 from bus.errors import EpibusError
-from bus.nats_errors import NATS_OR_API_ERROR
-from bus.responder import ServiceCounts
-from bus.runner import ConsumerRunner
+from bus.intake.runner import ConsumerRunner
+from bus.model.vocab import DeadLetterReason
+from bus.services.responder import ServiceCounts
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject
-from bus.tally import DEFAULT_MAX_KEYS, OTHER, LatencyHistogram, fold_top
-from bus.vocab import DeadLetterReason
 from epibus.supervise import service_failures
 from mesh.protocol import awaits_acknowledgement
 from observers.mirror.embed import FastEmbedder

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from bus.broker.loops import cancel_and_wait
 from bus.errors import ConfigError, error_summary
-from bus.home import owner_only, write_private
-from bus.loops import cancel_and_wait
+from bus.host.home import owner_only, write_private
 from epibus.http_serving import EmbeddedServer, listen, netloc
 from epibus.metrics import NodeMetrics
 

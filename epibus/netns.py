@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.errors import EpibusError
-from bus.processes import alive
+from bus.host.processes import alive
 
 IP_TIMEOUT_S = 15.0
 LOCK_WAIT_S = 60.0

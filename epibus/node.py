@@ -15,10 +15,11 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from bus.consumers import ConsumerSlots
+from bus.broker.loops import cancel_and_wait
+from bus.broker.presence import Presence
+from bus.enrolment.service_rules import enrolled_rule
 from bus.errors import ConfigError
-from bus.forwarder import Forwarder
-from bus.home import (
+from bus.host.home import (
     NodeInfo,
     default_journal_url,
     node_name,
@@ -27,24 +28,23 @@ from bus.home import (
     remove_node_info,
     write_node_info,
 )
-from bus.loops import cancel_and_wait
-from bus.outbox import Outbox
-from bus.ports import read_ports
-from bus.presence import Presence
-from bus.responder import Responder, Service, serve_services
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.service_rules import enrolled_rule
-from bus.signing import AgentKey, node_key
+from bus.host.ports import read_ports
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey, node_key
+from bus.intake.runner import ConsumerRunner
+from bus.outbox.forwarder import Forwarder
+from bus.outbox.outbox import Outbox
+from bus.services.consumer_slots import ConsumerSlots
+from bus.services.enrolments import Enrolments, starting_authorization
+from bus.services.erase import erase_service
+from bus.services.responder import Responder, Service, serve_services
+from bus.services.tombstone_registry import TombstoneRegistry
 from bus.subjects import (
     JOURNAL_LOOKUP,
 )
-from bus.tombstone_registry import TombstoneRegistry
 from epibus.budget import BudgetWatch
 from epibus.coordinating import start_coordinators
 from epibus.dashboard import Dashboard
-from epibus.enrolment import Enrolments, starting_authorization
-from epibus.erase import erase_service
 from epibus.failpoints import observed
 from epibus.fleet import FleetHub
 from epibus.health import report_health
@@ -147,7 +147,7 @@ class Node:
         self.fleet_hub: FleetHub | None = None
         self.fleet_link: FleetLink | None = None  # a joined node's link to its hub
         self._system: NatsClient | None = None
-        self.consumer_slots: ConsumerSlots | None = None  # opens agents' consumers (bus/consumers.py)
+        self.consumer_slots: ConsumerSlots | None = None  # opens agents' consumers (bus/services/consumer_slots.py)
         self.budget: BudgetWatch | None = None  # agents' publish budgets on the embedded server
         self.name = config.name or ""  # settled at start (node_name)
         self.key = AgentKey.generate("node")  # replaced at start by the key kept in home (node_key)

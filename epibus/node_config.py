@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.auth import DEFAULT_CONSUMER_SLOTS
+from bus.broker.streams import StreamLimits
 from bus.errors import ConfigError
-from bus.routes import ClusterRoutes
-from bus.streams import StreamLimits
+from bus.host.routes import ClusterRoutes
+from bus.model.auth import DEFAULT_CONSUMER_SLOTS
 from epibus.budget import PublishBudget
 from epibus.dashboard.security import check_bind_host
 
@@ -36,7 +36,7 @@ class NodeConfig:
     coordinate: tuple[tuple[str, str], ...] = ()
     # The embedded server admits only the node and enrolled agents (their nkeys), each confined by the broker.
     authenticate: bool = True
-    # Local clients enrol their agents with the node's key on first connect (see bus/client.py connect).
+    # Local clients enrol their agents with the node's key on first connect (see bus/client/client.py connect).
     auto_enrol: bool = True
     repair_streams: bool = False  # restore drifted streams at start instead of refusing to start
     # The live web dashboard (docs/dashboard.md): None serves none; 0 a free port, kept across service restarts.

@@ -12,12 +12,12 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from bus.connection import open_nats
+from bus.broker.loops import cancel_and_wait
+from bus.broker.nats_errors import NATS_UNAVAILABLE
+from bus.broker.streams import DRIFT_CHECK_EVERY_S, StreamLimits, ensure_streams
+from bus.client.connection import open_nats
 from bus.errors import StreamDrift, Unavailable
-from bus.loops import cancel_and_wait
-from bus.nats_errors import NATS_UNAVAILABLE
-from bus.signing import AgentKey
-from bus.streams import DRIFT_CHECK_EVERY_S, StreamLimits, ensure_streams
+from bus.identity.signing import AgentKey
 
 log = logging.getLogger(__name__)
 

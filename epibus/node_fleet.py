@@ -14,13 +14,13 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from bus.broker.nats_errors import NATS_UNAVAILABLE
 from bus.errors import ConfigError, Forbidden, Unavailable
-from bus.nats_errors import NATS_UNAVAILABLE
-from bus.responder import serve_services
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.services.enrolments import Enrolments
+from bus.services.responder import serve_services
 from bus.subjects import FLEET_DOMAIN
-from epibus.enrolment import Enrolments
 from epibus.fleet import FleetHub, hub_listener
 from epibus.fleet_join import Leaf, hub_refuses, load_leaf, prepare_join, redeem
 from epibus.node_config import NodeConfig

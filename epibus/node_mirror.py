@@ -12,10 +12,10 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from bus.broker.loops import cancel_and_wait, run_together
+from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import ConfigError
-from bus.loops import cancel_and_wait, run_together
-from bus.nats_errors import NATS_OR_API_ERROR
-from bus.runner import ConsumerRunner
+from bus.intake.runner import ConsumerRunner
 from bus.subjects import STREAM
 from epibus.failpoints import UnavailableWhenArmed, observed
 from epibus.supervise import Loops, supervised

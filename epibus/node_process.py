@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import ConfigError
-from bus.home import NODE_FILE, NodeInfo, default_agent, remove_node_info
-from bus.processes import alive, start_time
-from bus.server_guard import StoreLock, servers_on, terminate
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.host.home import NODE_FILE, NodeInfo, default_agent, remove_node_info
+from bus.host.processes import alive, start_time
+from bus.host.server_guard import StoreLock, servers_on, terminate
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 
 # node.json is written once the node runs; its process started earlier. Slack for clock-tick rounding.
 START_SLACK_S = 2.0

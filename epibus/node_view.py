@@ -9,11 +9,11 @@ if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
     from nats.js import JetStreamContext
 
-    from bus.consumers import ConsumerSlots
-    from bus.forwarder import Forwarder
-    from bus.home import NodeInfo
-    from bus.responder import Responder
-    from bus.runner import ConsumerRunner
+    from bus.host.home import NodeInfo
+    from bus.intake.runner import ConsumerRunner
+    from bus.outbox.forwarder import Forwarder
+    from bus.services.consumer_slots import ConsumerSlots
+    from bus.services.responder import Responder
     from epibus.budget import BudgetWatch
     from epibus.node_config import NodeConfig
     from epibus.node_fleet import FleetLink

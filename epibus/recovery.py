@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from bus.errors import ConfigError, Unavailable, error_summary
-from bus.server import NatsServer
+from bus.host.server import NatsServer
 from epibus.node_connection import NodeConnection
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bus.connection import open_nats
+from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.client.connection import open_nats
 from bus.errors import EpibusError
-from bus.home import split_servers
-from bus.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
-from bus.outbox import Outbox
+from bus.host.home import split_servers
+from bus.outbox.outbox import Outbox
 from epibus.health import STALE_AFTER_S, problems, read_health
 from epibus.node_process import NodeProcess, connect_key, find
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import ConfigError
-from bus.home import NodeInfo, default_agent, epibus_home, outbox_path, read_node_info
-from bus.outbox_schema import Depth, read_depth
+from bus.host.home import NodeInfo, default_agent, epibus_home, outbox_path, read_node_info
+from bus.outbox.outbox_schema import Depth, read_depth
 
 STATUS_FILE = "status.json"
 STATUS_FORMAT = 1

@@ -10,8 +10,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from bus.broker.loops import cancel_and_wait
 from bus.errors import EpibusError, error_summary
-from bus.loops import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bus.client import connect
-from bus.publish import Receipt
-from bus.vocab import EpistemicSource, ReceiptLevel
+from bus.client.client import connect
+from bus.model.vocab import EpistemicSource, ReceiptLevel
+from bus.outbox.publish import Receipt
 
 
 def publish(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import nkeys
 
-from bus.event import draft_event
-from bus.signing import AgentKey, event_signed_bytes, wire_message
+from bus.identity.signing import AgentKey, event_signed_bytes, wire_message
+from bus.model.event import draft_event
 from bus.subjects import EVENT_SIGNATURE_HEADER, MSG_ID_HEADER
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "wire-format.md"

@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bus.client import EpibusClient
+from bus.client.client import EpibusClient
 from bus.errors import Forbidden, InvalidEvent, NotFound
-from bus.ids import new_event_id
-from bus.kinds import Evidence
+from bus.model.ids import new_event_id
+from bus.model.kinds import Evidence
 from mesh.asker import NodeAsker
 from mesh.protocol import awaits_acknowledgement, child_task_id
 from mesh.roster import RosterChanges

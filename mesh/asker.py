@@ -7,10 +7,10 @@ import asyncio
 
 from pydantic import BaseModel
 
-from bus.ask import fan_out
-from bus.client import EpibusClient
+from bus.broker.ask import fan_out
+from bus.client.client import EpibusClient
 from bus.errors import Forbidden, Unavailable
-from bus.requests import ErrorReply
+from bus.model.requests import ErrorReply
 from mesh.wire import MeshReply, raise_refusal
 
 ASK_TIMEOUT_S = 10.0

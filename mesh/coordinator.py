@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from bus.broker.loops import run_together
+from bus.broker.nats_errors import RETRYABLE
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
-from bus.ids import derived_event_id
-from bus.loops import run_together
-from bus.nats_errors import RETRYABLE
+from bus.model.ids import derived_event_id
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord

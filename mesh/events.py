@@ -8,12 +8,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import InvalidEvent
-from bus.event import LEGACY_SCHEMA_VERSION, Actor, Envelope, validate_event
-from bus.fields import AgentId, Count, ShortText, Text
-from bus.kinds import Body, Evidence, register_kind
-from bus.registry import AgentRegistry
-from bus.signing import verify_signature
+from bus.identity.signing import verify_signature
+from bus.model.event import LEGACY_SCHEMA_VERSION, Actor, Envelope, validate_event
+from bus.model.fields import AgentId, Count, ShortText, Text
+from bus.model.kinds import Body, Evidence, register_kind
 from mesh.protocol import counter_opening
 from mesh.task import CommitSha, Digest, Roster, RosterDraft, TaskId, TaskRecord, proposal_digest
 from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState

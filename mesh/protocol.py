@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
-from bus.ids import derived_event_id
+from bus.model.ids import derived_event_id
 from mesh.task import SHA_RULE, Message, Proposal, Roster, Step, TaskRecord, message_digest
 from mesh.vocab import MeshRole, TaskAction, TaskState
 

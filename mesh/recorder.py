@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 
+from bus.broker.nats_errors import JS_TIMEOUT_S
+from bus.broker.streams import ensure_streams
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
-from bus.event import Envelope
-from bus.nats_errors import JS_TIMEOUT_S
-from bus.outbox_file import OutboxRow
-from bus.publish import send_one
-from bus.streams import ensure_streams
+from bus.model.event import Envelope
+from bus.outbox.outbox_file import OutboxRow
+from bus.outbox.publish import send_one
 from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
 from mesh.task import Step

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Literal
 
-from bus.client import EpibusClient
+from bus.client.client import EpibusClient
 from bus.errors import Conflict, Forbidden
-from bus.publish import Receipt
+from bus.outbox.publish import Receipt
 from bus.subjects import MESH_ADVERTISE, MESH_ROSTER
 from mesh.events import roster_event
 from mesh.protocol import roster_after, who_may

@@ -20,12 +20,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.auth import Enrolment, inbox_owner
+from bus.enrolment.service_rules import ENROLMENT_CACHE_S, Asker, Authorizer
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
-from bus.event import Actor, invalid_event_of
-from bus.responder import Responder, serve
-from bus.service_rules import ENROLMENT_CACHE_S, Asker, Authorizer
-from bus.signing import (
+from bus.identity.signing import (
     NODE_IDENTITY,
     REQUEST_MAX_AGE_S,
     AgentKey,
@@ -34,8 +31,11 @@ from bus.signing import (
     verify_request,
     verify_signature,
 )
+from bus.model.auth import Enrolment, inbox_owner
+from bus.model.event import Actor, invalid_event_of
+from bus.model.vocab import Role
+from bus.services.responder import Responder, serve
 from bus.subjects import MESH_ADVERTISE, MESH_QUEUE, MESH_ROSTER, MESH_STEP
-from bus.vocab import Role
 from mesh.events import roster_event, verify_step
 from mesh.protocol import NO_COORDINATORS, advance, counter_record, roster_after, who_may
 from mesh.store import MeshStore, ensure_counter_task, utc_now

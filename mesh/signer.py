@@ -8,8 +8,8 @@ from datetime import datetime
 
 from pydantic import ValidationError
 
-from bus.event import invalid_event_of
-from bus.signing import AgentKey
+from bus.identity.signing import AgentKey
+from bus.model.event import invalid_event_of
 from mesh.events import opening_record, unsigned_roster_event, unsigned_step_event
 from mesh.task import (
     CAPABILITIES_PURPOSE,

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bus.client import EpibusClient
+from bus.client.client import EpibusClient
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
-from bus.publish import Receipt
+from bus.outbox.publish import Receipt
 from bus.subjects import MESH_STEP
 from mesh.events import step_event
 from mesh.protocol import NO_COORDINATORS, advance, counter_record

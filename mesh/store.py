@@ -19,13 +19,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.auth import ANY_PROJECT
+from bus.broker.nats_errors import JS_TIMEOUT_S, nats_call
+from bus.broker.streams import open_bucket
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
-from bus.nats_errors import JS_TIMEOUT_S, nats_call
-from bus.records import Quarantine, decode_json
-from bus.registry import AgentRegistry
-from bus.stream_read import read_stream
-from bus.streams import open_bucket
+from bus.intake.stream_read import read_stream
+from bus.model.auth import ANY_PROJECT
+from bus.model.records import Quarantine, decode_json
 from bus.subjects import (
     MESH_BUCKET,
     MESH_STREAM,

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, ValidationError, field_validator
 
 from bus.errors import InvalidEvent
-from bus.event import canonical_json, invalid_event_of
-from bus.fields import AgentId, ProjectSlug, PublicKey, ShortText, Text
-from bus.kinds import Evidence, Model
+from bus.model.event import canonical_json, invalid_event_of
+from bus.model.fields import AgentId, ProjectSlug, PublicKey, ShortText, Text
+from bus.model.kinds import Evidence, Model
 from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
 
 TASK_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -14,12 +14,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, MalformedRecord, NotFound
-from bus.event import Actor
-from bus.registry import AgentRegistry
-from bus.signing import NODE_IDENTITY, verify_document, verify_signature
+from bus.identity.signing import NODE_IDENTITY, verify_document, verify_signature
+from bus.model.event import Actor
+from bus.model.vocab import Role
 from bus.subjects import MESH_BUCKET
-from bus.vocab import Role
 from mesh.events import roster_event, verify_step
 from mesh.protocol import advance, counter_opening, counter_record, roster_after
 from mesh.task import CAPABILITIES_PURPOSE, AgentCapabilities, Message, Roster, Step, TaskRecord

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from bus.vocab import register_help
+from bus.model.vocab import register_help
 
 
 class TaskState(StrEnum):

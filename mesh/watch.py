@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.consumers import pull_consumer
+from bus.broker.nats_errors import RETRYABLE
 from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
-from bus.follow import ResumingSubscription, resume_config
-from bus.home import write_private
-from bus.nats_errors import RETRYABLE
-from bus.records import Quarantine
-from bus.stream_read import last_matching
+from bus.host.home import write_private
+from bus.intake.consumers import pull_consumer
+from bus.intake.follow import ResumingSubscription, resume_config
+from bus.intake.stream_read import last_matching
+from bus.model.records import Quarantine
 from bus.subjects import MESH_STREAM, kv_subject_key, tasks_key_filter
 from mesh.store import MeshStore, TaskEntry, is_value
 from mesh.trust import UntrustedRecord

@@ -21,9 +21,9 @@ from bus.errors import (
     MalformedRecord,
     NotFound,
 )
-from bus.fields import AgentId, ProjectSlug, PublicKey
-from bus.kinds import Model
-from bus.requests import NodeName
+from bus.model.fields import AgentId, ProjectSlug, PublicKey
+from bus.model.kinds import Model
+from bus.model.requests import NodeName
 from mesh.events import with_signatures
 from mesh.task import AgentCapabilities, Message, SessionId, Signature, TaskRecord
 from mesh.trust import UntrustedRecord

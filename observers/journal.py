@@ -31,18 +31,18 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
-from bus.admission import Delivery, Refusal, first_of_each_id
-from bus.batch_context import batch_erased
-from bus.erasure import erased_digests
+from bus.enrolment.service_rules import Authorizer
 from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
-from bus.event import Envelope, validate_event
-from bus.home import private_sqlite
-from bus.requests import LookupReply, LookupRequest
-from bus.responder import Responder, serve
-from bus.service_rules import Authorizer
+from bus.host.home import private_sqlite
+from bus.intake.admission import Delivery, Refusal, first_of_each_id
+from bus.intake.batch_context import batch_erased
+from bus.model.erasure import erased_digests
+from bus.model.event import Envelope, validate_event
+from bus.model.requests import LookupReply, LookupRequest
+from bus.model.tombstones import Tombstone
+from bus.services.responder import Responder, serve
+from bus.services.tombstone_registry import TombstoneRegistry
 from bus.subjects import JOURNAL_LOOKUP
-from bus.tombstone_registry import TombstoneRegistry
-from bus.tombstones import Tombstone
 from observers.projection import project_deliveries, rebuild
 from observers.schema import artifacts, as_utc, events, journal_identity, migrate, stored_at, tombstones
 
@@ -160,7 +160,7 @@ class JournalRow:
     signature_status: str
     envelope: dict[str, Any]
     status: str = "applied"  # applied | rejected | forgotten (content erased, this row is its audit trail)
-    stored_at: datetime | None = None  # when the stream had it (its place in time: bus.admission.TimeBounds)
+    stored_at: datetime | None = None  # when the stream had it (its place in time: bus.intake.admission.TimeBounds)
 
     def event(self) -> Envelope:
         return validate_event(self.envelope)
@@ -441,7 +441,7 @@ class JournalObserver:
         self, nc: NatsClient, *, authorize: Authorizer[LookupRequest] | None = None
     ) -> Responder[LookupRequest, LookupReply]:
         """Answer JOURNAL_LOOKUP from now on: every request gets the outcomes of the ids it asks, or an error
-        (`authorize`: who may ask, see bus/service_rules.py)."""
+        (`authorize`: who may ask, see bus/enrolment/service_rules.py)."""
         return await serve(
             nc, JOURNAL_LOOKUP, LookupRequest, LookupReply, self._lookup, node=self.name, authorize=authorize
         )

@@ -1,5 +1,5 @@
 """The state projection: artifacts' current trust, lifecycle, resolution and links, the verification log and
-tombstones, derived from journaled events in stream order by `bus.state.decide`.
+tombstones, derived from journaled events in stream order by `bus.model.state.decide`.
 
 It runs inside the journal's write transaction, so an event and what it did commit together. An event that
 is illegal or forbidden at apply time is marked `rejected` with its reason and changes nothing. The stream's
@@ -16,14 +16,14 @@ from sqlalchemy import and_, bindparam, delete, func, inspect, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from bus.admission import Delivery
-from bus.auth import Enrolment
-from bus.authority import NO_RECORDS, Authority
-from bus.batch_context import batch_authority, batch_erased
-from bus.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
-from bus.event import Envelope, validate_event
-from bus.state import REFUSED, ArtifactState, Change, decide, event_references
-from bus.tombstones import content_hash
+from bus.intake.admission import Delivery
+from bus.intake.batch_context import batch_authority, batch_erased
+from bus.model.auth import Enrolment
+from bus.model.authority import NO_RECORDS, Authority
+from bus.model.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
+from bus.model.event import Envelope, validate_event
+from bus.model.state import REFUSED, ArtifactState, Change, decide, event_references
+from bus.model.tombstones import content_hash
 from observers.schema import (
     artifacts,
     as_utc,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from bus.enrolment.service_rules import journal_read_rule
 from bus.errors import AmbiguousId, ConfigError, NotFound
-from bus.ids import id_prefix, only_match
-from bus.requests import JournalReadReply, JournalReadRequest
-from bus.responder import Service
-from bus.service_rules import journal_read_rule
+from bus.model.ids import id_prefix, only_match
+from bus.model.requests import JournalReadReply, JournalReadRequest
+from bus.services.responder import Service
 from bus.subjects import JOURNAL_QUEUE, JOURNAL_READ
 from observers.journal import EventQuery, Journal
 from observers.reads import (

@@ -12,13 +12,13 @@ from typing import Any
 
 from sqlalchemy import false, func, select
 
-from bus.event import validate_event
-from bus.fold import Fold
-from bus.ids import SHOWN_MATCHES
-from bus.lineage import Lineage, lineage
-from bus.state import FLAG_UNEARNED, UNSAFE_TRUST, ArtifactState, Verification, relevance
-from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
-from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from bus.model.event import validate_event
+from bus.model.fold import Fold
+from bus.model.ids import SHOWN_MATCHES
+from bus.model.lineage import Lineage, lineage
+from bus.model.state import FLAG_UNEARNED, UNSAFE_TRUST, ArtifactState, Verification, relevance
+from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED
+from bus.model.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
@@ -301,7 +301,7 @@ def vocab_report(journal: Journal, project: str, *, as_of: datetime | None = Non
 
 def artifact_ids_like(journal: Journal, project: str | None, value: str, digits: str) -> list[str]:
     """The artifact ids of a project (of every project when None) that `value` may abbreviate: the id equal to
-    it, and those whose digits (bus.ids.id_digits) start with `digits`; sorted, at most SHOWN_MATCHES + 1."""
+    it, and those whose digits (bus.model.ids.id_digits) start with `digits`; sorted, at most SHOWN_MATCHES + 1."""
     column = events.c.artifact_id
     where = [] if project is None else [events.c.project == project]
     exact = select(column).where(column == value, *where).limit(1)

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from bus.admission import TimeBounds
 from bus.errors import ConfigError
-from bus.state import ArtifactState, relevance
+from bus.intake.admission import TimeBounds
+from bus.model.state import ArtifactState, relevance
 from observers.journal import Journal
 from observers.mirror.embed import Embedder
 from observers.mirror.observer import payload_state

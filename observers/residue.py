@@ -14,11 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy.engine import make_url
 
-from bus.ids import point_id
-from bus.outbox import Outbox
-from bus.requests import ForgetProofReply, ForgetProofRequest
-from bus.responder import Service
-from bus.service_rules import forget_proof_rule
+from bus.enrolment.service_rules import forget_proof_rule
+from bus.model.ids import point_id
+from bus.model.requests import ForgetProofReply, ForgetProofRequest
+from bus.outbox.outbox import Outbox
+from bus.services.responder import Service
 from bus.subjects import PROVE_FORGOTTEN
 from observers.journal import Journal
 from observers.mirror.embed import CachedEmbedder

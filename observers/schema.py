@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
-from bus.event import event_digest, validate_event
+from bus.model.event import event_digest, validate_event
 
 metadata = MetaData()
 
@@ -90,7 +90,7 @@ events = Table(
 def stored_at() -> ColumnElement[datetime]:
     """An event's place in time: when the stream had it (JetStream's clock, which no publisher sets). Every
     journal read that asks "when" cuts on it: as-of reads and events --since/--until. The publisher's
-    recorded_at is its claim, admitted within bus.admission.TimeBounds of this. Rows journaled before the
+    recorded_at is its claim, admitted within bus.intake.admission.TimeBounds of this. Rows journaled before the
     stream's time was kept fall back to their recorded_at."""
     return func.coalesce(events.c.stream_time, events.c.recorded_at)
 

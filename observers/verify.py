@@ -13,16 +13,16 @@ from typing import Any
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.admission import Admission, Delivery, Rejected, first_of_each_id
-from bus.batch_context import BatchContext, batch_erased
-from bus.erasure import erased_digests
-from bus.ids import point_id
-from bus.registry import AgentRegistry
-from bus.requests import VerifyReply, VerifyRequest
-from bus.responder import Service
-from bus.service_rules import verify_rule
-from bus.state import ArtifactState
-from bus.stream_read import read_stream
+from bus.enrolment.registry import AgentRegistry
+from bus.enrolment.service_rules import verify_rule
+from bus.intake.admission import Admission, Delivery, Rejected, first_of_each_id
+from bus.intake.batch_context import BatchContext, batch_erased
+from bus.intake.stream_read import read_stream
+from bus.model.erasure import erased_digests
+from bus.model.ids import point_id
+from bus.model.requests import VerifyReply, VerifyRequest
+from bus.model.state import ArtifactState
+from bus.services.responder import Service
 from bus.subjects import STREAM, VERIFY, events_filter
 from observers.journal import Journal
 from observers.mirror.observer import STATE_FIELDS, MirrorObserver, claim_payload, state_payload

@@ -13,8 +13,8 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from bus.client import EpibusClient, connect
-from bus.server import NatsServer
+from bus.client.client import EpibusClient, connect
+from bus.host.server import NatsServer
 from epibus.node import Node, NodeConfig
 
 POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")

@@ -23,17 +23,17 @@ import nkeys
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
-from bus.auth import Enrolment
-from bus.authority import enrolment_event
-from bus.erasure import erased_events, erased_history
-from bus.event import Envelope, draft_event
-from bus.project_view import load_project
-from bus.registry import AgentRegistry
-from bus.signing import AgentKey, node_event_key, wire_message
-from bus.state import REFUSED, ArtifactState, decide
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.client.project_view import load_project
+from bus.enrolment.registry import AgentRegistry
+from bus.identity.signing import AgentKey, node_event_key, wire_message
+from bus.model.auth import Enrolment
+from bus.model.authority import enrolment_event
+from bus.model.erasure import erased_events, erased_history
+from bus.model.event import Envelope, draft_event
+from bus.model.state import REFUSED, ArtifactState, decide
+from bus.model.vocab import ResolutionKind, Role
 from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
-from bus.vocab import ResolutionKind, Role
 
 AGENTS = ("alice", "bob", "carol")
 CLAIM_KINDS = ("finding", "unknown", "assumption", "decision", "mistake", "dead_end")

@@ -9,9 +9,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from bus.event import Envelope, encode_event
-from bus.signing import AgentKey, wire_message
-from bus.streams import EVENT_MAX_MSG_BYTES
+from bus.broker.streams import EVENT_MAX_MSG_BYTES
+from bus.identity.signing import AgentKey, wire_message
+from bus.model.event import Envelope, encode_event
 from bus.subjects import event_subject
 
 WRONG_VALUES: list[Any] = [5, None, [], {}, "x", True, 1.5e308, -1, "", {"a": [1, {"b": None}]}]

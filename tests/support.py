@@ -21,12 +21,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import text
 
-from bus import enrol
-from bus.auth import Enrolment
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey, node_event_key, node_key
-from bus.vocab import Role
-from epibus.enrolment import record_enrolment
+from bus.client import enrol
+from bus.identity.signing import AgentKey, node_event_key, node_key
+from bus.model.auth import Enrolment
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role
+from bus.services.enrolments import record_enrolment
 from observers.journal import make_engine
 
 T = TypeVar("T")

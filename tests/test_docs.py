@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from bus import subjects
-from bus.auth import Enrolment, agent_permissions
-from bus.authority import (
+from bus.broker.streams import BUCKETS, managed_streams
+from bus.model.auth import Enrolment, agent_permissions
+from bus.model.authority import (
     RULE_AUTHOR_OR_ADMIN,
     RULE_ENROLMENT,
     RULE_MEMBERSHIP,
@@ -30,10 +31,9 @@ from bus.authority import (
     RULE_REVOKED,
     RULE_VERIFIER_ROLE,
 )
-from bus.kinds import kind_names, require_kind
-from bus.state import TRANSITION_TRUST, TRUST_TRANSITIONS, UNSAFE_RESOLUTIONS
-from bus.streams import BUCKETS, managed_streams
-from bus.vocab import HELP, DeadLetterReason, Lifecycle, ReceiptLevel, ResolutionKind, Role, Trust
+from bus.model.kinds import kind_names, require_kind
+from bus.model.state import TRANSITION_TRUST, TRUST_TRANSITIONS, UNSAFE_RESOLUTIONS
+from bus.model.vocab import HELP, DeadLetterReason, Lifecycle, ReceiptLevel, ResolutionKind, Role, Trust
 from mesh import events as mesh_events
 from mesh.protocol import A2A_STATE, TERMINAL, TRANSITIONS
 from mesh.vocab import ActionCategory, MeshRole, TaskAction, TaskState
@@ -52,7 +52,7 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def event_kinds() -> str:
-    """Every registered kind (bus.event, bus.authority and mesh.events register them): transition or claim,
+    """Every registered kind (bus.model.event, bus.model.authority and mesh.events register them): transition or claim,
     and whether it is a system record."""
     assert mesh_events.TASK_KIND in kind_names(), "mesh.events registers the mesh's kinds on import"
     rows = [
@@ -67,17 +67,17 @@ def event_kinds() -> str:
 
 
 def trust_values() -> str:
-    """bus.vocab.Trust with its one-line help."""
+    """bus.model.vocab.Trust with its one-line help."""
     return _table(("trust", "meaning"), [(f"`{t}`", HELP[Trust][t.value]) for t in Trust])
 
 
 def lifecycle_values() -> str:
-    """bus.vocab.Lifecycle with its one-line help."""
+    """bus.model.vocab.Lifecycle with its one-line help."""
     return _table(("lifecycle", "meaning"), [(f"`{v}`", HELP[Lifecycle][v.value]) for v in Lifecycle])
 
 
 def trust_transitions() -> str:
-    """bus.state.TRUST_TRANSITIONS: the legal trust moves."""
+    """bus.model.state.TRUST_TRANSITIONS: the legal trust moves."""
     rows = [
         (f"`{trust}`", ", ".join(f"`{t}`" for t in sorted(TRUST_TRANSITIONS[trust])) or "nothing (terminal)")
         for trust in TRUST_TRANSITIONS
@@ -86,14 +86,14 @@ def trust_transitions() -> str:
 
 
 def transition_kinds() -> str:
-    """bus.state.TRANSITION_TRUST: which event kind moves trust where."""
+    """bus.model.state.TRANSITION_TRUST: which event kind moves trust where."""
     return _table(
         ("event kind", "sets trust to"), [(f"`{kind}`", f"`{trust}`") for kind, trust in TRANSITION_TRUST.items()]
     )
 
 
 def resolution_kinds() -> str:
-    """bus.vocab.ResolutionKind with its one-line help, and whether the safe door shows it (bus.state)."""
+    """bus.model.vocab.ResolutionKind with its one-line help, and whether the safe door shows it (bus.model.state)."""
     rows = [
         (
             f"`{kind}`",
@@ -106,13 +106,13 @@ def resolution_kinds() -> str:
 
 
 def authority_rules() -> str:
-    """The rule names bus.authority gives in a refusal."""
+    """The rule names bus.model.authority gives in a refusal."""
     names = (RULE_MEMBERSHIP, RULE_REVOKED, RULE_VERIFIER_ROLE, RULE_ONE_OWNER, RULE_AUTHOR_OR_ADMIN, RULE_ENROLMENT)
     return "\n".join(f"- `{name}`" for name in names)
 
 
 def roles() -> str:
-    """bus.vocab.Role with its one-line help."""
+    """bus.model.vocab.Role with its one-line help."""
     return _table(("role", "what it may do"), [(f"`{role}`", HELP[Role][role.value]) for role in Role])
 
 
@@ -197,7 +197,7 @@ def name_patterns() -> str:
 
 
 def streams() -> str:
-    """bus.streams.managed_streams(): every stream epibus creates, with the settings it manages."""
+    """bus.broker.streams.managed_streams(): every stream epibus creates, with the settings it manages."""
     rows = []
     for stream in managed_streams():
         c = stream.config
@@ -225,19 +225,19 @@ def name_rules() -> str:
 
 
 def buckets() -> str:
-    """bus.streams.BUCKETS: every KV bucket, its history and description."""
+    """bus.broker.streams.BUCKETS: every KV bucket, its history and description."""
     rows = [(f"`{b.name}`", str(b.history), b.description) for b in BUCKETS.values()]
     return _table(("bucket", "history", "description"), rows)
 
 
 def dead_letter_reasons() -> str:
-    """bus.vocab.DeadLetterReason with its one-line help."""
+    """bus.model.vocab.DeadLetterReason with its one-line help."""
     rows = [(f"`{reason}`", HELP[DeadLetterReason][reason.value]) for reason in DeadLetterReason]
     return _table(("reason", "meaning"), rows)
 
 
 def dead_letter_headers() -> str:
-    """The DLQ_* headers of bus.subjects, which bus.runner writes on every dead letter."""
+    """The DLQ_* headers of bus.subjects, which bus.intake.runner writes on every dead letter."""
     rows = [
         (f"`{value}`", f"`{name}`")
         for name, value in vars(subjects).items()
@@ -247,7 +247,7 @@ def dead_letter_headers() -> str:
 
 
 def request_headers() -> str:
-    """The headers of a signed request (named in bus.subjects, signed and checked by bus.signing)."""
+    """The headers of a signed request (named in bus.subjects, signed and checked by bus.identity.signing)."""
     # An event's own headers (EVENT_*) and JetStream's belong to the wire format, not to a request's signature.
     found = [
         (f"`{value}`", f"`{name}`")
@@ -258,8 +258,8 @@ def request_headers() -> str:
 
 
 def agent_broker_permissions() -> str:
-    """bus.auth.agent_permissions for an agent enrolled in project `demo` (its key shown as <key>), with two consumer
-    slots (`epibus up --agent-consumers`, 8 by default)."""
+    """bus.model.auth.agent_permissions for an agent enrolled in project `demo` (its key shown as <key>), with two
+    consumer slots (`epibus up --agent-consumers`, 8 by default)."""
     key = "U" + "A" * 55
     enrolment = Enrolment(
         agent_id="alice",
@@ -284,7 +284,7 @@ def agent_broker_permissions() -> str:
 
 
 def receipt_levels() -> str:
-    """bus.vocab.ReceiptLevel with its one-line help."""
+    """bus.model.vocab.ReceiptLevel with its one-line help."""
     return _table(("level", "meaning"), [(f"`{level}`", HELP[ReceiptLevel][level.value]) for level in ReceiptLevel])
 
 
@@ -395,7 +395,7 @@ def _subject_names() -> set[str]:
 
 
 def test_every_code_name_mentioned_exists() -> None:
-    """`bus.state.decide`, `mesh.protocol.TRANSITIONS`, ...: what a doc names in code font is in the code."""
+    """`bus.model.state.decide`, `mesh.protocol.TRANSITIONS`, ...: what a doc names in code font is in the code."""
     unknown: dict[str, list[str]] = {}
     subject_values = _subject_names()
     for doc in doc_files():

@@ -57,7 +57,7 @@ def test_imports_go_one_way(layer: str) -> None:
         ("mesh/service.py", "from .. import observers\n", {"observers"}),
         ("mesh/service.py", "from .protocol import advance\nfrom . import store\n", {"mesh"}),
         ("mesh/sub/watch.py", "from ..protocol import advance\n", {"mesh"}),
-        ("observers/x.py", "from bus.event import Envelope\nimport mesh.agent\n", {"bus", "mesh"}),
+        ("observers/x.py", "from bus.model.event import Envelope\nimport mesh.agent\n", {"bus", "mesh"}),
     ],
 )
 def test_the_import_guard_resolves_relative_imports_to_the_layer_they_reach(

@@ -15,14 +15,14 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from sqlalchemy import bindparam, create_engine, text
 
-from bus.admission import Rejected, TimeBounds, check_message
-from bus.ask import fan_out
+from bus.broker.ask import fan_out
 from bus.errors import Unavailable
-from bus.event import event_digest
-from bus.ids import point_id
-from bus.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupRequest
-from bus.signing import AgentKey
-from bus.stream_read import read_stream
+from bus.identity.signing import AgentKey
+from bus.intake.admission import Rejected, TimeBounds, check_message
+from bus.intake.stream_read import read_stream
+from bus.model.event import event_digest
+from bus.model.ids import point_id
+from bus.model.requests import LOOKUP_CHUNK, ErrorReply, IndexedReply, LookupRequest
 from bus.subjects import MIRROR_LOOKUP, MSG_ID_HEADER, STREAM, events_filter, stream_leader_stepdown_subject
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL

@@ -20,8 +20,8 @@ import nats.errors
 from sqlalchemy.exc import SQLAlchemyError
 
 from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
-from bus.home import private_dir
-from bus.processes import alive
+from bus.host.home import private_dir
+from bus.host.processes import alive
 from bus.subjects import STREAM
 from epibus import failpoints
 from epibus.chaos.audit import journal_copies, make_leader, mirror_copies, mirror_lookup_copies, stream_copies

@@ -21,9 +21,9 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from bus.errors import ConfigError, Unavailable
-from bus.processes import alive
-from bus.server_guard import StoreLock
-from bus.signing import AgentKey, node_key
+from bus.host.processes import alive
+from bus.host.server_guard import StoreLock
+from bus.identity.signing import AgentKey, node_key
 from bus.subjects import STREAM
 from epibus.cluster import Member, Supervisor, cluster_root, plan_members, read_cluster
 

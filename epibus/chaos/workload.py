@@ -11,13 +11,13 @@ from pathlib import Path
 
 import nats
 
-from bus import enrol
-from bus.client import EpibusClient
+from bus.client import enrol
+from bus.client.client import EpibusClient
 from bus.errors import EpibusError, error_summary
-from bus.event import Envelope, event_digest
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey
-from bus.vocab import Role
+from bus.identity.signing import AgentKey
+from bus.model.event import Envelope, event_digest
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role
 from epibus.chaos.ledger import Attempt
 
 log = logging.getLogger(__name__)

@@ -8,12 +8,12 @@ from typing import Annotated, Any
 
 import typer
 
-from bus import enrol
-from bus.auth import ANY_PROJECT
-from bus.home import epibus_home
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey
-from bus.vocab import Role, describe
+from bus.client import enrol
+from bus.host.home import epibus_home
+from bus.identity.signing import AgentKey
+from bus.model.auth import ANY_PROJECT
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role, describe
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,

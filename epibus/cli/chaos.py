@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from bus.home import epibus_home, private_dir
+from bus.host.home import epibus_home, private_dir
 from epibus.chaos.faults import CLUSTER_ONLY, FAULTS, parse_faults
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, err_console, handles_errors, run, table
 from epibus.cli.display import shown

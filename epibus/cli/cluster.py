@@ -10,8 +10,8 @@ from typing import Annotated, Any
 import typer
 
 from bus.errors import ConfigError
-from bus.home import epibus_home
-from bus.processes import alive
+from bus.host.home import epibus_home
+from bus.host.processes import alive
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, handles_errors, table
 from epibus.cli.display import shown
 from epibus.cluster import MAX_NODES, MIN_NODES, Supervisor, cluster_root, read_cluster

@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from bus.connection import open_nats
+from bus.client.connection import open_nats
 from bus.errors import EpibusError
-from bus.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.host.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from epibus.cli.display import shown
 
 T = TypeVar("T")

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 import typer
 from nats.aio.msg import Msg
 
+from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import ConfigError, InvalidEvent, Unavailable
-from bus.nats_errors import NATS_OR_API_ERROR
-from bus.reader import dead_letters
-from bus.runner import signature_headers
+from bus.intake.reader import dead_letters
+from bus.intake.runner import signature_headers
 from bus.subjects import (
     DLQ_CONSUMER,
     DLQ_ERROR,

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from bus.admission import Admission, Rejected
-from bus.follow import StreamFollower
-from bus.home import epibus_home, resolve_journal_url
-from bus.reader import replay
-from bus.registry import AgentRegistry
-from bus.requests import JournalReadRequest, build_request
+from bus.enrolment.registry import AgentRegistry
+from bus.host.home import epibus_home, resolve_journal_url
+from bus.intake.admission import Admission, Rejected
+from bus.intake.follow import StreamFollower
+from bus.intake.reader import replay
+from bus.model.requests import JournalReadRequest, build_request
 from bus.subjects import STREAM, events_filter
 from epibus.cli import inputs
 from epibus.cli.common import (

@@ -11,12 +11,12 @@ import typer
 from nats.aio.client import Client as NatsClient
 from pydantic import BaseModel
 
-from bus.ask import ask_one
+from bus.broker.ask import ask_one
+from bus.broker.presence import live_nodes
 from bus.errors import Unavailable
-from bus.home import write_private
-from bus.presence import live_nodes
-from bus.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply, build_request
-from bus.signing import AgentKey
+from bus.host.home import write_private
+from bus.identity.signing import AgentKey
+from bus.model.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply, build_request
 from bus.subjects import FLEET_INVITE, FLEET_REMOVE
 from epibus.cli.common import (
     AgentOpt,

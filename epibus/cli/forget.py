@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from bus.client import connect
-from bus.fleet import ask_forget_proof
-from bus.forget import ForgetProof
+from bus.client.client import connect
+from bus.client.fleet import ask_forget_proof
+from bus.model.forget import ForgetProof
 from epibus.cli import ids
 from epibus.cli.common import (
     AgentOpt,

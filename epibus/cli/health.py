@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from bus.home import epibus_home, read_node_info
+from bus.host.home import epibus_home, read_node_info
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, fail, handles_errors, table
 from epibus.cli.display import shown
 from epibus.health import problems, read_health

@@ -1,5 +1,5 @@
 """Ids as a person types them: every command that takes an artifact or task id takes any unique prefix of it
-(bus.ids.id_prefix: 4 or more hex digits, dashes ignored), resolved here, one function per id space, before
+(bus.model.ids.id_prefix: 4 or more hex digits, dashes ignored), resolved here, one function per id space, before
 anything is sent: the whole id travels on the wire, never the prefix."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bus.home import epibus_home, resolve_journal_url
-from bus.ids import id_digits, id_prefix, only_match
+from bus.host.home import epibus_home, resolve_journal_url
+from bus.model.ids import id_digits, id_prefix, only_match
 
 if TYPE_CHECKING:
     from mesh.agent import MeshAgent

@@ -1,5 +1,5 @@
 """What a person types, checked before anything is read or written: one check per kind of input, used by
-every command that takes it, with the rules the events themselves follow (bus/subjects.py, bus/event.py).
+every command that takes it, with the rules the events themselves follow (bus/subjects.py, bus/model/event.py).
 A refused value is a usage error naming the option, the value and what is allowed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 
 import mesh.events  # noqa: F401  registers the mesh's kinds (task, coordinators): --kind accepts, reads parse them
-from bus.fields import AGENT_PATTERN
-from bus.kinds import kind_names, require_kind
+from bus.model.fields import AGENT_PATTERN
+from bus.model.kinds import kind_names, require_kind
 from bus.subjects import PROJECT_PATTERN
 
 PROJECT_RULE = "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters"

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bus.requests import JournalReadRequest, build_request
+from bus.model.requests import JournalReadRequest, build_request
 from epibus.cli.common import AgentOpt, HomeOpt, JsonOpt, NatsOpt, console, emit_json, handles_errors, table
 from epibus.cli.display import shown
 from epibus.cli.inputs import ProjectOpt

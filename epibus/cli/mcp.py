@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from bus.errors import ConfigError
-from bus.home import default_agent, epibus_home
+from bus.host.home import default_agent, epibus_home
 from epibus.cli.common import AgentOpt, HomeOpt, JournalOpt, JsonOpt, NatsOpt, err_console, handles_errors
 from epibus.cli.display import shown
 

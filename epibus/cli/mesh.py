@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from bus.client import connect
+from bus.broker.loops import cancel_and_wait
+from bus.client.client import connect
 from bus.errors import InvalidEvent
-from bus.ids import parse_event_id
-from bus.loops import cancel_and_wait
-from bus.records import QuarantinedRecord
-from bus.vocab import describe
+from bus.model.ids import parse_event_id
+from bus.model.records import QuarantinedRecord
+from bus.model.vocab import describe
 from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from bus.home import epibus_home
+from bus.host.home import epibus_home
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from bus import enrol
-from bus.client import EpibusClient
-from bus.home import NodeFollower, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
-from bus.registry import AgentRegistry
-from bus.requests import EnrolRequest, build_request
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
-from bus.vocab import Role
+from bus.client import enrol
+from bus.client.client import EpibusClient
+from bus.enrolment.registry import AgentRegistry
+from bus.host.home import NodeFollower, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role
 from epibus.cli.common import AgentOpt, HomeOpt, JsonOpt, NatsOpt, console, emit_json, err_console, handles_errors, run
 from epibus.cli.display import shown
 from epibus.cli.mesh import MessageIdOpt, RequiredProject, coordinators_app, message_id_of, run_mesh

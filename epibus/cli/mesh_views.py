@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from bus.errors import ConfigError
-from bus.home import default_agent, epibus_home
-from bus.records import QuarantinedRecord
+from bus.host.home import default_agent, epibus_home
+from bus.model.records import QuarantinedRecord
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,

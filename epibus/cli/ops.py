@@ -13,8 +13,8 @@ import typer
 from typer._completion_shared import get_completion_script
 
 from bus.errors import ConfigError
-from bus.home import NODE_FILE, epibus_home
-from bus.server import nats_server_binary, server_version
+from bus.host.home import NODE_FILE, epibus_home
+from bus.host.server import nats_server_binary, server_version
 from epibus.cli.common import (
     HomeOpt,
     JournalOpt,

@@ -12,14 +12,14 @@ import typer
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from bus.client import connect
+from bus.client.client import connect
 from bus.errors import InvalidEvent
-from bus.event import draft_event, invalid_event_of
-from bus.home import default_agent, epibus_home
-from bus.ids import new_event_id
-from bus.kinds import Body, Evidence, kind_names, require_kind
-from bus.signing import AgentKey
-from bus.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
+from bus.host.home import default_agent, epibus_home
+from bus.identity.signing import AgentKey
+from bus.model.event import draft_event, invalid_event_of
+from bus.model.ids import new_event_id
+from bus.model.kinds import Body, Evidence, kind_names, require_kind
+from bus.model.vocab import HELP, EpistemicSource, EvidenceKind, ReceiptLevel, describe
 from epibus.cli import ids
 from epibus.cli.common import (
     AgentOpt,

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 
 import typer
 
-from bus.client import connect
+from bus.client.client import connect
+from bus.client.fleet import ask_journal
+from bus.client.recall import RecallAnswer
 from bus.errors import AmbiguousId
-from bus.fleet import ask_journal
-from bus.home import epibus_home, resolve_journal_url
-from bus.recall import RecallAnswer
-from bus.requests import JournalReadRequest, build_request
+from bus.host.home import epibus_home, resolve_journal_url
+from bus.model.requests import JournalReadRequest, build_request
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -105,7 +105,7 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def state_label(view: dict[str, Any]) -> str:
-    """trust/lifecycle as bus.state.ArtifactState.state_label shows it, from an answer's fields."""
+    """trust/lifecycle as bus.model.state.ArtifactState.state_label shows it, from an answer's fields."""
     life = f"resolved({view['resolution']})" if view["lifecycle"] == "resolved" else "active"
     return f"{view['trust']}/{life}"
 

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from bus.recall import RecallAnswer, ask_all, recall_request
-from bus.requests import RecallRequest
+from bus.client.recall import RecallAnswer, ask_all, recall_request
+from bus.model.requests import RecallRequest
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,

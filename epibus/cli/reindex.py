@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bus.fleet import ask_reindex
+from bus.client.fleet import ask_reindex
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from bus.client import connect
-from bus.kinds import Evidence
-from bus.publish import Receipt
-from bus.state import TRUST_TRANSITIONS
-from bus.vocab import ResolutionKind, Trust, describe
+from bus.client.client import connect
+from bus.model.kinds import Evidence
+from bus.model.state import TRUST_TRANSITIONS
+from bus.model.vocab import ResolutionKind, Trust, describe
+from bus.outbox.publish import Receipt
 from epibus.cli import ids, inputs
 from epibus.cli.common import (
     AgentOpt,

@@ -6,9 +6,9 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import NotFound
-from bus.home import epibus_home, outbox_path
-from bus.outbox import Outbox
-from bus.reader import stream_figures
+from bus.host.home import epibus_home, outbox_path
+from bus.intake.reader import stream_figures
+from bus.outbox.outbox import Outbox
 from bus.subjects import DLQ_STREAM, STREAM
 from epibus.cli.common import (
     AgentOpt,

@@ -6,8 +6,8 @@ from typing import Any
 
 import typer
 
-from bus.drift import show
-from bus.streams import ensure_streams
+from bus.broker.drift import show
+from bus.broker.streams import ensure_streams
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from bus.broker.streams import GIB, MIB, StreamLimits
 from bus.errors import ConfigError
-from bus.home import default_agent, epibus_home, read_node_info
-from bus.routes import require_ipv4
-from bus.server import MIN_SERVER_VERSION
-from bus.streams import GIB, MIB, StreamLimits
+from bus.host.home import default_agent, epibus_home, read_node_info
+from bus.host.routes import require_ipv4
+from bus.host.server import MIN_SERVER_VERSION
 from epibus.budget import PublishBudget
 from epibus.cli.common import (
     AgentOpt,

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from bus.client.fleet import ask_verify
 from bus.errors import ConfigError
-from bus.fleet import ask_verify
 from epibus.cli import inputs, state
 from epibus.cli.common import (
     AgentOpt,

@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from bus.client.recall import recall_request
 from bus.errors import ConfigError, EpibusError
-from bus.recall import recall_request
-from bus.requests import MAX_TEXT_CHARS, RecallRequest
+from bus.model.requests import MAX_TEXT_CHARS, RecallRequest
 from epibus.dashboard.feed import CLOSE, Feed, Subscriber
 
 log = logging.getLogger(__name__)

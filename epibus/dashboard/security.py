@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from bus.errors import ConfigError
-from bus.home import secret_token
+from bus.host.home import secret_token
 
 TOKEN_FILE = "ui.token"
 COOKIE = "epibus_ui"

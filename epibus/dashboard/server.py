@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from bus.broker.loops import cancel_and_wait
 from bus.errors import ConfigError, Unavailable
-from bus.loops import cancel_and_wait
-from bus.requests import RecallRequest
+from bus.model.requests import RecallRequest
 from epibus.dashboard.app import build_app
 from epibus.dashboard.feed import Feed
 from epibus.dashboard.security import TokenGate, allowed_hosts, check_bind_host, ui_token

@@ -9,8 +9,8 @@ import asyncio
 import sqlite3
 from typing import TYPE_CHECKING, Any
 
+from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import EpibusError
-from bus.nats_errors import NATS_OR_API_ERROR
 from bus.subjects import DLQ_STREAM
 from epibus.health import node_health, problems
 from epibus.status import MeshView

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from bus.errors import InvalidEvent
-from bus.event import MAX_EVENT_BYTES
+from bus.model.event import MAX_EVENT_BYTES
 
 M = TypeVar("M", bound=BaseModel)
 # A call's arguments, encoded, may be no larger than the event they could become.

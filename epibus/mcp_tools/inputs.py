@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, JsonValue, StringConstraints, create_model
 
-from bus.fields import AgentId, ArtifactId, ProjectSlug, ShortText, Text
-from bus.kinds import Evidence, kind_names, require_kind
+from bus.model.fields import AgentId, ArtifactId, ProjectSlug, ShortText, Text
+from bus.model.kinds import Evidence, kind_names, require_kind
+from bus.model.vocab import EpistemicSource, ResolutionKind
 from bus.subjects import KIND_PATTERN
-from bus.vocab import EpistemicSource, ResolutionKind
 from epibus.mcp_tools.schema import Capability, Limit, MessageId, Query, RepoPath, TaskId, ToolInput, When
 from mesh.task import MAX_PAYLOAD_KEYS, CommitSha
 from mesh.vocab import ActionCategory

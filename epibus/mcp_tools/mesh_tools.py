@@ -8,9 +8,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from bus.ids import parse_event_id
-from bus.records import QuarantinedRecord
-from bus.vocab import describe
+from bus.model.ids import parse_event_id
+from bus.model.records import QuarantinedRecord
+from bus.model.vocab import describe
 from epibus.mcp_tools import inputs as i
 from epibus.mcp_tools.session import AgentSession
 from epibus.mcp_tools.tools import Result, ToolSpec

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from bus.vocab import HELP, describe
+from bus.model.vocab import HELP, describe
 
 # Every string an agent sends has a bound: these for what the event models do not already limit.
 Query = Annotated[str, StringConstraints(min_length=1, max_length=2_000)]

@@ -19,9 +19,9 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INVALID_PARAMS
 
+from bus.broker.loops import cancel_and_wait
 from bus.errors import EpibusError
-from bus.home import secret_token
-from bus.loops import cancel_and_wait
+from bus.host.home import secret_token
 from epibus.http_serving import listen, netloc
 from epibus.mcp_tools.guard import parse_arguments
 from epibus.mcp_tools.mesh_tools import mesh_tools

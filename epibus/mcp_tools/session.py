@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from bus.auth import AUDIT_ROLES, Enrolment
-from bus.client import EpibusClient, connect
-from bus.connection import requires_authentication
+from bus.client.client import EpibusClient, connect
+from bus.client.connection import requires_authentication
+from bus.enrolment.registry import AgentRegistry
+from bus.enrolment.service_rules import ENROLMENT_CACHE_S
 from bus.errors import Forbidden, Unavailable
-from bus.home import default_journal_url, epibus_home, read_node_info, resolve_journal_url
-from bus.registry import AgentRegistry
-from bus.service_rules import ENROLMENT_CACHE_S
-from bus.signing import AgentKey
+from bus.host.home import default_journal_url, epibus_home, read_node_info, resolve_journal_url
+from bus.identity.signing import AgentKey
+from bus.model.auth import AUDIT_ROLES, Enrolment
 from mesh.agent import MeshAgent
 from observers.journal import Journal
 

@@ -12,9 +12,9 @@ from typing import Any
 import mcp_types as types
 
 from bus.errors import Forbidden
-from bus.kinds import require_kind
-from bus.state import TRUST_TRANSITIONS
-from bus.vocab import ReceiptLevel, Role, Trust, describe
+from bus.model.kinds import require_kind
+from bus.model.state import TRUST_TRANSITIONS
+from bus.model.vocab import ReceiptLevel, Role, Trust, describe
 from epibus.mcp_tools import inputs as i
 from epibus.mcp_tools.schema import ToolInput, tool_schema
 from epibus.mcp_tools.session import AgentSession

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import qdrant_edge as qe
 
 from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
-from bus.home import private_dir, private_tree, write_private
+from bus.host.home import private_dir, private_tree, write_private
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from bus.errors import ComponentFailed, ConfigError, Unavailable, error_summary
-from bus.home import private_dir, private_sqlite, write_private
-from bus.outbox_file import checkpoint_wal
+from bus.host.home import private_dir, private_sqlite, write_private
+from bus.outbox.outbox_file import checkpoint_wal
 
 T = TypeVar("T")
 # SQLite's primary result codes for a file that is busy, locked, full, unreadable or out of memory: may pass.

@@ -10,7 +10,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
-from bus.ids import point_id
+from bus.model.ids import point_id
 from observers.mirror.observer import KeptEvents
 from observers.mirror.store import VectorStore
 

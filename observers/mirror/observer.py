@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.admission import Delivery, Refusal, conflict_refusal
-from bus.batch_context import batch_erased
-from bus.erasure import erased_digests, with_erased
 from bus.errors import NotFound
-from bus.ids import point_id
-from bus.state import REFUSED, ArtifactState, IdUse, decide, event_references, id_use
+from bus.intake.admission import Delivery, Refusal, conflict_refusal
+from bus.intake.batch_context import batch_erased
+from bus.model.erasure import erased_digests, with_erased
+from bus.model.ids import point_id
+from bus.model.state import REFUSED, ArtifactState, IdUse, decide, event_references, id_use
 from observers.mirror.embed import Embedder
 from observers.mirror.store import Filter, Point, VectorStore
 

@@ -15,7 +15,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from bus.errors import ConfigError
-from bus.reader import replay
+from bus.intake.reader import replay
 from observers.mirror.embed import Embedder
 from observers.mirror.observer import KeptEvents, MirrorObserver
 from observers.mirror.store import VectorStore

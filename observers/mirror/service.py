@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from bus.enrolment.service_rules import enrolled_rule, recall_rule, reindex_rule
 from bus.errors import ConfigError
-from bus.requests import (
+from bus.model.requests import (
     IndexedReply,
     LookupRequest,
     RecallReply,
@@ -16,8 +17,7 @@ from bus.requests import (
     ReindexReply,
     ReindexRequest,
 )
-from bus.responder import Service
-from bus.service_rules import enrolled_rule, recall_rule, reindex_rule
+from bus.services.responder import Service
 from bus.subjects import MIRROR_LOOKUP, RECALL, REINDEX
 from observers.journal import Journal
 from observers.mirror.embed import Embedder

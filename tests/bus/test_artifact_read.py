@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
-from bus.client import connect
+from bus.client.client import connect
+from bus.client.project_view import ProjectView, load_artifact, load_project
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import Conflict, Forbidden, IllegalTransition
-from bus.event import Envelope, draft_event
-from bus.project_view import ProjectView, load_artifact, load_project
-from bus.registry import AgentRegistry
-from bus.server import NatsServer
-from bus.signing import AgentKey, wire_message
-from bus.state import ArtifactState, Change, decide
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey, wire_message
+from bus.model.event import Envelope, draft_event
+from bus.model.state import ArtifactState, Change, decide
 from bus.subjects import event_subject
 from tests.conftest import finding
 from tests.histories import AGENTS, Keys, Op, build, fresh_project, histories, make_keys, publish, register_keys

@@ -7,10 +7,10 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from bus.ask import fan_out
-from bus.requests import IndexedReply, LookupRequest
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.broker.ask import fan_out
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.model.requests import IndexedReply, LookupRequest
 
 SUBJECT = "epibus.test.lookup"
 

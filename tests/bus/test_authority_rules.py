@@ -1,6 +1,7 @@
 """The authority policy, pure: who may publish in a project, verify, resolve, roll back, forget or supersede whose
 claim, and how enrolment records apply from their place in the stream on. Every path decides with
-`bus.state.decide`, which asks `bus.authority.authorize` first, so these rules hold wherever events are applied."""
+`bus.model.state.decide`, which asks `bus.model.authority.authorize` first, so these rules hold wherever events
+are applied."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from bus.auth import ANY_PROJECT
-from bus.authority import NO_RECORDS, Authority, enrolment_event, enrolment_record
 from bus.errors import Forbidden, IllegalTransition
-from bus.event import Envelope, draft_event
-from bus.fold import Fold
-from bus.signing import AgentKey, node_event_key
-from bus.state import decide
+from bus.identity.signing import AgentKey, node_event_key
+from bus.model.auth import ANY_PROJECT
+from bus.model.authority import NO_RECORDS, Authority, enrolment_event, enrolment_record
+from bus.model.event import Envelope, draft_event
+from bus.model.fold import Fold
+from bus.model.state import decide
+from bus.model.vocab import Lifecycle, Role, Trust
 from bus.subjects import POLICY_PROJECT
-from bus.vocab import Lifecycle, Role, Trust
 from tests.bus.test_state import P, claim, ev, standing, state
 
 

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import admission as admission_module
-from bus.admission import Admission, Delivery, Rejected, TimeBounds, check_message, check_messages
-from bus.event import Envelope
-from bus.registry import AgentRegistry
-from bus.server import NatsServer
-from bus.stream_read import read_stream
+from bus.enrolment.registry import AgentRegistry
+from bus.host.server import NatsServer
+from bus.intake import admission as admission_module
+from bus.intake.admission import Admission, Delivery, Rejected, TimeBounds, check_message, check_messages
+from bus.intake.stream_read import read_stream
+from bus.model.event import Envelope
+from bus.model.vocab import DeadLetterReason
 from bus.subjects import STREAM, events_filter
-from bus.vocab import DeadLetterReason
 from tests.histories import Message, Op, build, fresh_project, histories, make_keys, publish, register_keys
 from tests.hostile import hostile_payloads
 

@@ -15,19 +15,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import signer as signer_module
-from bus.admission import TimeBounds, check_message
-from bus.client import connect
+from bus.client.client import connect
 from bus.errors import InvalidEvent
-from bus.event import _holds_nul, canonical_json, draft_event, envelope_holds_nul
-from bus.ids import new_event_id
-from bus.kinds import Evidence
-from bus.outbox_file import OutboxRow
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.signing import AgentKey, wire_message
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey, wire_message
+from bus.intake.admission import TimeBounds, check_message
+from bus.intake.runner import ConsumerRunner
+from bus.model.event import _holds_nul, canonical_json, draft_event, envelope_holds_nul
+from bus.model.ids import new_event_id
+from bus.model.kinds import Evidence
+from bus.model.vocab import EvidenceKind
+from bus.outbox import signer as signer_module
+from bus.outbox.outbox_file import OutboxRow
 from bus.subjects import STREAM, events_filter
-from bus.vocab import EvidenceKind
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding
 from tests.support import journal_event_ids

@@ -9,13 +9,13 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.client import connect
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
 from bus.errors import ConfigError, Conflict, InvalidEvent, Unavailable
-from bus.home import outbox_path
-from bus.server import NatsServer
-from bus.streams import ensure_streams
+from bus.host.home import outbox_path
+from bus.host.server import NatsServer
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, artifact_filter
-from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids

@@ -7,8 +7,9 @@ import uuid
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from bus.authority import NO_RECORDS, Authority
-from bus.erasure import (
+from bus.identity.signing import AgentKey
+from bus.model.authority import NO_RECORDS, Authority
+from bus.model.erasure import (
     ErasedRecord,
     erased_digests,
     erased_events,
@@ -17,11 +18,10 @@ from bus.erasure import (
     erased_state_at,
     with_erased,
 )
-from bus.event import draft_event
-from bus.kinds import ErasedState
-from bus.signing import AgentKey
-from bus.state import ArtifactState
-from bus.vocab import Lifecycle, ResolutionKind, Role, Trust
+from bus.model.event import draft_event
+from bus.model.kinds import ErasedState
+from bus.model.state import ArtifactState
+from bus.model.vocab import Lifecycle, ResolutionKind, Role, Trust
 from tests.bus.test_state import standing
 
 AT = datetime(2026, 12, 1, tzinfo=UTC)
@@ -175,7 +175,7 @@ def test_a_forgotten_event_is_read_into_its_record_and_no_other_event_is() -> No
 
 
 def test_a_forget_its_actor_may_not_make_records_nothing_and_takes_no_event_id() -> None:
-    """Every path rejects bob's forget of alice's claim (bus/authority.py), so no path may treat what it lists as
+    """Every path rejects bob's forget of alice's claim (bus/model/authority.py), so no path may treat what it lists as
     erased: a reader of the stream would skip events the live nodes kept."""
     bob = AgentKey.generate("bob")
     history = erased_history([full_state(7)])  # alice's claim

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus import kinds as kinds_module
-from bus.admission import TimeBounds, check_message
 from bus.errors import ConfigError, InvalidEvent
-from bus.event import MAX_EVENT_BYTES, Envelope, decode_event, draft_event, encode_event
-from bus.ids import event_id_time, new_event_id, point_id
-from bus.kinds import Body, FindingBody, ResolvedBody, kind_names, register_kind
-from bus.signing import AgentKey, verify_signature, wire_message
-from bus.vocab import HELP, DeadLetterReason, EpistemicSource, ResolutionKind, Reversibility, Trust, describe
+from bus.identity.signing import AgentKey, verify_signature, wire_message
+from bus.intake.admission import TimeBounds, check_message
+from bus.model import kinds as kinds_module
+from bus.model.event import MAX_EVENT_BYTES, Envelope, decode_event, draft_event, encode_event
+from bus.model.ids import event_id_time, new_event_id, point_id
+from bus.model.kinds import Body, FindingBody, ResolvedBody, kind_names, register_kind
+from bus.model.vocab import HELP, DeadLetterReason, EpistemicSource, ResolutionKind, Reversibility, Trust, describe
 
 
 @pytest.fixture(scope="module")
@@ -305,8 +305,8 @@ def test_an_event_is_refused_for_a_nul_exactly_when_one_of_its_texts_holds_one(
 )
 def test_numbers_flags_and_times_are_never_coerced(tmp_path: Path, field: str, value: object) -> None:
     """`true` once passed as schema_version 1 and the signature still verified: the same event under other bytes."""
-    from bus.event import decode_event, draft_event, encode_event
-    from bus.signing import AgentKey
+    from bus.identity.signing import AgentKey
+    from bus.model.event import decode_event, draft_event, encode_event
 
     key = AgentKey.load_or_create(tmp_path, "alice")
     body = {"text": "t", "impact": 0.5, "confidence": 0.5, "subject": "s"}

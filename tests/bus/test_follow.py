@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from bus.client import connect
-from bus.connection import open_nats
-from bus.follow import StreamFollower
-from bus.home import NodeInfo, write_node_info
-from bus.server import NatsServer
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
+from bus.client.connection import open_nats
+from bus.host.home import NodeInfo, write_node_info
+from bus.host.server import NatsServer
+from bus.intake.follow import StreamFollower
 from bus.subjects import STREAM, events_filter
 from tests.bus.test_client import stream_messages
 from tests.conftest import finding

@@ -11,16 +11,16 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.auth import first_use_enrolment
-from bus.client import connect
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import MalformedRecord
-from bus.records import decode_agent_key
-from bus.registry import AgentRegistry
-from bus.server import NatsServer
-from bus.signing import AgentKey
-from bus.streams import ensure_streams
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.model.auth import first_use_enrolment
+from bus.model.records import decode_agent_key
+from bus.model.tombstones import decode_tombstone_key
 from bus.subjects import AGENT_KEYS_BUCKET, TOMBSTONES_BUCKET
-from bus.tombstones import decode_tombstone_key
 from epibus.node import Node
 from tests.conftest import finding
 from tests.e2e.test_one_truth import dlq_reasons, publish_raw, signed

@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus.errors import NotFound
-from bus.lineage import Cycle, Lineage, Member, MissingLink, lineage
-from bus.state import ArtifactState
-from bus.tombstones import content_hash
-from bus.vocab import Lifecycle, ResolutionKind, Trust
+from bus.model.lineage import Cycle, Lineage, Member, MissingLink, lineage
+from bus.model.state import ArtifactState
+from bus.model.tombstones import content_hash
+from bus.model.vocab import Lifecycle, ResolutionKind, Trust
 
 P = "proj"
 T0 = datetime(2024, 5, 1, tzinfo=UTC)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bus.errors import ConfigError, InvalidEvent
-from bus.event import draft_event, validate_event
-from bus.signing import AgentKey
+from bus.identity.signing import AgentKey
+from bus.model.event import draft_event, validate_event
 from bus.subjects import events_filter, parse_event_subject
 
 

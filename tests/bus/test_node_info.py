@@ -9,7 +9,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bus.home import NodeInfo, read_node_info, write_node_info
+from bus.host.home import NodeInfo, read_node_info, write_node_info
 
 
 def info_of(pid: int) -> NodeInfo:

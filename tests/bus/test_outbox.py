@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.outbox import Outbox
-from bus.outbox_file import OutboxRow
-from bus.server import NatsServer
+from bus.host.server import NatsServer
+from bus.outbox.outbox import Outbox
+from bus.outbox.outbox_file import OutboxRow
 
 
 def rows(n: int, prefix: str = "e") -> list[OutboxRow]:
@@ -127,11 +127,11 @@ async def test_an_event_held_longer_than_nodes_admit_is_parked_with_the_reason_n
 
     import nats
 
+    from bus.broker.streams import ensure_streams
     from bus.errors import InvalidEvent
-    from bus.event import draft_event, encode_event
-    from bus.forwarder import Forwarder
-    from bus.signing import AgentKey
-    from bus.streams import ensure_streams
+    from bus.identity.signing import AgentKey
+    from bus.model.event import draft_event, encode_event
+    from bus.outbox.forwarder import Forwarder
     from bus.subjects import event_subject
 
     key = AgentKey.generate("alice")

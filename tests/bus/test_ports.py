@@ -8,7 +8,7 @@ import socket
 import threading
 from pathlib import Path
 
-from bus.ports import port_holder
+from bus.host.ports import port_holder
 
 
 def test_the_holder_of_a_port_is_found_while_it_opens_and_closes_files(tmp_path: Path) -> None:

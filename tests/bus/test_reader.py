@@ -12,11 +12,11 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-import bus.stream_read
+import bus.intake.stream_read
+from bus.broker.streams import ensure_streams
 from bus.errors import Unavailable
-from bus.server import NatsServer
-from bus.stream_read import last_sequence, read_stream
-from bus.streams import ensure_streams
+from bus.host.server import NatsServer
+from bus.intake.stream_read import last_sequence, read_stream
 from bus.subjects import STREAM
 from tests.support import eventually, missing_and_extra
 
@@ -142,8 +142,8 @@ async def test_a_last_per_subject_read_returns_the_newest_message_of_each_matchi
 async def test_a_read_that_cannot_make_progress_raises_unavailable(
     nats_server: NatsServer, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bus.stream_read, "READ_STALL_S", 1.0)
-    monkeypatch.setattr(bus.stream_read, "READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bus.intake.stream_read, "READ_STALL_S", 1.0)
+    monkeypatch.setattr(bus.intake.stream_read, "READ_TIMEOUT_S", 1.0)
     await publish(nc, [f"epi.p0.finding.a{i}" for i in range(50)])
     batches = read_stream(nc.jetstream(), STREAM, batch_size=10)
     assert len(await anext(batches)) == 10

@@ -14,9 +14,9 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from bus.errors import ConfigError
-from bus.requests import MAX_ERROR_CHARS, ErrorReply, VerifyReply, VerifyRequest
-from bus.responder import Responder, serve
-from bus.server import NatsServer
+from bus.host.server import NatsServer
+from bus.model.requests import MAX_ERROR_CHARS, ErrorReply, VerifyReply, VerifyRequest
+from bus.services.responder import Responder, serve
 
 SUBJECT = "epibus.test.service"
 
@@ -46,11 +46,11 @@ async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_c
         raise RuntimeError(f"the store fell over while checking {request.project}")
 
     responder = await serving(nc, handle)
-    with caplog.at_level(logging.ERROR, logger="bus.responder"):
+    with caplog.at_level(logging.ERROR, logger="bus.services.responder"):
         reply = await ask(nc, b'{"project": "p"}')
     assert reply == {"node": "node-t", "error": "RuntimeError: the store fell over while checking p"}
     assert (responder.counts.failed, responder.counts.answered) == (1, 0)
-    (record,) = [r for r in caplog.records if r.name == "bus.responder"]
+    (record,) = [r for r in caplog.records if r.name == "bus.services.responder"]
     assert "RuntimeError" in record.getMessage()
     assert "test_responder.py" in record.getMessage()  # where it was raised
 

@@ -12,13 +12,14 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.admission import Delivery
-from bus.client import connect
-from bus.event import encode_event
-from bus.reader import dead_letters, stream_figures
-from bus.runner import ConsumerRunner, dead_letter_copy
-from bus.server import NatsServer
-from bus.signing import AgentKey, wire_message
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey, wire_message
+from bus.intake.admission import Delivery
+from bus.intake.reader import dead_letters, stream_figures
+from bus.intake.runner import ConsumerRunner, dead_letter_copy
+from bus.model.event import encode_event
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import (
     DLQ_DIGEST,
     DLQ_ERROR,
@@ -29,7 +30,6 @@ from bus.subjects import (
     DLQ_TRUNCATED,
     event_subject,
 )
-from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver
 from tests.conftest import finding
 from tests.support import eventually, headers_of, journal_event_ids, missing_and_extra

@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from bus.errors import Conflict
-from bus.server import NatsServer, nats_server_binary
+from bus.host.server import NatsServer, nats_server_binary
 from tests.support import eventually_sync
 
 # Starts a NatsServer in a process of its own, prints the server's pid, then waits for stdin to close (or, with
@@ -24,11 +24,11 @@ from tests.support import eventually_sync
 HOLDER = """
 import os, sys
 from pathlib import Path
-import bus.server
+import bus.host.server
 if "no-death-signal" in sys.argv:
-    import bus.server_guard
-    bus.server_guard.PARENT_DEATH_SIGNAL = 0
-server = bus.server.NatsServer(Path(sys.argv[1]))
+    import bus.host.server_guard
+    bus.host.server_guard.PARENT_DEATH_SIGNAL = 0
+server = bus.host.server.NatsServer(Path(sys.argv[1]))
 server.start()
 print(server.pid, flush=True)
 if "exit" in sys.argv:

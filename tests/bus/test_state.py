@@ -11,23 +11,23 @@ from typing import Any
 
 import pytest
 
-from bus.auth import Enrolment
-from bus.authority import Authority
 from bus.errors import IllegalTransition
-from bus.event import Envelope, draft_event
-from bus.fold import Fold
-from bus.rollback import plan_rollback
-from bus.signing import AgentKey
-from bus.state import FLAG_UNEARNED, ArtifactState, decide, relevance, time_weight
-from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED, content_hash
-from bus.vocab import Lifecycle, ResolutionKind, Role, Trust
+from bus.identity.signing import AgentKey
+from bus.model.auth import Enrolment
+from bus.model.authority import Authority
+from bus.model.event import Envelope, draft_event
+from bus.model.fold import Fold
+from bus.model.rollback import plan_rollback
+from bus.model.state import FLAG_UNEARNED, ArtifactState, decide, relevance, time_weight
+from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED, content_hash
+from bus.model.vocab import Lifecycle, ResolutionKind, Role, Trust
 
 P = "proj"
 RECORD_KEY = AgentKey.generate("record").public_key  # records apply by agent id; the key is not consulted
 
 
 def standing(agent: str, *roles: Role, owner: str | None = None, projects: tuple[str, ...] = ("*",)) -> Enrolment:
-    """An enrolment record for the rules (`bus.authority`): roles default to agent, owner to the agent itself."""
+    """An enrolment record for the rules (`bus.model.authority`): roles default to agent, owner to the agent itself."""
     return Enrolment(
         agent_id=agent,
         public_key=RECORD_KEY,

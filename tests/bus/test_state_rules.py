@@ -1,4 +1,4 @@
-"""The state rules against tables written out by hand (never read from bus.state's own tables): every trust
+"""The state rules against tables written out by hand (never read from bus.model.state's own tables): every trust
 move from every state, every resolution, forgetting, the safe door, as-of cuts, relevance without an impact,
 and the exact change each legal event makes. Pure: no server."""
 
@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from bus.errors import IllegalTransition
-from bus.event import Envelope, draft_event, event_digest
-from bus.fold import Fold
-from bus.signing import AgentKey
-from bus.state import (
+from bus.identity.signing import AgentKey
+from bus.model.event import Envelope, draft_event, event_digest
+from bus.model.fold import Fold
+from bus.model.state import (
     FLAG_UNEARNED,
     ArtifactState,
     Change,
@@ -25,8 +25,8 @@ from bus.state import (
     id_use,
     relevance,
 )
-from bus.tombstones import Tombstone, content_hash
-from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from bus.model.tombstones import Tombstone, content_hash
+from bus.model.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from tests.bus.test_state import STAFF, agents, claim, ev, state
 
 __all__ = ["agents"]  # the module-scoped key fixture, shared with test_state

@@ -24,12 +24,8 @@ from nats.js.api import (
     SubjectTransform,
 )
 
-from bus.client import connect
-from bus.errors import ConfigError, StreamDrift, Unavailable
-from bus.home import read_node_info
-from bus.nats_errors import translate_publish_error
-from bus.server import NatsServer
-from bus.streams import (
+from bus.broker.nats_errors import translate_publish_error
+from bus.broker.streams import (
     BUCKETS,
     DLQ_MAX_MSG_BYTES,
     DRIFT_CHECK_EVERY_S,
@@ -41,6 +37,10 @@ from bus.streams import (
     open_bucket,
     stream_configs,
 )
+from bus.client.client import connect
+from bus.errors import ConfigError, StreamDrift, Unavailable
+from bus.host.home import read_node_info
+from bus.host.server import NatsServer
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, MESH_BUCKET, MESH_STREAM, STREAM
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bus.broker.tally import OTHER, CappedTally, LatencyHistogram, fold_top
 from bus.subjects import KIND_PATTERN, PROJECT_PATTERN
-from bus.tally import OTHER, CappedTally, LatencyHistogram, fold_top
 
 keys = st.tuples(st.sampled_from([f"p{i}" for i in range(30)]), st.sampled_from(["finding", "unknown", "decision"]))
 

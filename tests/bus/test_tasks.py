@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus.loops import cancel_and_wait, run_together
+from bus.broker.loops import cancel_and_wait, run_together
 from tests.support import eventually
 
 

@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 
 from bus.errors import ConfigError
-from bus.tls import CA_ENV, CERT_ENV, KEY_ENV, nats_tls_context
+from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV, nats_tls_context
 from epibus.certs import generate
 
 

@@ -15,14 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.admission import Rejected, TimeBounds, check_message
-from bus.client import connect
-from bus.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Envelope, draft_event, encode_event
-from bus.outbox import Outbox
-from bus.outbox_file import OutboxRow
-from bus.reader import dead_letters
-from bus.server import NatsServer
-from bus.signing import (
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.identity.signing import (
     EVENT_DOMAIN,
     AgentKey,
     WireMessage,
@@ -31,8 +26,13 @@ from bus.signing import (
     verify_key,
     wire_message,
 )
+from bus.intake.admission import Rejected, TimeBounds, check_message
+from bus.intake.reader import dead_letters
+from bus.model.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Envelope, draft_event, encode_event
+from bus.model.vocab import DeadLetterReason
+from bus.outbox.outbox import Outbox
+from bus.outbox.outbox_file import OutboxRow
 from bus.subjects import DLQ_REASON, EVENT_KEY_HEADER, EVENT_SIGNATURE_HEADER, STREAM
-from bus.vocab import DeadLetterReason
 from epibus.cli.common import Target
 from epibus.cli.dlq import _dlq_replay
 from observers.journal import Journal, JournalObserver

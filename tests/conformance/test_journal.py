@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from bus.admission import Delivery
 from bus.errors import ConfigError, Unavailable
-from bus.event import draft_event
-from bus.kinds import FindingBody
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.intake.admission import Delivery
+from bus.model.event import draft_event
+from bus.model.kinds import FindingBody
 from bus.subjects import event_subject
 from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, make_engine
@@ -195,8 +195,8 @@ def test_an_unsupported_database_is_a_config_error_listing_the_allowed_ones() ->
 async def test_a_node_journals_published_events_on_this_backend(
     nats_server: NatsServer, home: Path, project: str, journal_url: str
 ) -> None:
-    from bus.client import connect
-    from bus.vocab import ReceiptLevel
+    from bus.client.client import connect
+    from bus.model.vocab import ReceiptLevel
 
     async with (
         Node(NodeConfig(home=home, nats_url=nats_server.url, journal_url=journal_url, mirror="off")),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bus.errors import ConfigError, ModelMismatch, Unavailable
-from bus.ids import new_event_id, point_id
+from bus.model.ids import new_event_id, point_id
 from observers.mirror.backends import open_store
 from observers.mirror.store import Filter, Point, VectorStore
 

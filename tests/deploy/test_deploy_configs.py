@@ -559,9 +559,9 @@ async def test_every_stream_and_bucket_takes_the_configured_replicas(
 ) -> None:
     """Under --replicas 3 the buckets once stayed at one replica: losing the server that held them stalled
     publishing (tombstones unchecked) and the mesh recorder. A bucket a client made first is brought to three."""
-    from bus.streams import BUCKETS, ensure_streams
+    from bus.broker.streams import BUCKETS, ensure_streams
+    from bus.services.tombstone_registry import TombstoneRegistry
     from bus.subjects import DLQ_STREAM, STREAM, TOMBSTONES_BUCKET
-    from bus.tombstone_registry import TombstoneRegistry
 
     nc = await nats.connect([n.client_url for n in cluster.nodes], connect_timeout=5, tls=client_tls)
     try:

@@ -21,9 +21,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from nats.js.api import StorageType, StreamConfig
 
-from bus.connection import open_nats
+from bus.client.connection import open_nats
 from bus.errors import Unavailable
-from bus.tls import CA_ENV, CERT_ENV, KEY_ENV
+from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV
 from epibus.certs import generate
 from tests.conftest import postgres_database
 from tests.deploy.support import (

@@ -15,7 +15,7 @@ from typing import Any
 import nats
 import pytest
 
-from bus.ports import port_taken
+from bus.host.ports import port_taken
 from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from typing import Any
 import nats
 import pytest
 
-from bus.client import connect
+from bus.client.client import connect
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DLQ_SUBJECT, dlq_subject
-from bus.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
 from mesh.agent import MeshAgent
 from tests.conftest import finding

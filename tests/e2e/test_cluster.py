@@ -25,14 +25,14 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from bus.ask import fan_out
-from bus.client import EpibusClient
-from bus.processes import alive
-from bus.recall import recall_request
-from bus.requests import RecallReply
-from bus.signing import AgentKey
+from bus.broker.ask import fan_out
+from bus.client.client import EpibusClient
+from bus.client.recall import recall_request
+from bus.host.processes import alive
+from bus.identity.signing import AgentKey
+from bus.model.requests import RecallReply
+from bus.model.vocab import Role
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, RECALL, STREAM
-from bus.vocab import Role
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, journal_event_ids, operator_credentials
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
-from bus.client import connect
-from bus.server import NatsServer
+from bus.client.client import connect
+from bus.host.server import NatsServer
 from epibus.dashboard import Dashboard
 from epibus.dashboard.security import TOKEN_FILE
 from epibus.node import Node, NodeConfig

@@ -33,11 +33,11 @@ from hypothesis import strategies as st
 from nats.js import JetStreamContext
 from sqlalchemy import select
 
-from bus.project_view import load_project
-from bus.reader import replay
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.state import ArtifactState
+from bus.client.project_view import load_project
+from bus.host.server import NatsServer
+from bus.intake.reader import replay
+from bus.intake.runner import ConsumerRunner
+from bus.model.state import ArtifactState
 from bus.subjects import STREAM, events_filter
 from observers.journal import Journal, JournalObserver
 from observers.mirror.edge import EdgeVectorStore

@@ -14,9 +14,9 @@ import nats
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from bus.project_view import load_project
-from bus.server import NatsServer
-from bus.state import ArtifactState
+from bus.client.project_view import load_project
+from bus.host.server import NatsServer
+from bus.model.state import ArtifactState
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal
 from observers.verify import verify

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import connect
-from bus.server import NatsServer
-from bus.vocab import ReceiptLevel
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.model.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
 from epibus.health import HEALTH_FILE
 from epibus.node import Node, NodeConfig

@@ -20,13 +20,14 @@ import nats
 import nats.js.errors
 import pytest
 
-from bus.client import connect
-from bus.event import Envelope, event_digest
-from bus.ids import point_id
-from bus.reader import dead_letters
-from bus.server import NatsServer
-from bus.signing import AgentKey
-from bus.streams import EVENT_MAX_MSG_BYTES
+from bus.broker.streams import EVENT_MAX_MSG_BYTES
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.intake.reader import dead_letters
+from bus.model.event import Envelope, event_digest
+from bus.model.ids import point_id
+from bus.model.vocab import DeadLetterReason
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_CONSUMER,
@@ -43,7 +44,6 @@ from bus.subjects import (
     roster_key,
     task_key,
 )
-from bus.vocab import DeadLetterReason
 from epibus.node import Node, NodeConfig
 from observers.mirror.store import Filter
 from tests.conftest import finding

@@ -21,7 +21,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from bus.signing import AgentKey
+from bus.identity.signing import AgentKey
 from observers.journal import EventQuery, Journal
 from observers.reads import audit_artifacts
 from tests.e2e.test_mesh_processes import git_repo

@@ -370,7 +370,7 @@ def test_a_watcher_killed_and_restarted_mid_stream_misses_and_repeats_nothing(
 PRODUCER = """
 import asyncio, json, sys
 from pathlib import Path
-from bus.client import connect
+from bus.client.client import connect
 from mesh.agent import MeshAgent
 
 async def main(n, project, gate):

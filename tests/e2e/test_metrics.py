@@ -25,13 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from sqlalchemy import text
 
-from bus.client import EpibusClient, connect
+from bus.broker.tally import OTHER
+from bus.client.client import EpibusClient, connect
 from bus.errors import ConfigError
-from bus.home import read_node_info
-from bus.ids import new_event_id
-from bus.server import NatsServer
+from bus.host.home import read_node_info
+from bus.host.server import NatsServer
+from bus.model.ids import new_event_id
 from bus.subjects import dlq_subject
-from bus.tally import OTHER
 from epibus.cli.mesh_roster import seat_as_operator
 from epibus.metrics_http import TOKEN_FILE
 from epibus.node import Node, NodeConfig

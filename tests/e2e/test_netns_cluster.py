@@ -24,10 +24,10 @@ import nats
 import nats.errors
 import pytest
 
-from bus.client import EpibusClient
-from bus.signing import AgentKey
+from bus.client.client import EpibusClient
+from bus.identity.signing import AgentKey
+from bus.model.vocab import Role
 from bus.subjects import STREAM
-from bus.vocab import Role
 from epibus.cluster import Member, Supervisor
 from epibus.netns import Namespaces, netns_unavailable
 from tests.conftest import finding

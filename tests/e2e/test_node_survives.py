@@ -15,12 +15,12 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.client import connect
+from bus.broker.streams import EVENT_MAX_MSG_BYTES, stream_configs
+from bus.client.client import connect
 from bus.errors import ConfigError
-from bus.home import read_node_info
-from bus.reader import dead_letters
-from bus.server import NatsServer
-from bus.streams import EVENT_MAX_MSG_BYTES, stream_configs
+from bus.host.home import read_node_info
+from bus.host.server import NatsServer
+from bus.intake.reader import dead_letters
 from bus.subjects import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED, STREAM, event_subject
 from epibus.health import problems, read_health
 from epibus.node import Node, NodeConfig

@@ -15,16 +15,16 @@ import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
 
-from bus.admission import TimeBounds
-from bus.client import EpibusClient, connect
-from bus.event import Envelope, draft_event
-from bus.ids import point_id
-from bus.project_view import load_project
-from bus.reader import dead_letters, replay
-from bus.server import NatsServer
-from bus.signing import AgentKey, wire_message
+from bus.client.client import EpibusClient, connect
+from bus.client.project_view import load_project
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey, wire_message
+from bus.intake.admission import TimeBounds
+from bus.intake.reader import dead_letters, replay
+from bus.model.event import Envelope, draft_event
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, event_subject
-from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
 from observers.mirror.observer import payload_state

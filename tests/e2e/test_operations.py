@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from bus.processes import alive
-from bus.server import nats_server_binary, server_version
+from bus.host.processes import alive
+from bus.host.server import nats_server_binary, server_version
 from epibus.cli.app import app
 from tests.bus.test_server import nats_servers_on
 from tests.e2e.test_mesh_processes import env_for, epibus

@@ -14,10 +14,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.client import connect
-from bus.server import NatsServer
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM
-from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids, missing_and_extra

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from nats.js import JetStreamContext
 
-from bus import presence
-from bus.client import EpibusClient, connect
-from bus.presence import live_nodes, signed_heartbeat
-from bus.server import NatsServer
-from bus.signing import AgentKey
-from bus.streams import HEARTBEAT_TTL_S, open_bucket
+from bus.broker import presence
+from bus.broker.presence import live_nodes, signed_heartbeat
+from bus.broker.streams import HEARTBEAT_TTL_S, open_bucket
+from bus.client.client import EpibusClient, connect
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
 from bus.subjects import NODES_BUCKET, RECALL, VERIFY, heartbeat_key
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding

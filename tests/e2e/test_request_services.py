@@ -16,12 +16,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from bus.client import EpibusClient, connect
+from bus.client.client import EpibusClient, connect
 from bus.errors import Unavailable
-from bus.requests import ForgetProofReply, VerifyReply
-from bus.server import NatsServer
+from bus.host.server import NatsServer
+from bus.model.requests import ForgetProofReply, VerifyReply
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, VERIFY
-from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.hostile import HostileRequest, hostile_requests

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from bus.client import connect
+from bus.client.client import connect
 from epibus.node import Node, NodeConfig
 from observers.journal import make_engine
 from tests.conftest import finding

@@ -26,20 +26,20 @@ import nkeys
 import pytest
 from sqlalchemy import select
 
-from bus.client import connect
+from bus.broker.streams import ensure_streams
+from bus.client.client import connect
+from bus.client.project_view import load_project
+from bus.enrolment.registry import AgentRegistry
 from bus.errors import Unavailable
-from bus.event import Actor, canonical_json
-from bus.ids import point_id
-from bus.project_view import load_project
-from bus.reader import replay
-from bus.registry import AgentRegistry
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.signing import AgentKey
-from bus.state import ArtifactState
-from bus.streams import ensure_streams
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.intake.reader import replay
+from bus.intake.runner import ConsumerRunner
+from bus.model.event import Actor, canonical_json
+from bus.model.ids import point_id
+from bus.model.state import ArtifactState
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, event_subject, events_filter
-from bus.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
 from observers.mirror.edge import EdgeVectorStore
@@ -197,7 +197,7 @@ async def drain(runner: ConsumerRunner, timeout_s: float = 30.0) -> None:
 async def test_a_registry_hiccup_on_a_claim_must_not_lose_its_contradiction_in_the_mirror(
     nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
-    """bus/runner.py process(): the claim's admission is Unavailable, so it is nak'ed; the contradiction right
+    """bus/intake/runner.py process(): the claim's admission is Unavailable, so it is nak'ed; the contradiction right
     behind it in the same batch is handed to the mirror first (illegal: the claim is absent, skipped) and acked.
     The claim then arrives and is indexed unverified/active: the safe door shows a contradicted claim, while
     the journal says contradicted."""

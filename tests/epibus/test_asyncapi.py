@@ -7,8 +7,8 @@ from typing import Any
 
 import jsonschema
 
-from bus.event import draft_event
-from bus.signing import AgentKey, wire_message
+from bus.identity.signing import AgentKey, wire_message
+from bus.model.event import draft_event
 from bus.subjects import event_subject
 from epibus.asyncapi import DOCUMENT, REGENERATE, document, rendered, shipped_kinds
 from tests.conftest import finding

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bus.errors import ConfigError
-from bus.routes import ClusterRoutes, make_route_secret, read_route_secret
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.host.routes import ClusterRoutes, make_route_secret, read_route_secret
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from epibus.cluster import CLUSTER_FILE, Supervisor, cluster_routes, plan_members, share_node_key
 
 

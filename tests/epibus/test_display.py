@@ -90,7 +90,9 @@ def test_a_table_of_hostile_texts_renders_them_literally_with_no_sequence_but_st
 
 
 def test_log_lines_spell_out_the_controls_in_what_they_log() -> None:
-    record = logging.LogRecord("bus.runner", logging.WARNING, __file__, 1, "dead-lettered %s", (HOSTILE[5],), None)
+    record = logging.LogRecord(
+        "bus.intake.runner", logging.WARNING, __file__, 1, "dead-lettered %s", (HOSTILE[5],), None
+    )
     try:
         raise ValueError("\x1b[2J")
     except ValueError:

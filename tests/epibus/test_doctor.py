@@ -21,9 +21,9 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from bus.server import NatsServer, nats_server_binary
-from bus.signing import AgentKey
-from bus.streams import ensure_streams
+from bus.broker.streams import ensure_streams
+from bus.host.server import NatsServer, nats_server_binary
+from bus.identity.signing import AgentKey
 from bus.subjects import STREAM
 from epibus.cli.app import app
 from epibus.doctor import SKEW_FAIL_S, SKEW_WARN_S, skew_verdict

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bus.home import NodeInfo
+from bus.host.home import NodeInfo
 from epibus.cli.health import _rows
 from epibus.health import problems
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from mcp import Client
 
 from bus.errors import InvalidEvent
-from bus.event import draft_event
-from bus.kinds import require_kind
-from bus.signing import AgentKey
+from bus.identity.signing import AgentKey
+from bus.model.event import draft_event
+from bus.model.kinds import require_kind
 from epibus.mcp_tools.guard import MAX_ARGUMENT_BYTES, parse_arguments
 from epibus.mcp_tools.inputs import ProposeInput, claim_kinds, publish_input
 from epibus.mcp_tools.mesh_tools import mesh_tools

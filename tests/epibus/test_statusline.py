@@ -16,7 +16,7 @@ import pytest
 import typer
 
 import epibus
-from bus.home import NodeInfo, outbox_path, write_node_info, write_private
+from bus.host.home import NodeInfo, outbox_path, write_node_info, write_private
 from epibus.statusline import STATUS_FILE, STATUS_FORMAT, gather, line
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from bus.server_guard import die_with_parent
-from bus.signing import AgentKey
+from bus.host.server_guard import die_with_parent
+from bus.identity.signing import AgentKey
 from epibus.netns import Namespaces, netns_unavailable
 from tests.support import eventually_sync, journal_event_ids
 
@@ -261,7 +261,7 @@ def test_an_admin_acts_through_any_node_and_a_revocation_reaches_every_node(flee
 # (PubAck: in the hub's stream) and "unacked" for each one left in the home's outbox for its node to forward.
 PUBLISHER = """
 import asyncio, sys
-from bus.client import connect
+from bus.client.client import connect
 from bus.errors import Unavailable
 home, count = sys.argv[1], int(sys.argv[2])
 async def main():

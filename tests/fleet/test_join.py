@@ -16,13 +16,13 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.ask import ask_one
-from bus.client import connect
+from bus.broker.ask import ask_one
+from bus.client.client import connect
 from bus.errors import ConfigError, Forbidden
-from bus.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply
-from bus.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
+from bus.model.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply
+from bus.model.vocab import Role
 from bus.subjects import FLEET_INVITE, FLEET_REMOVE, STREAM
-from bus.vocab import Role
 from epibus.doctor_fleet import certificate_checks, member_checks
 from epibus.doctor_local import Check
 from epibus.fleet import FleetRoster

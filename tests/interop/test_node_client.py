@@ -14,11 +14,11 @@ import nats
 import pytest
 from sqlalchemy import text
 
-from bus.client import connect
-from bus.event import draft_event
-from bus.nats_errors import JS_TIMEOUT_S
-from bus.signing import AgentKey, wire_message
-from bus.vocab import Role
+from bus.broker.nats_errors import JS_TIMEOUT_S
+from bus.client.client import connect
+from bus.identity.signing import AgentKey, wire_message
+from bus.model.event import draft_event
+from bus.model.vocab import Role
 from epibus.node import Node, NodeConfig
 from observers.journal import make_engine
 from tests.conftest import finding

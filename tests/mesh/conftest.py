@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import connect
-from bus.connection import open_nats
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.client.client import connect
+from bus.client.connection import open_nats
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
 from mesh.agent import MeshAgent
 from mesh.service import MeshService
 

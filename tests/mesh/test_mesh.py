@@ -14,12 +14,12 @@ from typing import Any
 import nats.js.errors
 import pytest
 
+from bus.broker.loops import cancel_and_wait
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
-from bus.event import decode_event
-from bus.ids import new_event_id
-from bus.loops import cancel_and_wait
-from bus.server import NatsServer
-from bus.stream_read import read_stream
+from bus.host.server import NatsServer
+from bus.intake.stream_read import read_stream
+from bus.model.event import decode_event
+from bus.model.ids import new_event_id
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
-from bus.ids import new_event_id
+from bus.model.ids import new_event_id
 from mesh.protocol import A2A_STATE, TERMINAL, advance, awaits_acknowledgement, child_task_id
 from mesh.task import TaskRecord, parse_message
 from mesh.vocab import TaskAction, TaskState

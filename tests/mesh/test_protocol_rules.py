@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from bus.errors import Forbidden, IllegalTransition, InvalidEvent
-from bus.ids import derived_event_id
+from bus.model.ids import derived_event_id
 from mesh.protocol import advance, child_task_id, counter_opening, counter_record
 from mesh.task import Step, TaskRecord, message_digest, parse_message
 from mesh.vocab import MeshRole, TaskAction, TaskState

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from bus.errors import MalformedRecord, Unavailable
-from bus.ids import new_event_id
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.model.ids import new_event_id
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
 from epibus.node import Node, service_failures
 from mesh.agent import MeshAgent

@@ -13,10 +13,10 @@ import pytest
 
 import mesh.service
 from bus.errors import Unavailable
-from bus.event import decode_event
-from bus.ids import new_event_id
-from bus.signing import AgentKey
-from bus.stream_read import read_stream
+from bus.identity.signing import AgentKey
+from bus.intake.stream_read import read_stream
+from bus.model.event import decode_event
+from bus.model.ids import new_event_id
 from bus.subjects import MESH_BUCKET, STREAM, events_filter, task_key
 from epibus.node import Node
 from mesh.agent import MeshAgent

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus.errors import MalformedRecord
-from bus.ids import new_event_id
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.model.ids import new_event_id
 from bus.subjects import task_key
 from mesh.events import opening_record, unsigned_roster_event, unsigned_step_event, with_signatures
 from mesh.protocol import advance, child_task_id

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from bus.broker.loops import cancel_and_wait
+from bus.broker.nats_errors import RETRYABLE
 from bus.errors import InvalidEvent, Unavailable
-from bus.loops import cancel_and_wait
-from bus.nats_errors import RETRYABLE
-from bus.server import NatsServer
+from bus.host.server import NatsServer
 from bus.subjects import MESH_STREAM
 from mesh.agent import MeshAgent
 from mesh.inbox import Inbox, Notification, NotificationLog

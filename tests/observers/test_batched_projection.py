@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from bus.admission import Admission, Delivery, Rejected
-from bus.batch_context import BatchContext
-from bus.registry import AgentRegistry
-from bus.server import NatsServer
-from bus.stream_read import read_stream
+from bus.enrolment.registry import AgentRegistry
+from bus.host.server import NatsServer
+from bus.intake.admission import Admission, Delivery, Rejected
+from bus.intake.batch_context import BatchContext
+from bus.intake.stream_read import read_stream
+from bus.model.tombstones import content_hash
+from bus.model.vocab import ResolutionKind
 from bus.subjects import STREAM, events_filter
-from bus.tombstones import content_hash
-from bus.vocab import ResolutionKind
 from observers.journal import Journal
 from observers.schema import artifacts, events, tombstones, verifications
 from tests.conftest import postgres_database

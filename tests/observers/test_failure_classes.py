@@ -19,15 +19,15 @@ import pytest
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 from sqlalchemy.exc import IntegrityError, InternalError, OperationalError, ProgrammingError
 
-from bus.client import connect
+from bus.broker.nats_errors import nats_call, translate_publish_error
+from bus.client.client import connect
 from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, Unavailable
-from bus.ids import point_id
-from bus.nats_errors import nats_call, translate_publish_error
-from bus.reader import dead_letters
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
+from bus.host.server import NatsServer
+from bus.intake.reader import dead_letters
+from bus.intake.runner import ConsumerRunner
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel
 from bus.subjects import DLQ_ERROR, DLQ_REASON
-from bus.vocab import ReceiptLevel
 from observers.journal import Journal, JournalObserver, database_failure
 from observers.mirror.backends import open_store
 from observers.mirror.edge import EdgeVectorStore

@@ -12,14 +12,14 @@ import nats.js.errors
 import pytest
 from sqlalchemy import text
 
-from bus.client import EpibusClient, connect
+from bus.client.client import EpibusClient, connect
 from bus.errors import NotFound
-from bus.forget import ForgetProof
-from bus.ids import point_id
-from bus.server import NatsServer
-from bus.signing import AgentKey
+from bus.host.server import NatsServer
+from bus.identity.signing import AgentKey
+from bus.model.forget import ForgetProof
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel, Role
 from bus.subjects import STREAM
-from bus.vocab import ReceiptLevel, Role
 from epibus.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from observers.reads import artifacts, audit_artifacts, snapshot

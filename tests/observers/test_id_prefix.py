@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import connect
+from bus.client.client import connect
 from bus.errors import AmbiguousId, NotFound
-from bus.ids import SHOWN_MATCHES, id_prefix, only_match
-from bus.server import NatsServer
-from bus.vocab import ReceiptLevel
+from bus.host.server import NatsServer
+from bus.model.ids import SHOWN_MATCHES, id_prefix, only_match
+from bus.model.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.reads import artifact_ids_like
 from tests.conftest import finding

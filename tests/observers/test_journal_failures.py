@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from bus.admission import Delivery
 from bus.errors import ComponentFailed, Unavailable
-from bus.event import draft_event
-from bus.signing import AgentKey
+from bus.identity.signing import AgentKey
+from bus.intake.admission import Delivery
+from bus.model.event import draft_event
 from bus.subjects import event_subject
 from observers.journal import EventQuery, Journal
 from tests.conftest import finding

@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from bus.client import EpibusClient
+from bus.client.client import EpibusClient
 from bus.errors import NotFound
-from bus.lineage import MissingLink, lineage
-from bus.vocab import ReceiptLevel, Trust
+from bus.model.lineage import MissingLink, lineage
+from bus.model.vocab import ReceiptLevel, Trust
 from epibus.node import Node
 from observers.reads import artifact_lineage, snapshot
 from tests.conftest import finding

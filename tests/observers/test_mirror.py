@@ -10,13 +10,13 @@ from typing import Any
 import nats
 import pytest
 
-from bus.client import EpibusClient, connect
+from bus.client.client import EpibusClient, connect
 from bus.errors import Unavailable
-from bus.ids import point_id
-from bus.reader import replay
-from bus.runner import ConsumerRunner
-from bus.server import NatsServer
-from bus.vocab import ReceiptLevel
+from bus.host.server import NatsServer
+from bus.intake.reader import replay
+from bus.intake.runner import ConsumerRunner
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store

@@ -6,9 +6,9 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from bus.client import EpibusClient, connect
-from bus.server import NatsServer
-from bus.vocab import ReceiptLevel
+from bus.client.client import EpibusClient, connect
+from bus.host.server import NatsServer
+from bus.model.vocab import ReceiptLevel
 from epibus.node import Node
 from observers.reads import briefing, open_unknown_counts
 from tests.conftest import finding

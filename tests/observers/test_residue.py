@@ -7,8 +7,8 @@ import json
 import uuid
 from pathlib import Path
 
-from bus.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
-from bus.kinds import FindingBody, VerifiedBody
+from bus.model.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
+from bus.model.kinds import FindingBody, VerifiedBody
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.store import Point
 from observers.residue import CHUNK_BYTES, scan_files

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from bus.client import EpibusClient, connect
+from bus.client.client import EpibusClient, connect
 from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent
-from bus.event import Envelope
-from bus.server import NatsServer
-from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
-from bus.vocab import ReceiptLevel, Role, Trust
+from bus.host.server import NatsServer
+from bus.model.event import Envelope
+from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED
+from bus.model.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal
 from observers.reads import artifacts, audit_artifacts, briefing, snapshot, vocab_report
@@ -81,7 +81,7 @@ async def test_safe_read_returns_exactly_the_safe_set_and_audit_returns_all(
         project=project,
         artifact_id=ids["contradicted"],
     )
-    # Only the author or an admin rolls a claim back (bus/authority.py): alice does.
+    # Only the author or an admin rolls a claim back (bus/model/authority.py): alice does.
     await alice.transition("rolled_back", {"reason": "bad premise"}, project=project, artifact_id=ids["rolled_back"])
     await alice.transition("resolved", {"resolution": "retracted"}, project=project, artifact_id=ids["retracted"])
     await alice.transition("resolved", {"resolution": "stale"}, project=project, artifact_id=ids["stale"])
@@ -194,7 +194,7 @@ async def test_the_projection_rebuilt_from_the_stream_equals_the_live_one(
 
     rebuilt = Journal(f"sqlite:///{tmp_path / 'rebuilt.db'}")
     rebuilt.migrate()
-    from bus.reader import replay
+    from bus.intake.reader import replay
     from observers.journal import JournalObserver
 
     await replay(alice.js, JournalObserver(rebuilt, name="rebuild"))
@@ -380,7 +380,7 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
 ) -> None:
     from datetime import timedelta
 
-    from bus.event import validate_event
+    from bus.model.event import validate_event
 
     alice = agents["alice"]
     draft = alice.event("finding", finding(text="written offline an hour ago"), project=project)
@@ -397,7 +397,7 @@ async def test_as_of_follows_when_events_reached_the_stream_not_the_publishers_c
 async def test_migrating_a_journal_with_events_projects_them(
     tmp_path: Path, agents: dict[str, EpibusClient], project: str
 ) -> None:
-    from bus.admission import Delivery
+    from bus.intake.admission import Delivery
     from bus.subjects import event_subject
     from observers.schema import _v1_events, events, metadata, schema_versions
 
@@ -437,9 +437,9 @@ async def test_an_enrolment_record_learned_after_the_events_it_governs_decides_t
 ) -> None:
     """A journal upgraded from before enrolment records existed decided its events without them; the first batch
     that brings a record older than what it decided makes it decide everything again, as a fresh journal would."""
-    from bus.admission import Delivery
-    from bus.auth import Enrolment
-    from bus.authority import NO_RECORDS, Authority
+    from bus.intake.admission import Delivery
+    from bus.model.auth import Enrolment
+    from bus.model.authority import NO_RECORDS, Authority
     from bus.subjects import event_subject
 
     alice, bob = agents["alice"], agents["bob"]

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, create_engine, delete, select
 
-from bus.state import FLAG_UNEARNED, ArtifactState
-from bus.tombstones import FLAG_PREVIOUSLY_RETRACTED
-from bus.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from bus.model.state import FLAG_UNEARNED, ArtifactState
+from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED
+from bus.model.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.mirror.observer import payload_state, state_payload
 from observers.projection import row_to_state, state_to_row
 from observers.schema import artifacts, metadata

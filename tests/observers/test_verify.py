@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from bus.client import connect
-from bus.ids import point_id
-from bus.server import NatsServer
-from bus.vocab import ReceiptLevel
+from bus.client.client import connect
+from bus.host.server import NatsServer
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel
 from epibus.node import Node, NodeConfig
 from observers.mirror.server import ServerVectorStore
 from observers.mirror.store import Filter

@@ -15,12 +15,12 @@ import nats
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
-from bus import enrol
-from bus.client import connect
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey, node_key
+from bus.client import enrol
+from bus.client.client import connect
+from bus.identity.signing import AgentKey, node_key
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role
 from bus.subjects import MESH_BUCKET, MESH_STREAM
-from bus.vocab import Role
 from epibus.cli.mesh_roster import seat_as_operator
 from epibus.node import Node, NodeConfig
 from mesh.agent import MeshAgent

@@ -1,6 +1,6 @@
 """Who may change whose claims, against the configuration `epibus up` runs (the embedded server with
 authentication, an edge mirror): agents enrolled with explicit owners, roles and projects try what the authority
-policy forbids (bus/authority.py), once through the client (refused before publishing, `Forbidden` naming the
+policy forbids (bus/model/authority.py), once through the client (refused before publishing, `Forbidden` naming the
 rule) and once as a raw event signed with their own key (it reaches the stream; every store records it
 rejected with the reason and nothing changes), and do what it allows."""
 
@@ -16,19 +16,19 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from bus import enrol
-from bus.client import EpibusClient, connect
+from bus.client import enrol
+from bus.client.client import EpibusClient, connect
+from bus.client.project_view import load_project
 from bus.errors import Forbidden
-from bus.event import Envelope, encode_event
-from bus.outbox import Outbox
-from bus.outbox_file import OutboxRow
-from bus.project_view import load_project
-from bus.reader import replay
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey, node_key
-from bus.state import ArtifactState, Verification
+from bus.identity.signing import AgentKey, node_key
+from bus.intake.reader import replay
+from bus.model.event import Envelope, encode_event
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.state import ArtifactState, Verification
+from bus.model.vocab import ReceiptLevel, Role, Trust
+from bus.outbox.outbox import Outbox
+from bus.outbox.outbox_file import OutboxRow
 from bus.subjects import POLICY_PROJECT, STREAM, event_subject
-from bus.vocab import ReceiptLevel, Role, Trust
 from epibus.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
 from observers.mirror.store import Filter

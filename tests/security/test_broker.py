@@ -17,15 +17,16 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from bus import enrol
-from bus.auth import Enrolment
-from bus.client import connect
-from bus.connection import open_nats
+from bus.broker.presence import live_nodes, signed_heartbeat
+from bus.client import enrol
+from bus.client.client import connect
+from bus.client.connection import open_nats
 from bus.errors import Forbidden
-from bus.follow import StreamFollower
-from bus.presence import live_nodes, signed_heartbeat
-from bus.requests import EnrolRequest, build_request
-from bus.signing import AgentKey, node_key
+from bus.identity.signing import AgentKey, node_key
+from bus.intake.follow import StreamFollower
+from bus.model.auth import Enrolment
+from bus.model.requests import EnrolRequest, build_request
+from bus.model.vocab import Role
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     RECALL,
@@ -35,7 +36,6 @@ from bus.subjects import (
     heartbeat_key,
     heartbeat_subject,
 )
-from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, operator_credentials

@@ -17,21 +17,24 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus import enrol
-from bus.ask import ask_one
-from bus.client import EpibusClient, connect
-from bus.consumers import drop_consumer, pull_consumer
+from bus.broker.ask import ask_one
+from bus.client import enrol
+from bus.client.client import EpibusClient, connect
 from bus.errors import Forbidden, InvalidEvent, LimitReached
-from bus.follow import StreamFollower, resume_config
-from bus.requests import (
+from bus.identity.signing import AgentKey, node_key
+from bus.intake.consumers import drop_consumer, pull_consumer
+from bus.intake.follow import StreamFollower, resume_config
+from bus.intake.stream_read import last_matching, last_sequence
+from bus.model.requests import (
     ConsumerOpenReply,
     ConsumerOpenRequest,
     TombstoneCheckReply,
     TombstoneCheckRequest,
     build_request,
 )
-from bus.signing import AgentKey, node_key
-from bus.stream_read import last_matching, last_sequence
+from bus.model.tombstones import Tombstone, content_hash
+from bus.model.vocab import Role
+from bus.services.tombstone_registry import TombstoneRegistry
 from bus.subjects import (
     CONSUMER_OPEN,
     MESH_BUCKET,
@@ -45,9 +48,6 @@ from bus.subjects import (
     kv_stream,
     kv_subject,
 )
-from bus.tombstone_registry import TombstoneRegistry
-from bus.tombstones import Tombstone, content_hash
-from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.security.test_broker import Violations
@@ -209,7 +209,7 @@ async def test_refusals_name_the_agent_and_what_to_do_as_soon_as_the_broker_refu
     node: Node, project: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the call's own deadline is ten minutes: the refusal must come from the broker's answer, not the deadline
-    monkeypatch.setattr("bus.stream_read.READ_TIMEOUT_S", 600.0)
+    monkeypatch.setattr("bus.intake.stream_read.READ_TIMEOUT_S", 600.0)
     async with agent(node, "mallory", project) as mallory:
         with pytest.raises(
             Forbidden, match=r"agent 'mallory' may not use \$JS.API.STREAM.INFO.EPI: the broker refused"

@@ -10,11 +10,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.ask import ask_one
-from bus.confinement import confine
-from bus.registry import AgentRegistry
-from bus.requests import EnrolmentViewReply, EnrolmentViewRequest
-from bus.signing import AgentKey, node_key
+from bus.broker.ask import ask_one
+from bus.enrolment.registry import AgentRegistry
+from bus.identity.confinement import confine
+from bus.identity.signing import AgentKey, node_key
+from bus.model.requests import EnrolmentViewReply, EnrolmentViewRequest
+from bus.model.vocab import Role
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     ENROLMENT_VIEW,
@@ -24,7 +25,6 @@ from bus.subjects import (
     kv_stream,
     kv_subject,
 )
-from bus.vocab import Role
 from epibus.node import Node, NodeConfig
 from tests.security.test_broker import Violations
 from tests.security.test_confinement import raw, refused

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from bus.client import EpibusClient, connect
+from bus.client.client import EpibusClient, connect
+from bus.client.fleet import ask_journal
 from bus.errors import Forbidden
-from bus.event import draft_event
-from bus.fleet import ask_journal
-from bus.requests import JOURNAL_READS, JournalReadRequest, build_request
-from bus.signing import AgentKey, wire_message
-from bus.vocab import Role
+from bus.identity.signing import AgentKey, wire_message
+from bus.model.event import draft_event
+from bus.model.requests import JOURNAL_READS, JournalReadRequest, build_request
+from bus.model.vocab import Role
 from epibus.node import Node, NodeConfig
 from observers.read_service import read_journal
 from tests.conftest import finding

@@ -15,11 +15,11 @@ import nats
 import nats.errors
 import pytest
 
-from bus.client import connect
-from bus.signing import AgentKey
-from bus.streams import MIB
+from bus.broker.streams import MIB
+from bus.client.client import connect
+from bus.identity.signing import AgentKey
+from bus.model.vocab import Role
 from bus.subjects import STREAM
-from bus.vocab import Role
 from epibus.budget import BudgetWatch, PublishBudget
 from epibus.dashboard.snapshot import node_snapshot
 from epibus.node import Node, NodeConfig

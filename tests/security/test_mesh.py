@@ -19,12 +19,12 @@ import nats
 import nats.errors
 import pytest
 
-from bus.ask import fan_out
-from bus.client import EpibusClient
+from bus.broker.ask import fan_out
+from bus.client.client import EpibusClient
 from bus.errors import Forbidden
-from bus.ids import new_event_id
-from bus.requests import ErrorReply
-from bus.signing import node_key
+from bus.identity.signing import node_key
+from bus.model.ids import new_event_id
+from bus.model.requests import ErrorReply
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy

@@ -23,11 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from bus import enrol
-from bus.auth import inbox_prefix
-from bus.client import connect
-from bus.requests import ErrorReply, LookupReply, LookupRequest
-from bus.signing import AgentKey, node_key
+from bus.client import enrol
+from bus.client.client import connect
+from bus.identity.signing import AgentKey, node_key
+from bus.model.auth import inbox_prefix
+from bus.model.requests import ErrorReply, LookupReply, LookupRequest
+from bus.model.vocab import ReceiptLevel, Role
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     ENROL,
@@ -48,7 +49,6 @@ from bus.subjects import (
     STREAM,
     VERIFY,
 )
-from bus.vocab import ReceiptLevel, Role
 from epibus.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.hostile import hostile_requests

@@ -20,14 +20,15 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from bus import enrol
-from bus.auth import inbox_prefix
-from bus.client import EpibusClient, connect
+from bus.client import enrol
+from bus.client.client import EpibusClient, connect
+from bus.client.fleet import ask_verify
 from bus.errors import Forbidden
-from bus.fleet import ask_verify
-from bus.forget import ForgetReport, content_fingerprints
-from bus.ids import point_id
-from bus.signing import AgentKey, node_key
+from bus.identity.signing import AgentKey, node_key
+from bus.model.auth import inbox_prefix
+from bus.model.forget import ForgetReport, content_fingerprints
+from bus.model.ids import point_id
+from bus.model.vocab import ReceiptLevel, Role
 from bus.subjects import (
     FORGET_ERASE,
     JOURNAL_LOOKUP,
@@ -38,7 +39,6 @@ from bus.subjects import (
     STREAM,
     VERIFY,
 )
-from bus.vocab import ReceiptLevel, Role
 from epibus.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from tests.conftest import finding
