@@ -34,7 +34,7 @@ from rich.table import Table  # noqa: E402
 from bus.host.server import NatsServer  # noqa: E402
 from bus.intake.stream_read import read_stream  # noqa: E402
 from bus.subjects import STREAM  # noqa: E402
-from epibus.node import Node, NodeConfig  # noqa: E402
+from epibus.node.node import Node, NodeConfig  # noqa: E402
 from observers.verify import verify  # noqa: E402
 from tests.e2e.test_one_truth import caught_up  # noqa: E402
 from tests.histories import build, fresh_project, make_keys, publish, random_history, register_keys  # noqa: E402

@@ -33,7 +33,7 @@ from rich.table import Table
 from bus.broker.loops import cancel_and_wait
 from bus.client.client import connect
 from bus.host.server import NatsServer
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
 from mesh.inbox import Inbox, Notification

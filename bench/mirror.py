@@ -31,7 +31,7 @@ from bus.intake.reader import replay
 from bus.intake.runner import ConsumerRunner
 from bus.model.ids import point_id
 from bus.subjects import events_filter
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
 from observers.mirror.backends import open_store
 from observers.mirror.embed import FastEmbedder

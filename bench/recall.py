@@ -29,7 +29,7 @@ from bus.client.client import connect  # noqa: E402
 from bus.client.recall import recall_request  # noqa: E402
 from bus.host.server import NatsServer  # noqa: E402
 from bus.subjects import RECALL  # noqa: E402
-from epibus.node import Node, NodeConfig  # noqa: E402
+from epibus.node.node import Node, NodeConfig  # noqa: E402
 
 PROJECT = "bench-recall"
 TOPICS = ["cache", "deploy", "database", "latency", "queue", "index", "schema", "network", "disk", "auth"]

@@ -26,7 +26,7 @@ from bench.harness import Line, Sizes, fresh_server, latency, percentile, throug
 from bus.broker.streams import ensure_streams
 from bus.client.client import EpibusClient, connect
 from bus.subjects import STREAM, events_filter
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.mirror.backends import open_store
 from observers.mirror.store import Point
 from observers.recall import recall, safe_filter

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from bus.model.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
     from bus.outbox.publish import Receipt
     from epibus import sync
-    from epibus.node import Node, NodeConfig
+    from epibus.node.node import Node, NodeConfig
     from mesh.agent import MeshAgent, Outcome
     from mesh.coordinator import Coordinator, parse_policy
     from mesh.inbox import Inbox, Notification
@@ -64,7 +64,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
         for name in ("EpistemicSource", "ReceiptLevel", "ResolutionKind", "Reversibility", "Trust")
     },
     "sync": ("epibus.sync", None),
-    **{name: ("epibus.node", name) for name in ("Node", "NodeConfig")},
+    **{name: ("epibus.node.node", name) for name in ("Node", "NodeConfig")},
     **{name: ("mesh.agent", name) for name in ("MeshAgent", "Outcome")},
     **{name: ("mesh.coordinator", name) for name in ("Coordinator", "parse_policy")},
     **{name: ("mesh.inbox", name) for name in ("Inbox", "Notification")},

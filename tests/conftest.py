@@ -15,7 +15,7 @@ from sqlalchemy.engine import make_url
 
 from bus.client.client import EpibusClient, connect
 from bus.host.server import NatsServer
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 
 POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

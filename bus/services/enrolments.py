@@ -107,7 +107,7 @@ class Enrolments:
     ) -> None:
         self.js = js
         self.consumer_slots = consumer_slots
-        self.suspended: frozenset[str] = frozenset()  # keys over their publish budget (epibus/budget.py)
+        self.suspended: frozenset[str] = frozenset()  # keys over their publish budget (epibus/node/budget.py)
         self.local_keys = local_keys  # auto-enrolment: agents whose keys live under the node's home
         self.node = node
         self.server = server

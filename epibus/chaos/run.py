@@ -23,13 +23,13 @@ from bus.errors import ConfigError, EpibusError, Unavailable, error_summary
 from bus.host.home import private_dir
 from bus.host.processes import alive
 from bus.subjects import STREAM
-from epibus import failpoints
 from epibus.chaos.audit import journal_copies, make_leader, mirror_copies, mirror_lookup_copies, stream_copies
 from epibus.chaos.faults import CLUSTER_ONLY, FAILPOINT_FAULTS, FAULTS
 from epibus.chaos.ledger import StoreAudit, audit_store, unreadable, write_attempts
 from epibus.chaos.topology import AttachedCluster, Topology
 from epibus.chaos.workload import Workload
-from epibus.cluster import Member
+from epibus.cluster.local import Member
+from epibus.node import failpoints
 
 log = logging.getLogger(__name__)
 ORPHAN_S = 10.0  # a killed node's server must be gone by then (parent-death signal)
@@ -52,7 +52,7 @@ class ChaosSettings:
     min_run_s: float = 10.0  # the workload runs at least this long, and until every fault has run
     min_events: int = 0  # ... and until this many publishes were attempted (faults slow a loaded machine down)
     settle_s: float = 180.0  # bound on the wait for outboxes to drain and observers to catch up
-    network: Any = None  # epibus.netns.Namespaces for the partition fault; None: no partition possible
+    network: Any = None  # epibus.cluster.netns.Namespaces for the partition fault; None: no partition possible
     network_unavailable: str | None = None  # why there are no namespaces, when there are none
     attach: Path | None = None  # the home of a running `epibus cluster up` to break instead of starting nodes
 

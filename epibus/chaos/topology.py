@@ -25,7 +25,7 @@ from bus.host.processes import alive
 from bus.host.server_guard import StoreLock
 from bus.identity.signing import AgentKey, node_key
 from bus.subjects import STREAM
-from epibus.cluster import Member, Supervisor, cluster_root, plan_members, read_cluster
+from epibus.cluster.local import Member, Supervisor, cluster_root, plan_members, read_cluster
 
 log = logging.getLogger(__name__)
 HEALTHY_S = 240.0  # a node restarted by a fault loads its model and, in a cluster, waits for its peers
@@ -45,7 +45,7 @@ class Topology:
     def __init__(self, run_dir: Path, size: int, *, network: Any = None) -> None:
         self.run_dir = run_dir
         self.size = size
-        self.network = network  # epibus.netns.Namespaces, or None: every server on loopback
+        self.network = network  # epibus.cluster.netns.Namespaces, or None: every server on loopback
         self.supervisor: Supervisor | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None

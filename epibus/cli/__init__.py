@@ -11,7 +11,7 @@ LEAN_COMMANDS = ("statusline",)
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in LEAN_COMMANDS:
-        from epibus.statusline import main as statusline_main
+        from epibus.monitoring.statusline import main as statusline_main
 
         sys.exit(statusline_main(sys.argv[2:]))
     from epibus.cli.app import main as app_main

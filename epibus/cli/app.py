@@ -38,8 +38,8 @@ from epibus.cli import (
 from epibus.cli.display import SafeFormatter
 from epibus.cli.group import EpibusGroup
 from epibus.cli.publish import publish_app, register_publish_commands
-from epibus.statusline import STATUSLINE_HELP
-from epibus.statusline import main as statusline_main
+from epibus.monitoring.statusline import STATUSLINE_HELP
+from epibus.monitoring.statusline import main as statusline_main
 
 app = typer.Typer(
     name="epibus",

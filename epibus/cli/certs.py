@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from epibus.certs import DEFAULT_DAYS, DEFAULT_SERVERS, MAX_DAYS, generate
 from epibus.cli.common import JsonOpt, console, emit_json, handles_errors, table
+from epibus.fleet.certs import DEFAULT_DAYS, DEFAULT_SERVERS, MAX_DAYS, generate
 
 
 @handles_errors

@@ -133,7 +133,7 @@ def _namespaces(nodes: int, chosen: tuple[str, ...]) -> tuple[Any, str | None]:
     """Network namespaces for the partition fault, when it was chosen for a cluster and the machine allows them."""
     if "partition" not in chosen or nodes == 1:
         return None, None
-    from epibus.netns import Namespaces, netns_unavailable
+    from epibus.cluster.netns import Namespaces, netns_unavailable
 
     reason = netns_unavailable()
     if reason is not None:

@@ -14,7 +14,7 @@ from bus.host.home import epibus_home
 from bus.host.processes import alive
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, handles_errors, table
 from epibus.cli.display import shown
-from epibus.cluster import MAX_NODES, MIN_NODES, Supervisor, cluster_root, read_cluster
+from epibus.cluster.local import MAX_NODES, MIN_NODES, Supervisor, cluster_root, read_cluster
 
 cluster_app = typer.Typer(help="A JetStream cluster of epibus nodes on this machine (streams at R3).")
 NODE_COLUMNS = ("name", "nats_url", "monitor_url", "route", "pid", "restarts", "home")

@@ -31,7 +31,7 @@ from epibus.cli.common import (
     table,
 )
 from epibus.cli.display import shown
-from epibus.fleet import FleetMember, FleetRoster
+from epibus.fleet.hub import FleetMember, FleetRoster
 
 fleet_app = typer.Typer(help="A fleet on several machines: invite, list and remove nodes.", no_args_is_help=True)
 ASK_TIMEOUT_S = 15.0

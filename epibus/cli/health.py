@@ -9,7 +9,7 @@ import typer
 from bus.host.home import epibus_home, read_node_info
 from epibus.cli.common import HomeOpt, JsonOpt, console, emit_json, fail, handles_errors, table
 from epibus.cli.display import shown
-from epibus.health import problems, read_health
+from epibus.monitoring.health import problems, read_health
 
 
 @handles_errors

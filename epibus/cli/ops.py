@@ -1,5 +1,6 @@
 """Operating a node: `epibus status`, `epibus doctor`, `epibus down`, `epibus version` (and `--version`),
-`epibus completion`. The logic lives in epibus/status_report.py, epibus/doctor.py and epibus/node_process.py."""
+`epibus completion`. The logic lives in epibus/monitoring/status_report.py, epibus/ops/doctor.py and
+epibus/node/process.py."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from epibus.cli.common import (
     table,
 )
 from epibus.cli.display import shown
-from epibus.node_process import find, stop
-from epibus.status_report import node_status
+from epibus.monitoring.status_report import node_status
+from epibus.node.process import find, stop
 
 PROG = "epibus"
 COMPLETE_VAR = "_EPIBUS_COMPLETE"
@@ -97,8 +98,8 @@ def doctor(
     JetStream, the server version, the streams and buckets, the clock, the key registry, the journal's schema,
     the mirror's model, disk space and file modes. Exit 1 when a check fails."""
     # Loaded here: the checks import SQLAlchemy and the journal, a large part of any other command's start.
-    from epibus.doctor import diagnose
-    from epibus.doctor_local import FAIL
+    from epibus.ops.doctor import diagnose
+    from epibus.ops.doctor_local import FAIL
 
     checks = run(diagnose(home, nats, journal, replicas=replicas))
     if as_json:

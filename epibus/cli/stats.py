@@ -22,7 +22,7 @@ from epibus.cli.common import (
     run,
     table,
 )
-from epibus.health import read_health
+from epibus.monitoring.health import read_health
 
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
 # and the mesh store would otherwise cost every CLI start, `epibus --help` included.

@@ -14,7 +14,6 @@ from bus.errors import ConfigError
 from bus.host.home import default_agent, epibus_home, read_node_info
 from bus.host.routes import require_ipv4
 from bus.host.server import MIN_SERVER_VERSION
-from epibus.budget import PublishBudget
 from epibus.cli.common import (
     AgentOpt,
     HomeOpt,
@@ -29,12 +28,13 @@ from epibus.cli.common import (
     table,
 )
 from epibus.cli.display import shown
-from epibus.cluster import cluster_routes
+from epibus.cluster.local import cluster_routes
+from epibus.node.budget import PublishBudget
 
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
 # and the mesh store would otherwise cost every CLI start, `epibus --help` included.
 if TYPE_CHECKING:
-    from epibus.node import NodeConfig
+    from epibus.node.node import NodeConfig
 
 
 @handles_errors
@@ -208,8 +208,8 @@ def up(
     whose settings drifted from what epibus needs stops the start (--repair-streams restores it)."""
     if mirror not in ("edge", "server", "off"):
         raise ConfigError("--mirror", f"{mirror!r} is unknown", allowed=["edge", "server", "off"])
-    from epibus.metrics_http import MetricsSettings, check_host
-    from epibus.node import NodeConfig
+    from epibus.monitoring.metrics_http import MetricsSettings, check_host
+    from epibus.node.node import NodeConfig
 
     check_host(MetricsSettings(metrics_port, metrics_host, metrics_remote))  # before anything starts
     pairs = [c.partition("=") for c in coordinate or []]
@@ -255,7 +255,7 @@ def up(
 
 
 async def _up(config: NodeConfig, as_json: bool) -> None:
-    from epibus.node import Node
+    from epibus.node.node import Node
 
     home = config.home
     running = read_node_info(home)

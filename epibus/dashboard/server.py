@@ -16,11 +16,11 @@ from epibus.dashboard.app import build_app
 from epibus.dashboard.feed import Feed
 from epibus.dashboard.security import TokenGate, allowed_hosts, check_bind_host, ui_token
 from epibus.dashboard.snapshot import node_snapshot
-from epibus.http_serving import EmbeddedServer, listen, netloc
+from epibus.monitoring.http_serving import EmbeddedServer, listen, netloc
 from observers.recall import recall
 
 if TYPE_CHECKING:
-    from epibus.node_view import NodeView
+    from epibus.node.view import NodeView
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0

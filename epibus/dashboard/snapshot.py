@@ -1,5 +1,5 @@
-"""The dashboard's health snapshot of the node it runs in: the node's own health report (epibus/health.py) and
-what it names as problems, each observer's lag, the dead-letter and outbox depths, and the mesh's tasks and
+"""The dashboard's health snapshot of the node it runs in: the node's own health report (epibus/monitoring/health.py)
+and what it names as problems, each observer's lag, the dead-letter and outbox depths, and the mesh's tasks and
 open acknowledgements as the node's MeshView folds them. A figure that cannot be had now is null, with the
 reason among `problems`: a slow or broken part never hides the others."""
 
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import EpibusError
 from bus.subjects import DLQ_STREAM
-from epibus.health import node_health, problems
-from epibus.status import MeshView
+from epibus.monitoring.health import node_health, problems
+from epibus.monitoring.status import MeshView
 from mesh.protocol import awaits_acknowledgement
 from mesh.task import TaskRecord
 
 if TYPE_CHECKING:
-    from epibus.node_view import NodeView
+    from epibus.node.view import NodeView
 
 READ_TIMEOUT_S = 2.0
 MESH_TASKS_SHOWN = 30
@@ -33,7 +33,7 @@ async def node_snapshot(node: NodeView) -> dict[str, Any]:
         "observers": {name: _observer(stats) for name, stats in report["observers"].items()},
         "forwarder": report["forwarder"],
         "service_failures": report["service_failures"],
-        "budgets": report["budgets"],  # each agent's publish budget on this node's server (epibus/budget.py)
+        "budgets": report["budgets"],  # each agent's publish budget on this node's server (epibus/node/budget.py)
     }
     snapshot["dlq_depth"] = await _dlq_depth(node, found)
     snapshot["outbox"] = await _outbox(node, found)

@@ -22,11 +22,11 @@ from mcp_types.jsonrpc import INVALID_PARAMS
 from bus.broker.loops import cancel_and_wait
 from bus.errors import EpibusError
 from bus.host.home import secret_token
-from epibus.http_serving import listen, netloc
 from epibus.mcp_tools.guard import parse_arguments
 from epibus.mcp_tools.mesh_tools import mesh_tools
 from epibus.mcp_tools.session import AgentSession
 from epibus.mcp_tools.tools import ToolSpec, knowledge_tools
+from epibus.monitoring.http_serving import listen, netloc
 
 log = logging.getLogger(__name__)
 INSTRUCTIONS = (

@@ -16,7 +16,7 @@ from bus.host.home import outbox_path
 from bus.host.server import NatsServer
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, artifact_filter
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids
 

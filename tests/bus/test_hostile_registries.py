@@ -21,7 +21,7 @@ from bus.model.auth import first_use_enrolment
 from bus.model.records import decode_agent_key
 from bus.model.tombstones import decode_tombstone_key
 from bus.subjects import AGENT_KEYS_BUCKET, TOMBSTONES_BUCKET
-from epibus.node import Node
+from epibus.node.node import Node
 from tests.conftest import finding
 from tests.e2e.test_one_truth import dlq_reasons, publish_raw, signed
 from tests.hostile import Hostile, hostile_payloads, put_raw

@@ -42,8 +42,8 @@ from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.host.home import read_node_info
 from bus.host.server import NatsServer
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, MESH_BUCKET, MESH_STREAM, STREAM
-from epibus.health import problems, read_health
-from epibus.node import Node, NodeConfig
+from epibus.monitoring.health import problems, read_health
+from epibus.node.node import Node, NodeConfig
 from tests.e2e.test_cli import as_json, epibus, error_json
 from tests.support import eventually
 

@@ -12,7 +12,7 @@ import pytest
 
 from bus.errors import ConfigError
 from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV, nats_tls_context
-from epibus.certs import generate
+from epibus.fleet.certs import generate
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from bus.intake.admission import Delivery
 from bus.model.event import draft_event
 from bus.model.kinds import FindingBody
 from bus.subjects import event_subject
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, make_engine
 from observers.schema import LATEST_VERSION
 from tests.conftest import finding

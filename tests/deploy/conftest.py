@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV, nats_tls_context
-from epibus.certs import generate
+from epibus.fleet.certs import generate
 from tests.deploy.support import Nodes, start_cluster
 
 

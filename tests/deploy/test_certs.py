@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from bus.errors import ConfigError
-from epibus.certs import generate, planned_files
+from epibus.fleet.certs import generate, planned_files
 
 SERVERS = ("nats-1", "nats-2", "nats-3")
 

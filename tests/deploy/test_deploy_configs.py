@@ -30,7 +30,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.api import StorageType, StreamConfig
 
-from epibus.certs import planned_files
+from epibus.fleet.certs import planned_files
 from tests.deploy.support import (
     CERTS_DIR,
     CLUSTER_CONF,

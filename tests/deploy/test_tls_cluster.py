@@ -24,7 +24,7 @@ from nats.js.api import StorageType, StreamConfig
 from bus.client.connection import open_nats
 from bus.errors import Unavailable
 from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV
-from epibus.certs import generate
+from epibus.fleet.certs import generate
 from tests.conftest import postgres_database
 from tests.deploy.support import (
     ClusterPorts,

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, text
 from epibus.chaos.audit import journal_copies
 from epibus.chaos.faults import FAULTS
 from epibus.chaos.ledger import audit_store, read_attempts
-from epibus.netns import namespaces_made_by, netns_unavailable
+from epibus.cluster.netns import namespaces_made_by, netns_unavailable
 from tests.e2e.chaos_support import (
     RUN_TIMEOUT_S,
     assert_every_store_holds_every_acknowledged_event,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from epibus.chaos.faults import FAULTS
-from epibus.netns import namespaces_made_by, netns_unavailable
+from epibus.cluster.netns import namespaces_made_by, netns_unavailable
 from tests.e2e.chaos_support import (
     RUN_TIMEOUT_S,
     SOAK_TIMEOUT_S,

@@ -21,7 +21,7 @@ from bus.client.client import connect
 from bus.host.server import NatsServer
 from epibus.dashboard import Dashboard
 from epibus.dashboard.security import TOKEN_FILE
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from tests.conftest import finding
 from tests.support import eventually, start_node_process, stop_node_process

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from bus.client.project_view import load_project
 from bus.host.server import NatsServer
 from bus.model.state import ArtifactState
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal
 from observers.verify import verify
 from tests.e2e.test_differential import journal_events, journal_states, mirror_states

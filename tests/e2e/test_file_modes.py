@@ -19,9 +19,9 @@ from bus.client.client import connect
 from bus.host.server import NatsServer
 from bus.model.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
-from epibus.health import HEALTH_FILE
-from epibus.node import Node, NodeConfig
-from epibus.statusline import STATUS_FILE
+from epibus.monitoring.health import HEALTH_FILE
+from epibus.monitoring.statusline import STATUS_FILE
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from tests.conftest import finding
 from tests.support import eventually
@@ -144,7 +144,7 @@ async def test_a_home_left_readable_by_everyone_is_made_owner_only_at_node_start
     assert stat.S_IMODE(home.stat().st_mode) == 0o755
     assert stat.S_IMODE((home / "journal.db").stat().st_mode) == 0o644
     assert stat.S_IMODE((home / "journal.db-wal").stat().st_mode) == 0o644
-    caplog.set_level(logging.INFO, logger="epibus.node")
+    caplog.set_level(logging.INFO, logger="epibus.node.node")
 
     config = NodeConfig(home=home, nats_url=nats_server.url, mirror="off")
     async with Node(config):

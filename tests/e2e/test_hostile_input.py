@@ -44,7 +44,7 @@ from bus.subjects import (
     roster_key,
     task_key,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.mirror.store import Filter
 from tests.conftest import finding
 from tests.hostile import hostile_payloads, hostile_requests, put_raw

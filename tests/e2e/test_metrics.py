@@ -33,8 +33,8 @@ from bus.host.server import NatsServer
 from bus.model.ids import new_event_id
 from bus.subjects import dlq_subject
 from epibus.cli.mesh_roster import seat_as_operator
-from epibus.metrics_http import TOKEN_FILE
-from epibus.node import Node, NodeConfig
+from epibus.monitoring.metrics_http import TOKEN_FILE
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from observers.journal import make_engine
 from tests.conftest import finding

@@ -28,8 +28,8 @@ from bus.client.client import EpibusClient
 from bus.identity.signing import AgentKey
 from bus.model.vocab import Role
 from bus.subjects import STREAM
-from epibus.cluster import Member, Supervisor
-from epibus.netns import Namespaces, netns_unavailable
+from epibus.cluster.local import Member, Supervisor
+from epibus.cluster.netns import Namespaces, netns_unavailable
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, eventually_sync, journal_event_ids, operator_credentials
 
@@ -149,7 +149,8 @@ def test_close_leaves_no_namespace_bridge_or_veth_behind() -> None:
 
 def test_the_namespaces_of_a_killed_run_are_removed_by_the_next_run() -> None:
     code = (
-        "from epibus.netns import Namespaces; import time; n = Namespaces(2); print(n.tag, flush=True); time.sleep(600)"
+        "from epibus.cluster.netns import Namespaces; import time; n = Namespaces(2); "
+        "print(n.tag, flush=True); time.sleep(600)"
     )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None

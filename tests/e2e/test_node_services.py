@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from epibus.node import service_failures, supervised
+from epibus.node.node import service_failures, supervised
 
 
 async def test_a_service_that_raises_an_unexpected_error_is_logged_counted_and_restarted_with_backoff(

@@ -22,8 +22,8 @@ from bus.host.home import read_node_info
 from bus.host.server import NatsServer
 from bus.intake.reader import dead_letters
 from bus.subjects import DLQ_DIGEST, DLQ_REASON, DLQ_SIZE, DLQ_STREAM_SEQ, DLQ_TRUNCATED, STREAM, event_subject
-from epibus.health import problems, read_health
-from epibus.node import Node, NodeConfig
+from epibus.monitoring.health import problems, read_health
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, headers_of, journal_event_ids
 

@@ -25,7 +25,7 @@ from bus.model.event import Envelope, draft_event
 from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, event_subject
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
 from observers.mirror.observer import payload_state
 from observers.mirror.store import Point

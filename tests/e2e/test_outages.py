@@ -18,7 +18,7 @@ from bus.client.client import connect
 from bus.host.server import NatsServer
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, journal_event_ids, missing_and_extra
 

@@ -23,7 +23,7 @@ from bus.client.client import EpibusClient, connect
 from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey
 from bus.subjects import NODES_BUCKET, RECALL, VERIFY, heartbeat_key
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import eventually, start_node_process, stop_node_process
 

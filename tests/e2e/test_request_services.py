@@ -22,7 +22,7 @@ from bus.host.server import NatsServer
 from bus.model.requests import ForgetProofReply, VerifyReply
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import JOURNAL_LOOKUP, PROVE_FORGOTTEN, RECALL, REINDEX, VERIFY
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.hostile import HostileRequest, hostile_requests
 from tests.support import eventually

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from bus.client.client import connect
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import make_engine
 from tests.conftest import finding
 from tests.e2e.test_mesh_processes import epibus, error_json, first_line, last_json, lines, spawn, stop

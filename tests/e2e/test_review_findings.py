@@ -40,7 +40,7 @@ from bus.model.ids import point_id
 from bus.model.state import ArtifactState
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import STREAM, event_subject, events_filter
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal, JournalObserver
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.observer import MirrorObserver, payload_state

@@ -10,7 +10,7 @@ import jsonschema
 from bus.identity.signing import AgentKey, wire_message
 from bus.model.event import draft_event
 from bus.subjects import event_subject
-from epibus.asyncapi import DOCUMENT, REGENERATE, document, rendered, shipped_kinds
+from epibus.ops.asyncapi import DOCUMENT, REGENERATE, document, rendered, shipped_kinds
 from tests.conftest import finding
 
 

@@ -29,10 +29,10 @@ HEAVY = (
     "qdrant_client",
     "qdrant_edge",
     "prometheus_client",
-    "epibus.node",
+    "epibus.node.node",
     "epibus.dashboard",
     "epibus.mcp_tools",
-    "epibus.metrics",
+    "epibus.monitoring.metrics",
     "observers.journal",
     "mesh.agent",
 )

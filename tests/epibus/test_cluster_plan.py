@@ -12,7 +12,7 @@ import pytest
 from bus.errors import ConfigError
 from bus.host.routes import ClusterRoutes, make_route_secret, read_route_secret
 from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
-from epibus.cluster import CLUSTER_FILE, Supervisor, cluster_routes, plan_members, share_node_key
+from epibus.cluster.local import CLUSTER_FILE, Supervisor, cluster_routes, plan_members, share_node_key
 
 
 def test_the_route_secret_is_made_once_owner_only(tmp_path: Path) -> None:

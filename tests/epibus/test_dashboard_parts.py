@@ -17,7 +17,7 @@ from starlette.routing import Route
 from bus.errors import ConfigError
 from epibus.dashboard.feed import QUEUE_SIZE, Feed
 from epibus.dashboard.security import COOKIE, TOKEN_FILE, TokenGate, allowed_hosts, check_bind_host, ui_token
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 
 TOKEN = "t" * 43
 

@@ -26,8 +26,8 @@ from bus.host.server import NatsServer, nats_server_binary
 from bus.identity.signing import AgentKey
 from bus.subjects import STREAM
 from epibus.cli.app import app
-from epibus.doctor import SKEW_FAIL_S, SKEW_WARN_S, skew_verdict
-from epibus.doctor_local import DISK_FAIL_BYTES, DISK_WARN_BYTES, disk_verdict
+from epibus.ops.doctor import SKEW_FAIL_S, SKEW_WARN_S, skew_verdict
+from epibus.ops.doctor_local import DISK_FAIL_BYTES, DISK_WARN_BYTES, disk_verdict
 from observers.journal import Journal
 from observers.mirror.edge import EdgeVectorStore
 from observers.schema import LATEST_VERSION

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bus.errors import Unavailable
-from epibus import failpoints
-from epibus.failpoints import UnavailableWhenArmed
+from epibus.node import failpoints
+from epibus.node.failpoints import UnavailableWhenArmed
 from observers.mirror.backends import open_store
 
 

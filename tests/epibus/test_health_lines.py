@@ -10,7 +10,7 @@ from typing import Any
 
 from bus.host.home import NodeInfo
 from epibus.cli.health import _rows
-from epibus.health import problems
+from epibus.monitoring.health import problems
 
 
 def report_with(observer: dict[str, Any]) -> dict[str, Any]:

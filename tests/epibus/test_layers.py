@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from epibus.doctor_local import FAIL, OK, layers_check
 from epibus.layers import LAYERS, claimed_by_others, shadowed_layers
+from epibus.ops.doctor_local import FAIL, OK, layers_check
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -48,7 +48,7 @@ def test_another_distribution_shipping_a_layer_name_is_reported_by_the_doctor(tm
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-mesh\nVersion: 1.0\n")
     (info / "top_level.txt").write_text("mesh\n")
     code = (
-        "import json; from epibus.layers import claimed_by_others; from epibus.doctor_local import layers_check; "
+        "import json; from epibus.layers import claimed_by_others; from epibus.ops.doctor_local import layers_check; "
         "c = layers_check(); print(json.dumps([claimed_by_others(), c.status, c.detail]))"
     )
     result = _python(code, cwd=ROOT, pythonpath=tmp_path)

@@ -17,7 +17,7 @@ import typer
 
 import epibus
 from bus.host.home import NodeInfo, outbox_path, write_node_info, write_private
-from epibus.statusline import STATUS_FILE, STATUS_FORMAT, gather, line
+from epibus.monitoring.statusline import STATUS_FILE, STATUS_FORMAT, gather, line
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("nats", "sqlalchemy", "typer", "pydantic", "rich")
@@ -148,7 +148,7 @@ def test_a_snapshot_with_figures_that_are_not_counts_is_reported_and_the_command
     home = tmp_path / "home"
     record_node(home, os.getpid())
     write_snapshot(home, os.getpid(), agents={"alice": {"inbox": {"demo": -1}, "ack": {}}}, unknowns={})
-    main = "import sys; from epibus.statusline import main; sys.exit(main(sys.argv[1:]))"
+    main = "import sys; from epibus.monitoring.statusline import main; sys.exit(main(sys.argv[1:]))"
     ran = run_python(main, "--home", str(home), "--agent", "alice")
     assert ran.returncode == 0
     assert ran.stdout == "epibus up · outbox 0 · inbox ? · ack ? · unknowns ? · status ?\n"
@@ -166,7 +166,7 @@ def test_colour_codes_appear_only_when_asked_for_and_never_in_a_pipe(tmp_path: P
     write_snapshot(home, os.getpid(), agents=AGENTS, unknowns={})
     assert line(gather(home, "alice", None), colour=True).startswith("epibus \033[32mup\033[0m · ")
     piped = run_python(
-        "import sys; from epibus.statusline import main; sys.exit(main(sys.argv[1:]))", "--home", str(home)
+        "import sys; from epibus.monitoring.statusline import main; sys.exit(main(sys.argv[1:]))", "--home", str(home)
     )
     assert piped.stdout.startswith("epibus up · ")
     assert "\033" not in piped.stdout

@@ -8,7 +8,7 @@ import re
 
 import nacl.signing
 
-from epibus.wire_example import DOCUMENT, REGENERATE, with_example
+from epibus.ops.wire_example import DOCUMENT, REGENERATE, with_example
 
 
 def test_the_worked_example_is_current() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from bus.host.server_guard import die_with_parent
 from bus.identity.signing import AgentKey
-from epibus.netns import Namespaces, netns_unavailable
+from epibus.cluster.netns import Namespaces, netns_unavailable
 from tests.support import eventually_sync, journal_event_ids
 
 UNAVAILABLE = netns_unavailable()

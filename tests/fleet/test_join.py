@@ -23,12 +23,12 @@ from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.model.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply
 from bus.model.vocab import Role
 from bus.subjects import FLEET_INVITE, FLEET_REMOVE, STREAM
-from epibus.doctor_fleet import certificate_checks, member_checks
-from epibus.doctor_local import Check
-from epibus.fleet import FleetRoster
-from epibus.health import node_health
-from epibus.invites import decode_token, encode_token
-from epibus.node import Node, NodeConfig
+from epibus.fleet.doctor import certificate_checks, member_checks
+from epibus.fleet.hub import FleetRoster
+from epibus.fleet.invites import decode_token, encode_token
+from epibus.monitoring.health import node_health
+from epibus.node.node import Node, NodeConfig
+from epibus.ops.doctor_local import Check
 from tests.conftest import finding, postgres_database
 from tests.support import enrol_agent, eventually, journal_event_ids, operator_credentials
 

@@ -21,7 +21,7 @@ from bus.intake.stream_read import read_stream
 from bus.model.event import decode_event
 from bus.model.ids import new_event_id
 from bus.subjects import MESH_STREAM, STREAM, events_filter, task_key
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.commits import require_commit
 from mesh.coordinator import Coordinator, parse_policy

@@ -20,7 +20,7 @@ from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey
 from bus.model.ids import new_event_id
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
-from epibus.node import Node, service_failures
+from epibus.node.node import Node, service_failures
 from mesh.agent import MeshAgent
 from mesh.protocol import advance
 from mesh.store import decode_capabilities, decode_roster, decode_task

@@ -18,7 +18,7 @@ from bus.intake.stream_read import read_stream
 from bus.model.event import decode_event
 from bus.model.ids import new_event_id
 from bus.subjects import MESH_BUCKET, STREAM, events_filter, task_key
-from epibus.node import Node
+from epibus.node.node import Node
 from mesh.agent import MeshAgent
 from mesh.events import unsigned_step_event
 from mesh.task import Step

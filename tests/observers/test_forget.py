@@ -20,7 +20,7 @@ from bus.model.forget import ForgetProof
 from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel, Role
 from bus.subjects import STREAM
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from observers.reads import artifacts, audit_artifacts, snapshot
 from tests.conftest import finding

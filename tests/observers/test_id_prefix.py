@@ -12,7 +12,7 @@ from bus.errors import AmbiguousId, NotFound
 from bus.host.server import NatsServer
 from bus.model.ids import SHOWN_MATCHES, id_prefix, only_match
 from bus.model.vocab import ReceiptLevel
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.reads import artifact_ids_like
 from tests.conftest import finding
 

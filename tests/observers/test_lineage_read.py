@@ -11,7 +11,7 @@ from bus.client.client import EpibusClient
 from bus.errors import NotFound
 from bus.model.lineage import MissingLink, lineage
 from bus.model.vocab import ReceiptLevel, Trust
-from epibus.node import Node
+from epibus.node.node import Node
 from observers.reads import artifact_lineage, snapshot
 from tests.conftest import finding
 from tests.observers.test_state_projection import agents, settled

@@ -9,7 +9,7 @@ from pathlib import Path
 from bus.client.client import EpibusClient, connect
 from bus.host.server import NatsServer
 from bus.model.vocab import ReceiptLevel
-from epibus.node import Node
+from epibus.node.node import Node
 from observers.reads import briefing, open_unknown_counts
 from tests.conftest import finding
 from tests.support import eventually

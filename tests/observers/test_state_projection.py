@@ -18,7 +18,7 @@ from bus.host.server import NatsServer
 from bus.model.event import Envelope
 from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.model.vocab import ReceiptLevel, Role, Trust
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal
 from observers.reads import artifacts, audit_artifacts, briefing, snapshot, vocab_report
 from tests.conftest import finding

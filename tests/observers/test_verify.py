@@ -11,7 +11,7 @@ from bus.client.client import connect
 from bus.host.server import NatsServer
 from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.mirror.server import ServerVectorStore
 from observers.mirror.store import Filter
 from tests.conftest import finding

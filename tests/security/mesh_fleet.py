@@ -22,7 +22,7 @@ from bus.model.requests import EnrolRequest, build_request
 from bus.model.vocab import Role
 from bus.subjects import MESH_BUCKET, MESH_STREAM
 from epibus.cli.mesh_roster import seat_as_operator
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.watch import TaskWatcher
 from tests.support import eventually, journal_rows_of_kind, operator_credentials

@@ -29,7 +29,7 @@ from bus.model.vocab import ReceiptLevel, Role, Trust
 from bus.outbox.outbox import Outbox
 from bus.outbox.outbox_file import OutboxRow
 from bus.subjects import POLICY_PROJECT, STREAM, event_subject
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal, JournalObserver
 from observers.mirror.store import Filter
 from observers.reads import snapshot

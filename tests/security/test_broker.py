@@ -36,7 +36,7 @@ from bus.subjects import (
     heartbeat_key,
     heartbeat_subject,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, operator_credentials
 

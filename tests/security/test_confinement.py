@@ -48,7 +48,7 @@ from bus.subjects import (
     kv_stream,
     kv_subject,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.security.test_broker import Violations
 from tests.support import enrol_agent, eventually, operator_credentials

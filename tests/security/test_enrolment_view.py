@@ -25,7 +25,7 @@ from bus.subjects import (
     kv_stream,
     kv_subject,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.security.test_broker import Violations
 from tests.security.test_confinement import raw, refused
 from tests.support import enrol_agent

@@ -22,7 +22,7 @@ from bus.identity.signing import AgentKey, wire_message
 from bus.model.event import draft_event
 from bus.model.requests import JOURNAL_READS, JournalReadRequest, build_request
 from bus.model.vocab import Role
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.read_service import read_journal
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, journal_event_ids

@@ -20,9 +20,9 @@ from bus.client.client import connect
 from bus.identity.signing import AgentKey
 from bus.model.vocab import Role
 from bus.subjects import STREAM
-from epibus.budget import BudgetWatch, PublishBudget
 from epibus.dashboard.snapshot import node_snapshot
-from epibus.node import Node, NodeConfig
+from epibus.node.budget import BudgetWatch, PublishBudget
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.security.test_broker import Violations
 from tests.support import enrol_agent, eventually, journal_event_ids, operator_credentials

@@ -49,7 +49,7 @@ from bus.subjects import (
     STREAM,
     VERIFY,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
 from tests.hostile import hostile_requests
 from tests.support import enrol_agent, eventually, eventually_sync

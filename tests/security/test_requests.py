@@ -39,7 +39,7 @@ from bus.subjects import (
     STREAM,
     VERIFY,
 )
-from epibus.node import Node, NodeConfig
+from epibus.node.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually

@@ -1,5 +1,5 @@
 """The worked example of docs/wire-format.md, made by the real signing code from a fixed key, event id and
-time (ed25519 is deterministic, so it never changes unless the format does). `python -m epibus.wire_example`
+time (ed25519 is deterministic, so it never changes unless the format does). `python -m epibus.ops.wire_example`
 rewrites the example between its markers in the document; `--check` says whether it is current."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from bus.identity.signing import AgentKey, event_signed_bytes, wire_message
 from bus.model.event import draft_event
 from bus.subjects import EVENT_SIGNATURE_HEADER, MSG_ID_HEADER
 
-DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "wire-format.md"
-BEGIN = "<!-- example:begin (python -m epibus.wire_example) -->"
+DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
+BEGIN = "<!-- example:begin (python -m epibus.ops.wire_example) -->"
 END = "<!-- example:end -->"
-REGENERATE = "python -m epibus.wire_example"
+REGENERATE = "python -m epibus.ops.wire_example"
 EVENT_ID = uuid.UUID("019a0f3c-8e00-7000-8000-00000000e0b1")
 RECORDED_AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

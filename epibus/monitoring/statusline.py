@@ -1,7 +1,7 @@
 """`epibus statusline`: one short line for a shell prompt or an assistant's status bar, e.g.
 `epibus up · outbox 0 · inbox 2 · ack 1 · unknowns 3 (demo)`. It reads only files under the epibus home:
-node.json (is a node running), the node's status snapshot `status.json` (written by `epibus.status` about once
-a second, at least every KEEP_ALIVE_S) and the outbox, read-only. No NATS connection, and none of the heavy
+node.json (is a node running), the node's status snapshot `status.json` (written by `epibus.monitoring.status`
+about once a second, at least every KEEP_ALIVE_S) and the outbox, read-only. No NATS connection, and none of the heavy
 imports (this module loads before typer, nats, pydantic or SQLAlchemy would, see `epibus.cli.main`).
 
 The node is `up` only when node.json names a live process and that process's snapshot is fresh (younger than

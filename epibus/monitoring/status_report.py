@@ -1,6 +1,6 @@
 """`epibus status`: is a node running for this home, and how is it. Nothing in node.json or health.json is taken
-on trust: the pid must be this home's `epibus up` (epibus/node_process.py), its health report fresh, and its
-NATS server must answer now. (`epibus/status.py` is something else: the snapshot the statusline reads.)"""
+on trust: the pid must be this home's `epibus up` (epibus/node/process.py), its health report fresh, and its
+NATS server must answer now. (`epibus/monitoring/status.py` is something else: the snapshot the statusline reads.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from bus.client.connection import open_nats
 from bus.errors import EpibusError
 from bus.host.home import split_servers
 from bus.outbox.outbox import Outbox
-from epibus.health import STALE_AFTER_S, problems, read_health
-from epibus.node_process import NodeProcess, connect_key, find
+from epibus.monitoring.health import STALE_AFTER_S, problems, read_health
+from epibus.node.process import NodeProcess, connect_key, find
 
 START_HINT = "start one with `epibus up`"
 PING_TIMEOUT_S = 5.0

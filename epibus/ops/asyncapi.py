@@ -1,5 +1,5 @@
 """The AsyncAPI 3.0 document of the event stream, generated from the kind registry, the envelope model, the
-subjects and the headers: `python -m epibus.asyncapi` writes docs/asyncapi.json, `--check` says whether the
+subjects and the headers: `python -m epibus.ops.asyncapi` writes docs/asyncapi.json, `--check` says whether the
 file is current. Every registered kind is one channel, with its body model's JSON schema."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from bus.subjects import (
     event_subject,
 )
 
-DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "asyncapi.json"
+DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "asyncapi.json"
 REF = "#/components/schemas/{model}"
-REGENERATE = "python -m epibus.asyncapi"
+REGENERATE = "python -m epibus.ops.asyncapi"
 SHIPPED_PACKAGES = frozenset({"bus", "observers", "mesh", "epibus"})
 SIGNED_BYTES = f"{EVENT_DOMAIN.decode().strip()!r} + LF + subject + LF + body"
 
@@ -228,7 +228,7 @@ def rendered() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epibus.asyncapi", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m epibus.ops.asyncapi", description=__doc__)
     parser.add_argument("--output", type=Path, default=DOCUMENT, help="Where to write (default docs/asyncapi.json).")
     parser.add_argument("--check", action="store_true", help="Exit 1 when the file differs from the models.")
     args = parser.parse_args(argv)

@@ -29,12 +29,12 @@ from bus.intake.runner import ConsumerRunner
 from bus.model.vocab import DeadLetterReason
 from bus.services.responder import ServiceCounts
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject
-from epibus.supervise import service_failures
+from epibus.node.supervise import service_failures
 from mesh.protocol import awaits_acknowledgement
 from observers.mirror.embed import FastEmbedder
 
 if TYPE_CHECKING:
-    from epibus.node_view import NodeView
+    from epibus.node.view import NodeView
 
 log = logging.getLogger(__name__)
 SOURCE_DEADLINE_S = 2.0  # a scrape waits this long for the server's stream figures, then reports without them

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from bus.errors import ConfigError, Unavailable, error_summary
 from bus.host.server import NatsServer
-from epibus.node_connection import NodeConnection
+from epibus.node.connection import NodeConnection
 
 log = logging.getLogger(__name__)
 

@@ -42,20 +42,20 @@ from bus.services.tombstone_registry import TombstoneRegistry
 from bus.subjects import (
     JOURNAL_LOOKUP,
 )
-from epibus.budget import BudgetWatch
-from epibus.coordinating import start_coordinators
 from epibus.dashboard import Dashboard
-from epibus.failpoints import observed
-from epibus.fleet import FleetHub
-from epibus.health import report_health
-from epibus.metrics_http import MetricsServer, MetricsSettings, start_metrics
-from epibus.node_config import CLUSTER_START_S, NodeConfig, check_config, settle_s
-from epibus.node_connection import NodeConnection, settling
-from epibus.node_fleet import FleetLink, FleetPlace, fleet_place, join_if_invited, serve_hub
-from epibus.node_mirror import NodeMirror, open_mirror
-from epibus.recovery import Recovery
-from epibus.status import MeshView, StatusWriter
-from epibus.supervise import Loops, service_failures, supervised
+from epibus.fleet.hub import FleetHub
+from epibus.monitoring.health import report_health
+from epibus.monitoring.metrics_http import MetricsServer, MetricsSettings, start_metrics
+from epibus.monitoring.status import MeshView, StatusWriter
+from epibus.node.budget import BudgetWatch
+from epibus.node.config import CLUSTER_START_S, NodeConfig, check_config, settle_s
+from epibus.node.connection import NodeConnection, settling
+from epibus.node.coordinating import start_coordinators
+from epibus.node.failpoints import observed
+from epibus.node.fleet import FleetLink, FleetPlace, fleet_place, join_if_invited, serve_hub
+from epibus.node.mirror import NodeMirror, open_mirror
+from epibus.node.recovery import Recovery
+from epibus.node.supervise import Loops, service_failures, supervised
 from mesh import events as mesh_events
 from mesh.coordinator import Coordinator
 from mesh.recorder import MeshRecorder
@@ -104,7 +104,7 @@ async def start_server(
     fleet: dict[str, Any] | None = None,
 ) -> NatsServer:
     """The embedded nats-server under home/nats, stopped with `stack`; `fleet`: its options as a fleet's hub or
-    leaf (epibus/node_fleet.py)."""
+    leaf (epibus/node/fleet.py)."""
     server = NatsServer(
         config.home / "nats",
         # In a fleet only the hub's listener for joining nodes (mutual TLS) faces the network; clients stay local.
@@ -143,7 +143,7 @@ class Node:
         self.coordinators: list[Coordinator] = []
         self.recorder: MeshRecorder | None = None
         self.mesh_service: MeshService | None = None
-        self.fleet = FleetPlace(None, None)  # alone, a fleet's hub or a joined node (epibus/node_fleet.py)
+        self.fleet = FleetPlace(None, None)  # alone, a fleet's hub or a joined node (epibus/node/fleet.py)
         self.fleet_hub: FleetHub | None = None
         self.fleet_link: FleetLink | None = None  # a joined node's link to its hub
         self._system: NatsClient | None = None

@@ -17,8 +17,8 @@ from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import ConfigError
 from bus.intake.runner import ConsumerRunner
 from bus.subjects import STREAM
-from epibus.failpoints import UnavailableWhenArmed, observed
-from epibus.supervise import Loops, supervised
+from epibus.node.failpoints import UnavailableWhenArmed, observed
+from epibus.node.supervise import Loops, supervised
 from observers.journal import Journal
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder

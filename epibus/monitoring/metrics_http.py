@@ -23,11 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from bus.broker.loops import cancel_and_wait
 from bus.errors import ConfigError, error_summary
 from bus.host.home import owner_only, write_private
-from epibus.http_serving import EmbeddedServer, listen, netloc
-from epibus.metrics import NodeMetrics
+from epibus.monitoring.http_serving import EmbeddedServer, listen, netloc
+from epibus.monitoring.metrics import NodeMetrics
 
 if TYPE_CHECKING:
-    from epibus.node_view import NodeView
+    from epibus.node.view import NodeView
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.json"

@@ -27,9 +27,9 @@ from bus.identity.signing import AgentKey
 from bus.model.auth import inbox_prefix
 from bus.model.requests import FleetJoinRequest, FleetReply
 from bus.subjects import FLEET_JOIN
-from epibus.certs import CA_NAME
-from epibus.fleet import JOIN_PROOF_PURPOSE, join_proof_document, leaf_remote_block
-from epibus.invites import FLEET_DIR, decode_token
+from epibus.fleet.certs import CA_NAME
+from epibus.fleet.hub import JOIN_PROOF_PURPOSE, join_proof_document, leaf_remote_block
+from epibus.fleet.invites import FLEET_DIR, decode_token
 
 log = logging.getLogger(__name__)
 JOIN_FILE = "join.json"

@@ -49,8 +49,8 @@ from bus.subjects import (
     kv_stream,
     kv_subject,
 )
-from epibus.certs import CA_NAME, fleet_authority, issue_node_certificate
-from epibus.invites import (
+from epibus.fleet.certs import CA_NAME, fleet_authority, issue_node_certificate
+from epibus.fleet.invites import (
     FLEET_DIR,
     Invite,
     InviteBook,

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
 from bus.host.home import NodeInfo, write_private
-from epibus.supervise import service_failures
+from epibus.node.supervise import service_failures
 
 if TYPE_CHECKING:
-    from epibus.node_view import NodeView
+    from epibus.node.view import NodeView
 
 HEALTH_FILE = "health.json"
 REPORT_EVERY_S = 2.0

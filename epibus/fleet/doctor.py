@@ -12,11 +12,11 @@ from nats.js import JetStreamContext
 
 from bus.broker.presence import HEARTBEAT_S, live_nodes
 from bus.errors import Unavailable
-from epibus.certs import CA_NAME
-from epibus.doctor_local import FAIL, OK, WARN, Check
-from epibus.fleet import HUB_CERT, FleetRoster
-from epibus.fleet_join import NODE_CERT, load_leaf
-from epibus.invites import FLEET_DIR
+from epibus.fleet.certs import CA_NAME
+from epibus.fleet.hub import HUB_CERT, FleetRoster
+from epibus.fleet.invites import FLEET_DIR
+from epibus.fleet.join import NODE_CERT, load_leaf
+from epibus.ops.doctor_local import FAIL, OK, WARN, Check
 
 EXPIRY_WARN = timedelta(days=30)
 SKEW_WARN_S = 1.0

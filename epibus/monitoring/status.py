@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from bus.errors import EpibusError
 from bus.host.home import write_private
 from bus.services.enrolments import local_agent_keys
-from epibus.statusline import KEEP_ALIVE_S, STATUS_FILE, STATUS_FORMAT, WRITE_EVERY_S
+from epibus.monitoring.statusline import KEEP_ALIVE_S, STATUS_FILE, STATUS_FORMAT, WRITE_EVERY_S
 from mesh.inbox import CONTEXT_REFRESH_S, capabilities_of, coordinators_of, inbox_reason
 from mesh.protocol import awaits_acknowledgement
 from mesh.store import MeshStore, TaskEntry

@@ -1,4 +1,4 @@
-"""What health, the metrics and the dashboard read of a running node: the seam between them and `epibus.node`,
+"""What health, the metrics and the dashboard read of a running node: the seam between them and `epibus.node.node`,
 so they depend on what they read, not on the node that wires everything (and the node imports them)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     from bus.outbox.forwarder import Forwarder
     from bus.services.consumer_slots import ConsumerSlots
     from bus.services.responder import Responder
-    from epibus.budget import BudgetWatch
-    from epibus.node_config import NodeConfig
-    from epibus.node_fleet import FleetLink
-    from epibus.status import MeshView
+    from epibus.monitoring.status import MeshView
+    from epibus.node.budget import BudgetWatch
+    from epibus.node.config import NodeConfig
+    from epibus.node.fleet import FleetLink
     from observers.journal import Journal
     from observers.mirror.embed import CachedEmbedder
     from observers.mirror.store import VectorStore

@@ -9,8 +9,8 @@ from bus.broker.streams import StreamLimits
 from bus.errors import ConfigError
 from bus.host.routes import ClusterRoutes
 from bus.model.auth import DEFAULT_CONSUMER_SLOTS
-from epibus.budget import PublishBudget
 from epibus.dashboard.security import check_bind_host
+from epibus.node.budget import PublishBudget
 
 CLUSTER_START_S = 120.0
 MAX_CONSUMER_SLOTS = 64  # each slot is three permission subjects per stream in every agent's broker entry
@@ -43,7 +43,7 @@ class NodeConfig:
     ui_port: int | None = None
     ui_host: str = "127.0.0.1"
     ui_remote: bool = False  # serve the dashboard on a non-loopback ui_host
-    # The Prometheus endpoint (epibus/metrics_http.py): None, the port kept from an earlier start (a free one
+    # The Prometheus endpoint (epibus/monitoring/metrics_http.py): None, the port kept from an earlier start (a free one
     # at the first); 0, off. It binds metrics_host, which must be loopback unless metrics_remote.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -55,7 +55,8 @@ class NodeConfig:
     # A fleet across machines: listen for joining nodes here (on `host`, mutual TLS): this node is the hub.
     fleet_port: int | None = None
     join: str | None = None  # an invite token: join the fleet it names (kept in home; later starts need none)
-    failpoints: bool = False  # honour the failpoints `epibus chaos` arms under home/failpoints (epibus/failpoints.py)
+    # Honour the failpoints `epibus chaos` arms under home/failpoints (epibus/node/failpoints.py).
+    failpoints: bool = False
 
 
 def check_config(config: NodeConfig) -> None:

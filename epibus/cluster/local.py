@@ -33,7 +33,7 @@ from bus.host.server_guard import SPAWNER, die_with_parent
 from bus.identity.signing import NODE_KEY_FILE, node_key
 
 if TYPE_CHECKING:
-    from epibus.netns import Namespaces
+    from epibus.cluster.netns import Namespaces
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"

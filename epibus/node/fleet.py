@@ -21,9 +21,9 @@ from bus.identity.signing import AgentKey
 from bus.services.enrolments import Enrolments
 from bus.services.responder import serve_services
 from bus.subjects import FLEET_DOMAIN
-from epibus.fleet import FleetHub, hub_listener
-from epibus.fleet_join import Leaf, hub_refuses, load_leaf, prepare_join, redeem
-from epibus.node_config import NodeConfig
+from epibus.fleet.hub import FleetHub, hub_listener
+from epibus.fleet.join import Leaf, hub_refuses, load_leaf, prepare_join, redeem
+from epibus.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 LEAF_SETTLE_S = 60.0  # a joined node's first JetStream calls wait for its leaf connection to the hub

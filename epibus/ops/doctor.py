@@ -3,7 +3,7 @@
 NATS (reachable, JetStream on, server version), every stream and KV bucket epibus relies on against the
 configuration it needs (bus/broker/drift.py, the same comparison `ensure_streams` refuses drift with), the clock
 against the server's, the key registry, then this machine's journal, mirror, disk space and file modes
-(epibus/doctor_local.py). Nothing is created or repaired: the doctor only reads."""
+(epibus/ops/doctor_local.py). Nothing is created or repaired: the doctor only reads."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from bus.host.server import MIN_SERVER_VERSION
 from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.services.enrolments import local_agent_keys
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, stream_info_subject
-from epibus.doctor_fleet import certificate_checks, fleet_role, member_checks
-from epibus.doctor_local import (
+from epibus.fleet.doctor import certificate_checks, fleet_role, member_checks
+from epibus.node.process import connect_key
+from epibus.ops.doctor_local import (
     FAIL,
     OK,
     WARN,
@@ -42,7 +43,6 @@ from epibus.doctor_local import (
     mirror_check,
     mode_checks,
 )
-from epibus.node_process import connect_key
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, FastEmbedder
 
 # Clock skew between this machine and the server: as-of reads cut on the server's clock, events carry ours.
