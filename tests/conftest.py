@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 from bus.client.client import EpibusClient, connect
 from bus.host.server import NatsServer
 from epibus.node.node import Node, NodeConfig
+from observers.journal import Journal
 
 POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -24,6 +25,18 @@ POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://po
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A fresh nats-server 2.15 with JetStream, killed and restartable by the test."""
     server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """One nats-server for a module's property tests (hypothesis runs many examples; each uses its own project
+    and agents, so they do not meet)."""
+    server = NatsServer(tmp_path_factory.mktemp("shared") / "nats")
     server.start()
     try:
         yield server
@@ -84,6 +97,15 @@ def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def sqlite_journal_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'journal.db'}"
+
+
+@pytest.fixture
+def journal(sqlite_journal_url: str) -> Iterator[Journal]:
+    """A migrated SQLite journal of the test's own."""
+    store = Journal(sqlite_journal_url)
+    store.migrate()
+    yield store
+    store.close()
 
 
 @pytest.fixture

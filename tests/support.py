@@ -32,6 +32,37 @@ from observers.journal import make_engine
 T = TypeVar("T")
 
 
+def cli_env(home: Path, *, columns: int | None = None) -> dict[str, str]:
+    """The environment of an `epibus` command run for `home`: none of the caller's EPIBUS_ settings leak in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    return env | ({"COLUMNS": str(columns)} if columns is not None else {})
+
+
+def run_epibus(
+    home: Path, *args: str, check: bool = True, timeout_s: float = 60, columns: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`epibus ARGS` as a user runs it, in its own process, with no stdin. `check`: fail the test on a non-zero
+    exit, naming the command and what it printed. `columns`: a terminal width (wide, so no table cell folds)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "epibus", *args],
+        env=cli_env(home, columns=columns),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
+    if check:
+        assert result.returncode == 0, (
+            f"epibus {' '.join(args)} exited {result.returncode}: {result.stdout}{result.stderr}"
+        )
+    return result
+
+
+def last_json(result: subprocess.CompletedProcess[str]) -> Any:
+    """The last line of a command's stdout as parsed JSON (what `--json` prints last)."""
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 # What a check returns once it holds is truthy, so never None: `X | None` comes back as X.
 @overload
 async def eventually(

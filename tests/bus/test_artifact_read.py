@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,16 +34,6 @@ from tests.histories import AGENTS, Keys, Op, build, fresh_project, histories, m
 
 QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 KINDS = ("verified", "contradicted", "rolled_back", "forgotten", "resolved")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path_factory.mktemp("artifact-read") / "nats")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def vouched(state: ArtifactState | None) -> tuple[Any, ...] | None:
@@ -134,13 +123,13 @@ async def compare(url: str, history: list[Op], seed: int, tally: Tally) -> None:
         await nc.close()
 
 
-def test_the_direct_read_decides_as_the_whole_project_fold(server: NatsServer) -> None:
+def test_the_direct_read_decides_as_the_whole_project_fold(shared_nats_server: NatsServer) -> None:
     tally = Tally()
 
     @settings(max_examples=40, deadline=None, suppress_health_check=QUIET)
     @given(history=histories, seed=st.integers(0, 2**32 - 1))
     def check(history: list[Op], seed: int) -> None:
-        asyncio.run(compare(server.url, history, seed, tally))
+        asyncio.run(compare(shared_nats_server.url, history, seed, tally))
 
     check()
     # Both reads were exercised: decisions from the direct read, and falls back to the project's fold.

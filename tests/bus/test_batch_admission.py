@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import nats
@@ -111,16 +111,6 @@ def test_the_property_sees_both_answers_and_every_refusal_it_claims_to() -> None
     assert [answer(a) for a in found] == one_at_a_time(items)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    running = NatsServer(tmp_path_factory.mktemp("batch-admission") / "nats")
-    running.start()
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
 async def _admit_both_ways(url: str, project: str) -> tuple[list[Answer], list[Answer], int]:
     nc = await nats.connect(url)
     try:
@@ -156,7 +146,7 @@ def _delivered(outcome: Delivery | Rejected) -> Answer:
 @settings(max_examples=25, deadline=None, suppress_health_check=QUIET)
 @given(history=histories, chunk=st.integers(min_value=1, max_value=5))
 def test_read_from_the_stream_the_batch_admits_and_refuses_what_admit_msg_does(
-    server: NatsServer, history: list[Op], chunk: int, monkeypatch: pytest.MonkeyPatch
+    shared_nats_server: NatsServer, history: list[Op], chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through a real stream and key registry: forged keys are refused by the registry on both paths."""
     monkeypatch.setattr(admission_module, "VERIFY_CHUNK", chunk)
@@ -164,13 +154,13 @@ def test_read_from_the_stream_the_batch_admits_and_refuses_what_admit_msg_does(
     project = fresh_project()
 
     async def go() -> tuple[list[Answer], list[Answer], int]:
-        await register_keys(server.url, keys)
-        nc = await nats.connect(server.url)
+        await register_keys(shared_nats_server.url, keys)
+        nc = await nats.connect(shared_nats_server.url)
         try:
             await publish(nc.jetstream(), build([*history, ("forged", 0)], keys, project))
         finally:
             await nc.close()
-        return await _admit_both_ways(server.url, project)
+        return await _admit_both_ways(shared_nats_server.url, project)
 
     single, batched, read = asyncio.run(go())
     assert batched == single

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -39,15 +38,6 @@ from observers.journal import Journal, JournalObserver
 from tests.bus.test_runner import FailingObserver, running
 from tests.conftest import finding
 from tests.support import eventually, headers_of, journal_event_ids
-
-
-@pytest.fixture
-def journal(sqlite_journal_url: str) -> Iterator[Journal]:
-    store = Journal(sqlite_journal_url)
-    store.migrate()
-    yield store
-    store.close()
-
 
 ALICE = AgentKey.generate("alice")
 MALLORY = AgentKey.generate("alice")  # the same agent name, another key

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,24 +14,13 @@ import nats
 import pytest
 
 from bus.host.ports import port_taken
-from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
+from tests.support import eventually_sync, operator_credentials, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
 
 def epibus(home: Path, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
-    result = subprocess.run(
-        [sys.executable, "-m", "epibus", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    if check:
-        assert result.returncode == 0, f"epibus {' '.join(args)} failed: {result.stdout}{result.stderr}"
-    return result
+    return run_epibus(home, *args, check=check, timeout_s=timeout)
 
 
 def as_json(result: subprocess.CompletedProcess[str]) -> Any:

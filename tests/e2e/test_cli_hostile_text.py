@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from bus.subjects import DLQ_CONSUMER, DLQ_ERROR, DLQ_REASON, DLQ_STREAM_SEQ, DL
 from epibus.cli.mesh_roster import seat_as_operator
 from mesh.agent import MeshAgent
 from tests.conftest import finding
-from tests.support import eventually_sync, operator_credentials, start_node_process, stop_node_process
+from tests.support import eventually_sync, operator_credentials, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +50,7 @@ TERMINAL_ACTIVE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u20
 
 def cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`epibus ARGS` as a user runs it, wide enough that no table cell is folded."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")}
-    env |= {"EPIBUS_HOME": str(home), "COLUMNS": "400"}
-    result = subprocess.run(
-        [sys.executable, "-m", "epibus", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, f"epibus {args} exited {result.returncode}: {result.stdout}{result.stderr}"
-    return result
+    return run_epibus(home, *args, columns=400)
 
 
 def assert_inert(result: subprocess.CompletedProcess[str], *visible: str) -> None:

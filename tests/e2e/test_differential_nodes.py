@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -25,16 +24,6 @@ from tests.e2e.test_one_truth import caught_up
 from tests.histories import Op, build, differences, fresh_project, histories, make_keys, publish, register_keys
 
 EXAMPLES = int(os.environ.get("EPIBUS_NODE_EXAMPLES", "6"))
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path_factory.mktemp("nodes") / "nats")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def kept_events(journal: Journal, project: str) -> dict[str, str]:
@@ -98,6 +87,6 @@ async def run_nodes(server: NatsServer, history: list[Op], workdir: Path) -> Non
 )
 @given(history=histories)
 def test_nodes_agree_after_live_catch_up_and_reindex(
-    cluster: NatsServer, tmp_path_factory: pytest.TempPathFactory, history: list[Op]
+    shared_nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory, history: list[Op]
 ) -> None:
-    asyncio.run(run_nodes(cluster, history, tmp_path_factory.mktemp("nodes-example")))
+    asyncio.run(run_nodes(shared_nats_server, history, tmp_path_factory.mktemp("nodes-example")))

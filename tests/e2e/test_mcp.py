@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,26 +24,17 @@ from bus.identity.signing import AgentKey
 from observers.journal import EventQuery, Journal
 from observers.reads import audit_artifacts
 from tests.e2e.test_mesh_processes import git_repo
-from tests.support import eventually, start_node_process, stop_node_process
+from tests.support import cli_env, eventually, last_json, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
 
 def own_env(home: Path) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    return cli_env(home)
 
 
 def epibus(home: Path, *args: str) -> Any:
-    result = subprocess.run(
-        [sys.executable, "-m", "epibus", *args, "--json"],
-        env=own_env(home),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert result.returncode == 0, f"epibus {' '.join(args)}: {result.stdout}{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return last_json(run_epibus(home, *args, "--json"))
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +90,12 @@ async def refused(client: Client, tool: str, **arguments: Any) -> str:
     return text
 
 
-def journal(home: Path) -> Journal:
+def node_journal(home: Path) -> Journal:
     return Journal(f"sqlite:///{home / 'journal.db'}")
 
 
 def event_ids(home: Path, project: str) -> list[str]:
-    store = journal(home)
+    store = node_journal(home)
     try:
         return [str(row.event_id) for row in store.query(EventQuery(project=project, limit=10_000))]
     finally:
@@ -183,7 +173,7 @@ async def test_a_published_claim_is_recalled_and_its_author_may_not_verify_it(no
         assert message.startswith(("IllegalTransition: ", "Forbidden: ")), message
         assert "alice" in message
     assert event_ids(node, project) == before
-    (view,) = [v for v in audit_artifacts(journal(node), project) if v.state.artifact_id == artifact]
+    (view,) = [v for v in audit_artifacts(node_journal(node), project) if v.state.artifact_id == artifact]
     assert view.state.trust.value == "unverified"
     assert view.verifications == ()
 
@@ -198,7 +188,7 @@ async def test_another_agents_server_verifies_the_claim_as_that_agent(node: Path
         await call(bob, "verify", project=project, artifact_id=artifact, note="reproduced on staging")
 
         async def verified() -> Any:
-            views = [v for v in audit_artifacts(journal(node), project) if v.state.artifact_id == artifact]
+            views = [v for v in audit_artifacts(node_journal(node), project) if v.state.artifact_id == artifact]
             return views[0] if views and views[0].verifications else None
 
         view = await eventually(verified, timeout_s=20)

@@ -4,7 +4,6 @@ one-shot CLI commands, each its own process, meeting only through NATS."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,32 +15,18 @@ from typing import Any
 
 import pytest
 
-from tests.support import eventually_sync, journal_rows_of_kind
+from tests.support import cli_env, eventually_sync, journal_rows_of_kind, last_json, run_epibus
 
 pytestmark = pytest.mark.slow
 PROJECT = "fleet"
 
 
 def env_for(home: Path) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    return cli_env(home)
 
 
 def epibus(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "epibus", *args],
-        env=env_for(home),
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-    )
-    if check:
-        assert result.returncode == 0, f"epibus {' '.join(args)} failed: {result.stdout}{result.stderr}"
-    return result
-
-
-def last_json(result: subprocess.CompletedProcess[str]) -> Any:
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_epibus(home, *args, check=check, timeout_s=90)
 
 
 def error_json(result: subprocess.CompletedProcess[str]) -> Any:

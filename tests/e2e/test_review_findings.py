@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import nkeys
 import pytest
 from sqlalchemy import select
 
+from bus.broker.loops import stop_all
 from bus.broker.streams import ensure_streams
 from bus.client.client import connect
 from bus.client.project_view import load_project
@@ -330,8 +330,6 @@ async def test_a_nul_character_in_a_claim_does_not_stop_a_postgresql_journal(
         dead = await dlq_reasons(js)
         assert ("invalid_event", event_subject(project, "finding", poison.artifact_id)) in dead
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_all([task])
         journal.close()
         await nc.close()

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_mesh_processes import env_for, epibus, last_json
+from tests.e2e.test_mesh_processes import env_for, epibus
 from tests.e2e.test_node_kill import Up
-from tests.support import eventually_sync, start_node_process, stop_node_process
+from tests.support import eventually_sync, last_json, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 PROJECT = "demo"

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from tests.conftest import finding
 from tests.hostile import Hostile, all_hostile_task_records, hostile_payloads, put_raw
 from tests.mesh.conftest import MeshFactory
 from tests.mesh.test_recorder import stop_after_the_kv_write
-from tests.support import eventually, journal_event_ids
+from tests.support import eventually, journal_event_ids, run_epibus
 
 PROJECT = "hostile"
 TASK = "t-1"
@@ -201,18 +199,7 @@ async def test_unreadable_roster_and_capabilities_are_skipped_by_a_listing_and_r
 
 
 def epibus(home: Path, nats_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {
-        "EPIBUS_HOME": str(home),
-        "COLUMNS": "250",  # task ids whole in a table row
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "epibus", *args, "--nats", nats_url],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_epibus(home, *args, "--nats", nats_url, check=False, columns=250)  # task ids whole in a row
 
 
 def ok_json(result: subprocess.CompletedProcess[str]) -> Any:

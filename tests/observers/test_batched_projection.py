@@ -38,16 +38,6 @@ QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.
 RETRACTED = RESOLUTIONS.index(ResolutionKind.retracted)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    running = NatsServer(tmp_path_factory.mktemp("batched-projection") / "nats")
-    running.start()
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
 def with_retraction(history: list[Op], agent: int, text: int) -> list[Op]:
     """The history, then a claim, its retraction by its author, and the same claim again (flagged)."""
     claims = sum(1 for op in history if op[0] == "claim")
@@ -173,14 +163,14 @@ sizes = st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=6)
     sizes=sizes,
 )
 def test_sqlite_batched_projection_equals_one_event_at_a_time(
-    server: NatsServer,
+    shared_nats_server: NatsServer,
     tmp_path_factory: pytest.TempPathFactory,
     history: list[Op],
     agent: int,
     text: int,
     sizes: list[int],
 ) -> None:
-    check_batched_equals_single(server, tmp_path_factory.mktemp("j"), "sqlite", history, agent, text, sizes)
+    check_batched_equals_single(shared_nats_server, tmp_path_factory.mktemp("j"), "sqlite", history, agent, text, sizes)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=QUIET)
@@ -191,11 +181,13 @@ def test_sqlite_batched_projection_equals_one_event_at_a_time(
     sizes=sizes,
 )
 def test_postgresql_batched_projection_equals_one_event_at_a_time(
-    server: NatsServer,
+    shared_nats_server: NatsServer,
     tmp_path_factory: pytest.TempPathFactory,
     history: list[Op],
     agent: int,
     text: int,
     sizes: list[int],
 ) -> None:
-    check_batched_equals_single(server, tmp_path_factory.mktemp("j"), "postgresql", history, agent, text, sizes)
+    check_batched_equals_single(
+        shared_nats_server, tmp_path_factory.mktemp("j"), "postgresql", history, agent, text, sizes
+    )

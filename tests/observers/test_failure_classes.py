@@ -19,6 +19,7 @@ import pytest
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 from sqlalchemy.exc import IntegrityError, InternalError, OperationalError, ProgrammingError
 
+from bus.broker.loops import stop_all
 from bus.broker.nats_errors import nats_call, translate_publish_error
 from bus.client.client import connect
 from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, Unavailable
@@ -221,8 +222,7 @@ async def test_a_store_that_refuses_one_event_dead_letters_it_and_indexes_the_re
                 await alice.publish_many(events, wait_for=ReceiptLevel.published)
                 await eventually(lambda: runner.stats.dead_lettered.get("max_deliver") == 1, timeout_s=30)
                 await eventually(lambda: runner.stats.handled == 11, timeout_s=30)
-                for task in tasks:
-                    task.cancel()
+                await stop_all(tasks)
             assert runner.stats.degraded is False
             assert runner.stats.outage_retries == 0
             kept = sorted(point_id(e.event_id) for e in events if e is not poison)

@@ -10,6 +10,7 @@ from typing import Any
 import nats
 import pytest
 
+from bus.broker.loops import stop_all
 from bus.client.client import EpibusClient, connect
 from bus.errors import Unavailable
 from bus.host.server import NatsServer
@@ -199,8 +200,7 @@ async def test_a_mirror_that_was_down_catches_up_without_loss_or_duplicates(
             await eventually(lambda: runner.stats.degraded, timeout_s=10)
             store.down = False
             await eventually(lambda: observer.indexed == 40, timeout_s=60)
-            task.cancel()
-            journaling.cancel()
+            await stop_all([task, journaling])
         assert runner.stats.dead_lettered == {}
         assert runner.stats.degraded is False
         assert sorted(await inner.point_ids()) == sorted(point_id(e.event_id) for e in events)

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.broker.ask import ask_one
+from bus.broker.loops import stop_all
 from bus.client import enrol
 from bus.client.client import EpibusClient, connect
 from bus.errors import Forbidden, InvalidEvent, LimitReached
@@ -116,9 +117,7 @@ async def test_another_projects_consumer_cannot_be_pulled_and_its_tail_still_see
             str((await bob.publish(bob.event("finding", finding(i), project=theirs))).event_id) for i in range(5, 8)
         ]
         await eventually(lambda: len(seen) == 8)
-        tailing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await tailing
+        await stop_all([tailing])
     assert seen == sent + more
 
 
