@@ -127,11 +127,19 @@ async def test_a_node_whose_connection_the_server_closes_restarts_its_services(
     assert node.nc is not None
     first = node.nc
     await first.publish("epibus.test.oversize", b"a" * (first.max_payload - 100), headers={"Pad": "b" * 1000})
+    # The server answers with -ERR and closes (nats-py gives the connection up: the node restarts its services
+    # on a new one) or, when the violation lands mid-write, resets the socket (nats-py reconnects the same
+    # connection). Either way the node must end connected and journaling, never on a dead connection.
+    await eventually(lambda: first.is_closed or first.stats["reconnects"] > 0, timeout_s=30)
     await eventually(
-        lambda: node.connection_restarts == 1 and node.nc is not first and node.nc is not None and node.nc.is_connected,
+        lambda: (
+            node.nc is not None
+            and node.nc.is_connected
+            and (node.connection_restarts == 1) == (node.nc is not first)
+            and (node.nc is not first or not first.is_closed)
+        ),
         timeout_s=30,
     )
-    assert first.is_closed
     async with connect(nats_server.url, agent="alice", home=home) as client:
         event = client.event("finding", finding(1), project=project)
         await client.publish(event)
@@ -139,7 +147,7 @@ async def test_a_node_whose_connection_the_server_closes_restarts_its_services(
         journal_url = node.journal.url
         await eventually(lambda: journal_event_ids(journal_url, project) == [str(event.event_id)], timeout_s=20)
     report = await eventually(lambda: _reported(node, home), timeout_s=10)
-    assert report["nats"]["connection_restarts"] == 1
+    assert report["nats"]["connection_restarts"] == (1 if first.is_closed else 0)
     assert report["nats"]["connected"] is True
     assert problems(home, read_node_info(home), report) == []
 
