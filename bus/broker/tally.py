@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Protocol
 
+from bus.model.event import Envelope
 from bus.subjects import parse_event_subject
 
 # Keys past the cap count here. It cannot collide with a real project or kind: both are slugs that start
@@ -94,19 +95,10 @@ class LatencyHistogram:
 
 
 class Applied(Protocol):
-    """What the tally reads of an applied delivery (bus.intake.admission.Delivery)."""
+    """What the tally reads of an applied delivery (bus.intake.admission.Delivery, a floor above)."""
 
     @property
-    def event(self) -> Recorded: ...
-
-
-class Recorded(Protocol):
-    @property
-    def project(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def recorded_at(self) -> datetime: ...
+    def event(self) -> Envelope: ...
 
 
 class RunnerTally:
