@@ -9,7 +9,6 @@ re-subscribe from the cursor, so nothing is missed: the bucket keeps every revis
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from bus.broker.nats_errors import RETRYABLE
-from bus.errors import ConfigError, InvalidEvent, MalformedRecord, Unavailable
+from bus.broker.polling import Poller, fetch_batch
+from bus.errors import ConfigError, InvalidEvent, MalformedRecord
 from bus.host.home import write_private
 from bus.intake.consumers import pull_consumer
 from bus.intake.follow import ResumingSubscription, resume_config
@@ -137,29 +136,19 @@ class TaskWatcher(ResumingSubscription):
         return self._store
 
     async def run(self) -> None:
-        backoff_s = 0.0
-        while True:
-            if backoff_s:
-                await asyncio.sleep(backoff_s)
-            try:
-                await self.step()
-                backoff_s = 0.0
-            except RETRYABLE as e:
-                if self._closed():  # closed, not reconnecting: retrying would spin forever
-                    raise Unavailable("nats", f"{self.name}: the connection was closed ({e})") from e
-                self.stats.errors += 1
-                self.stats.last_error = f"{type(e).__name__}: {e}"
-                log.warning("%s: %s; resuming after revision %d", self.name, self.stats.last_error, self.last_seen)
-                await self._drop_subscription()
-                backoff_s = min(5.0, max(0.2, backoff_s * 2))
+        poller = Poller(self.name, recover=self._recover, closed=self._closed, consequence="resuming after the cursor")
+        await poller.forever(self.step)
+
+    async def _recover(self, error: BaseException, failures_in_a_row: int) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{type(error).__name__}: {error}"
+        await self._drop_subscription()
 
     async def step(self) -> int:
         """One poll: hand over what arrived. Returns how many revisions were handled (0 = nothing new)."""
         subscription = await self._subscribe()
-        try:
-            messages = await subscription.fetch(self.batch_size, timeout=self.poll_timeout_s)
-        except TimeoutError:
-            # nats.errors.TimeoutError or asyncio's (nats-py 2.16): nothing new. The cursor stays.
+        messages = await fetch_batch(subscription, self.batch_size, self.poll_timeout_s)
+        if not messages:  # the cursor stays
             self.stats.empty_polls += 1
             await self._confirm_consumer(subscription)
             return 0

@@ -18,7 +18,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, RETRYABLE, broker_refusal, refused_at_once
+from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, broker_refusal, refused_at_once
+from bus.broker.polling import Poller, fetch_batch
 from bus.errors import Unavailable
 from bus.intake.consumers import drop_consumer, pull_consumer
 from bus.intake.stream_read import last_matching
@@ -117,22 +118,15 @@ class StreamFollower(ResumingSubscription):
         except NATS_OR_API_ERROR as e:
             refusal = broker_refusal(self.js, f".{self.filter_subject}", prefix=create)
             raise refusal or Unavailable("nats", f"cannot follow {self.filter_subject} on {self.stream}: {e}") from e
-        backoff_s = 0.0
+        poller = Poller(
+            self.label,
+            recover=self._recover,
+            closed=self.closed,
+            max_backoff_s=MAX_BACKOFF_S,
+            consequence="resuming after the last sequence handed out",
+        )
         while True:
-            try:
-                batch = await self._poll()
-            except RETRYABLE as e:
-                if self.closed():
-                    raise Unavailable("nats", f"following {self.filter_subject}: the connection was closed") from e
-                self.stats.errors += 1
-                self.stats.last_error = f"{type(e).__name__}: {e}"
-                log.warning("following %s: %s; resuming after seq %d", self.filter_subject, e, self.last_seq)
-                await self._drop_subscription()
-                backoff_s = min(MAX_BACKOFF_S, max(0.2, backoff_s * 2))
-                await asyncio.sleep(backoff_s)
-                continue
-            backoff_s = 0.0
-            for msg in batch:
+            for msg in await poller.next(self._poll):
                 seq = msg.metadata.sequence.stream
                 if seq <= self.last_seq:
                     self.stats.skipped_seen += 1
@@ -141,11 +135,15 @@ class StreamFollower(ResumingSubscription):
                 self.stats.delivered += 1
                 yield msg
 
+    async def _recover(self, error: BaseException, failures_in_a_row: int) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{type(error).__name__}: {error}"
+        await self._drop_subscription()
+
     async def _poll(self) -> list[Msg]:
         subscription = await self._subscribe()
-        try:
-            messages = await subscription.fetch(self.batch_size, timeout=self.poll_timeout_s)
-        except TimeoutError:  # nats' and asyncio's alike: nothing new
+        messages = await fetch_batch(subscription, self.batch_size, self.poll_timeout_s)
+        if not messages:
             await self._confirm_consumer(subscription)
             return []
         self._checked_at = time.monotonic()

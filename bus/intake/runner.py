@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus.broker.nats_errors import NATS_OR_API_ERROR, RETRYABLE, translate_publish_error
+from bus.broker.polling import Poller, fetch_batch
 from bus.broker.streams import DLQ_MAX_MSG_BYTES
 from bus.broker.tally import RunnerTally
 from bus.enrolment.registry import AgentRegistry
@@ -184,29 +185,22 @@ class ConsumerRunner:
         return self._subscription
 
     async def run(self) -> None:
-        backoff_s = 0.0
-        failures_in_a_row = 0
-        while True:
-            if backoff_s:
-                await asyncio.sleep(backoff_s)
-            try:
-                await self.step()
-                backoff_s, failures_in_a_row = 0.0, 0
-            except RETRYABLE as e:
-                failures_in_a_row += 1
-                self.stats.fetch_errors += 1
-                self.stats.last_error = f"{type(e).__name__}: {e}"
-                log.warning("runner %s: %s; retrying (nothing acked, nothing lost)", self.observer.name, e)
-                if failures_in_a_row >= 3 or isinstance(e, CONSUMER_GONE):
-                    await self._drop_subscription()  # the consumer may be gone (new server, deleted): recreate
-                backoff_s = min(5.0, max(0.2, backoff_s * 2))
-            except Exception as e:  # noqa: BLE001 - a bug must not stop the node: counted, logged, retried
-                failures_in_a_row += 1
-                self.stats.internal_errors += 1
-                self.stats.last_error = error_summary(e)
-                log.error("runner %s failed: %s; retrying (nothing acked)", self.observer.name, self.stats.last_error)
-                await self._drop_subscription()
-                backoff_s = min(5.0, max(0.5, backoff_s * 2))
+        poller = Poller(
+            f"runner {self.observer.name}", recover=self._recover, bugs_too=True, consequence="retrying (nothing acked)"
+        )
+        await poller.forever(self.step)
+
+    async def _recover(self, error: BaseException, failures_in_a_row: int) -> None:
+        """Count the failed poll; recreate the subscription after a bug, a consumer that is gone (a new server,
+        deleted) or three retryable failures in a row."""
+        self.stats.last_error = error_summary(error)
+        if isinstance(error, RETRYABLE):
+            self.stats.fetch_errors += 1
+            if failures_in_a_row < 3 and not isinstance(error, CONSUMER_GONE):
+                return
+        else:
+            self.stats.internal_errors += 1
+        await self._drop_subscription()
 
     async def watch_progress(self, *, interval_s: float = 5.0, stall_after_s: float | None = None) -> None:
         """Loops until cancelled: asks the server how far this observer's consumer has acked, and reports the
@@ -273,13 +267,9 @@ class ConsumerRunner:
         """Fetch one batch and process it. Returns how many messages were fetched (0 = nothing yet)."""
         async with self._stepping:
             subscription = await self._subscribe()
-            try:
-                messages = await subscription.fetch(self.batch_size, timeout=self.fetch_timeout_s)
-            except TimeoutError:
-                # nats.errors.TimeoutError and a plain asyncio.TimeoutError (nats-py 2.16 _fetch_n) both mean
-                # "no messages yet"; it resets nothing.
-                return 0
-            await self.process(messages)
+            messages = await fetch_batch(subscription, self.batch_size, self.fetch_timeout_s)
+            if messages:  # an empty poll resets nothing
+                await self.process(messages)
             return len(messages)
 
     async def process(self, messages: Sequence[Msg]) -> None:

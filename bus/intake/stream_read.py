@@ -16,6 +16,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus.broker.nats_errors import NATS_OR_API_ERROR, broker_refusal, refused_at_once
+from bus.broker.polling import fetch_batch
 from bus.errors import Unavailable
 from bus.intake.consumers import drop_consumer, pull_consumer
 from bus.subjects import js_api
@@ -131,10 +132,7 @@ class _Read:
     async def _attempt(self) -> list[Msg]:
         if self._sub is None:
             self._sub = await self._subscribe()
-        try:
-            messages = await self._sub.fetch(self.batch_size, timeout=FETCH_WAIT_S)
-        except TimeoutError:  # nats' and asyncio's alike: nothing arrived in time
-            messages = []
+        messages = await fetch_batch(self._sub, self.batch_size, FETCH_WAIT_S)
         fresh = [m for m in messages if m.metadata.sequence.stream > self.delivered]
         if fresh:
             self.delivered = fresh[-1].metadata.sequence.stream
