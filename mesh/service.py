@@ -10,7 +10,6 @@ compare-and-set. Refusals come back as the error the node raised."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -20,7 +19,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.enrolment.service_rules import ENROLMENT_CACHE_S, Asker, Authorizer
+from bus.enrolment.recent import RecentEnrolments
+from bus.enrolment.service_rules import Asker, Authorizer
 from bus.errors import Conflict, Forbidden, InvalidEvent, NotFound
 from bus.identity.signing import (
     NODE_IDENTITY,
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 # Requests a node answers at once: each waits on the server (reads, a compare-and-set write); two on one task
 # are ordered by that compare-and-set, never by arrival.
 MESH_CONCURRENCY = 64
-MAX_STANDINGS = 4096  # signers whose standing is remembered (all forgotten at once past it)
 
 
 class MeshService:
@@ -79,7 +78,7 @@ class MeshService:
         self.max_skew_s = max_skew_s
         self.store = MeshStore(js, replicas=replicas)
         self.registry = self.store.registry
-        self._standings: dict[tuple[str, str], tuple[float, Enrolment | None]] = {}
+        self._standings: RecentEnrolments[tuple[str, str], Enrolment | None] = RecentEnrolments()
 
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
         """Record this node's key (what it signs as operator is then verifiable) and answer the mesh subjects."""
@@ -127,15 +126,9 @@ class MeshService:
         key is bound on first use. Raises Forbidden for a key that is not the one enrolled, or revoked. A
         standing found is reused for ENROLMENT_CACHE_S, as every node service does (a revocation takes effect
         within it)."""
-        now = time.monotonic()
-        cached = self._standings.get((signer.agent_id, signer.public_key))
-        if cached is not None and now - cached[0] < ENROLMENT_CACHE_S:
-            return cached[1]
-        standing = await self._read_standing(signer, subject)
-        if len(self._standings) >= MAX_STANDINGS:
-            self._standings.clear()
-        self._standings[(signer.agent_id, signer.public_key)] = (now, standing)
-        return standing
+        return await self._standings.get(
+            (signer.agent_id, signer.public_key), lambda: self._read_standing(signer, subject)
+        )
 
     async def _read_standing(self, signer: RequestSigner, subject: str) -> Enrolment | None:
         if signer.agent_id == NODE_IDENTITY and await self.registry.is_node_key(signer.public_key):

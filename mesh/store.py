@@ -19,10 +19,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus.broker.kv import compare_and_set, read_entry
 from bus.broker.nats_errors import JS_TIMEOUT_S, nats_call
 from bus.broker.streams import open_bucket
 from bus.enrolment.registry import AgentRegistry
-from bus.errors import Conflict, MalformedRecord, NotFound, Unavailable
+from bus.errors import Conflict, MalformedRecord, NotFound
 from bus.intake.stream_read import read_stream
 from bus.model.auth import ANY_PROJECT
 from bus.model.records import Quarantine, decode_json
@@ -182,24 +183,16 @@ class MeshStore:
     async def _get(self, key: str) -> tuple[bytes, int] | None:
         kv = await self.bucket()
         async with self._answering(f"get {key}"):
-            try:
-                entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                return None
-        if entry.revision is None:
-            raise Unavailable("nats", f"mesh bucket, get {key}: the answer carried no revision")
+            entry = await read_entry(kv, key)
+        if entry is None or entry.revision is None:  # read_entry raised for a missing revision: mypy cannot see it
+            return None
         return entry.value or b"", entry.revision
 
     async def _write(self, key: str, value: bytes, *, last: int) -> int:
         """Compare-and-set: `last=0` creates. Raises Conflict when another write got there first."""
         kv = await self.bucket()
         async with self._answering(f"write {key}"):
-            try:
-                return await kv.update(key, value, last=last)
-            except nats.js.errors.KeyWrongLastSequenceError as e:
-                raise Conflict(
-                    f"mesh key {key}", f"revision {last} is no longer current ({e.description})", lost_race=True
-                ) from e
+            return await compare_and_set(kv, key, value, last=last, what=f"mesh key {key}")
 
     # -- tasks -----------------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from bus.broker.kv import compare_and_set, create_if_absent, read_entry
 from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, nats_call
 from bus.broker.streams import open_bucket
 from bus.enrolment.enrolment_view import EnrolmentView, enrolment_view
@@ -100,18 +100,14 @@ class AgentRegistry:
                 fix=f"an admin enrols it: epibus agent add {actor.agent_id} --key {actor.public_key} --project P",
             )
         record = first_use_enrolment(actor.agent_id, actor.public_key, enrolled_at=datetime.now(UTC))
-        try:
-            await kv.create(actor.agent_id, record.model_dump_json().encode())
+        what = f"agent {actor.agent_id}"
+        if await create_if_absent(kv, actor.agent_id, record.model_dump_json().encode(), what=what) is not None:
             return actor.public_key
-        except nats.js.errors.KeyWrongLastSequenceError:
-            entry = await kv.get(actor.agent_id)
-            return self._decode(entry.value or b"", actor.agent_id, entry.revision).public_key
+        entry = await kv.get(actor.agent_id)  # another node bound it first: its key is the one
+        return self._decode(entry.value or b"", actor.agent_id, entry.revision).public_key
 
     async def _entry(self, kv: KeyValue, key: str) -> KeyValue.Entry | None:
-        try:
-            return await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:  # also a deleted or purged key
-            return None
+        return await read_entry(kv, key)
 
     async def _is_closed(self, kv: KeyValue) -> bool:
         if self._closed is None or not self._closed:
@@ -192,14 +188,10 @@ class AgentRegistry:
                 entry = await self._entry(kv, enrolment.agent_id)
                 self._check_key(entry, enrolment, replace_key=replace_key)
                 data = enrolment.model_dump_json().encode()
-                if entry is None:
-                    await kv.create(enrolment.agent_id, data)
-                else:
-                    await kv.update(enrolment.agent_id, data, last=entry.revision)
+                last = None if entry is None else entry.revision
+                await compare_and_set(kv, enrolment.agent_id, data, last=last, what=f"agent {enrolment.agent_id}")
         except MalformedRecord:
             await self._overwrite(enrolment)
-        except nats.js.errors.KeyWrongLastSequenceError as e:
-            raise Conflict(f"agent {enrolment.agent_id}", "enrolled by someone else meanwhile", lost_race=True) from e
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
         self._known.pop(enrolment.agent_id, None)
@@ -210,12 +202,12 @@ class AgentRegistry:
         enrolment written, or None when the agent already had a record. Raises Unavailable."""
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
-                await (await self._bucket()).create(enrolment.agent_id, enrolment.model_dump_json().encode())
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return None
+                kv = await self._bucket()
+                data = enrolment.model_dump_json().encode()
+                created = await create_if_absent(kv, enrolment.agent_id, data, what=f"agent {enrolment.agent_id}")
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
-        return enrolment
+        return None if created is None else enrolment
 
     async def check_enrol(self, enrolment: Enrolment, *, replace_key: bool = False) -> None:
         """Raise Conflict if `enrol` would refuse this enrolment (another key, without replace_key). Raises

@@ -11,7 +11,6 @@ keep out nobody who leaves the signature off."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +21,7 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from bus.enrolment.recent import RecentEnrolments
 from bus.enrolment.registry import AgentRegistry
 from bus.errors import ConfigError, Conflict, Forbidden
 from bus.identity.signing import verify_request
@@ -47,7 +47,6 @@ from bus.subjects import (
     readable_project,
 )
 
-ENROLMENT_CACHE_S = 2.0  # how long a signer's enrolment is reused: a revocation elsewhere takes effect within it
 SIGNING_HEADERS = (SIGNER_HEADER, SIGNER_KEY_HEADER, SIGNED_AT_HEADER, SIGNATURE_HEADER)
 Req = TypeVar("Req", bound=BaseModel)
 Req_contra = TypeVar("Req_contra", bound=BaseModel, contravariant=True)
@@ -112,7 +111,7 @@ class ServiceGuard:
         self.registry = registry
         self.node_key = node_key
         self.enforce = enforce
-        self._cache: dict[str, tuple[float, Enrolment | None]] = {}
+        self._recent: RecentEnrolments[str, Enrolment | None] = RecentEnrolments()
 
     def authorizer(self, rule: Rule[Req], *, always: bool = False) -> Authorizer[Req]:
         """`always`: apply the rule on a node without authentication too (the enrolment services: the registry
@@ -129,7 +128,7 @@ class ServiceGuard:
 
     def drop(self, agent_id: str) -> None:
         """Forget a cached enrolment (this node changed it)."""
-        self._cache.pop(agent_id, None)
+        self._recent.drop(agent_id)
 
     async def identify(self, msg: Msg, *, enforce: bool) -> Asker | None:
         headers = msg.headers or {}
@@ -149,16 +148,13 @@ class ServiceGuard:
         return Asker(signer.agent_id, signer.public_key, msg.subject, enrolment)
 
     async def _enrolment(self, agent_id: str, subject: str) -> Enrolment | None:
-        now = time.monotonic()
-        cached = self._cache.get(agent_id)
-        if cached is not None and now - cached[0] < ENROLMENT_CACHE_S:
-            return cached[1]
-        try:
-            enrolment = await self.registry.get(agent_id)
-        except Conflict as e:  # an unreadable record is quarantined, never trusted
-            raise Forbidden(agent_id, "ask", subject, f"its enrolment record is unreadable ({e.detail})") from e
-        self._cache[agent_id] = (now, enrolment)
-        return enrolment
+        async def read() -> Enrolment | None:
+            try:
+                return await self.registry.get(agent_id)
+            except Conflict as e:  # an unreadable record is quarantined, never trusted
+                raise Forbidden(agent_id, "ask", subject, f"its enrolment record is unreadable ({e.detail})") from e
+
+        return await self._recent.get(agent_id, read)
 
 
 # The rules, one per decision. Admins hold the fleet-wide ones; the node's own key passes every rule.

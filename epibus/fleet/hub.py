@@ -15,13 +15,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 
+from bus.broker.kv import read_entry
 from bus.broker.nats_errors import nats_call
 from bus.broker.streams import open_bucket
 from bus.enrolment.service_rules import Asker, Authorizer, admin_rule
@@ -109,9 +109,8 @@ class FleetRoster:
             kv = await self._bucket()
             info = await self.js.stream_info(kv_stream(AGENT_KEYS_BUCKET), subjects_filter=f"{prefix}>")
             for subject in sorted(info.state.subjects or {}):
-                try:
-                    entry = await kv.get(subject.removeprefix(kv_subject(AGENT_KEYS_BUCKET, "")))
-                except nats.js.errors.KeyNotFoundError:
+                entry = await read_entry(kv, subject.removeprefix(kv_subject(AGENT_KEYS_BUCKET, "")))
+                if entry is None:
                     continue
                 try:
                     found.append(FleetMember.model_validate_json(entry.value or b""))
@@ -122,9 +121,8 @@ class FleetRoster:
     async def get(self, name: str) -> FleetMember | None:
         async with nats_call(f"fleet member {name}"):
             kv = await self._bucket()
-            try:
-                entry = await kv.get(MEMBER_PREFIX + name)
-            except nats.js.errors.KeyNotFoundError:
+            entry = await read_entry(kv, MEMBER_PREFIX + name)
+            if entry is None:
                 return None
         return FleetMember.model_validate_json(entry.value or b"")
 

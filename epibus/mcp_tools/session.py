@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,8 @@ from typing import TypeVar
 
 from bus.client.client import EpibusClient, connect
 from bus.client.connection import requires_authentication
+from bus.enrolment.recent import RecentEnrolments
 from bus.enrolment.registry import AgentRegistry
-from bus.enrolment.service_rules import ENROLMENT_CACHE_S
 from bus.errors import Forbidden, Unavailable
 from bus.host.home import default_journal_url, epibus_home, read_node_info, resolve_journal_url
 from bus.identity.signing import AgentKey
@@ -48,7 +47,7 @@ class AgentSession:
         self._journal: Journal | None = None
         self._connecting = asyncio.Lock()
         self._opening_journal = threading.Lock()  # two first reads at once open one journal
-        self._enrolment_at = 0.0
+        self._recent: RecentEnrolments[str, Enrolment | None] = RecentEnrolments()
 
     @property
     def agent(self) -> str:
@@ -73,7 +72,7 @@ class AgentSession:
                 self._client = await connect(
                     self.config.nats, agent=self.config.agent, home=self.config.home, outbox=False
                 )
-                self._enrolment_at = time.monotonic()  # read by the connect itself
+                self._recent.put(self.agent, self._client.enrolment)  # read by the connect itself
             return self._client
 
     async def mesh(self) -> MeshAgent:
@@ -95,9 +94,7 @@ class AgentSession:
         client = await self.client()
         if client.nc is None or not requires_authentication(client.nc):
             return None
-        if client.enrolment is None or time.monotonic() - self._enrolment_at > ENROLMENT_CACHE_S:
-            client.enrolment = await AgentRegistry(client.js).get(self.agent)
-            self._enrolment_at = time.monotonic()
+        client.enrolment = await self._recent.get(self.agent, lambda: AgentRegistry(client.js).get(self.agent))
         if client.enrolment is None:
             raise Forbidden(
                 self.agent, "read", "anything", "it is not enrolled; an admin enrols it with `epibus agent add`"

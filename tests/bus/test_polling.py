@@ -3,6 +3,8 @@ counted, a connection closed for good ends the loop, and a bug is raised unless 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import nats
 import nats.errors
 import pytest
@@ -27,7 +29,7 @@ async def test_an_empty_fetch_from_a_real_server_is_an_empty_batch(nats_server: 
 
 async def test_a_retryable_error_is_handed_to_recover_and_the_poll_retried() -> None:
     seen: list[tuple[str, int]] = []
-    attempts = iter([nats.errors.NoServersError(), nats.errors.NoServersError(), "batch"])
+    attempts: Iterator[Exception | str] = iter([nats.errors.NoServersError(), nats.errors.NoServersError(), "batch"])
 
     async def poll() -> str:
         outcome = next(attempts)
