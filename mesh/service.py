@@ -146,14 +146,22 @@ class MeshService:
 
     # -- what it asks ------------------------------------------------------------------------------------
 
-    async def _step(self, request: StepRequest) -> dict[str, Any]:
-        return await _answered(self._apply_step(request))
+    async def _step(self, request: StepRequest) -> MeshReply:
+        return await self._answered(self._apply_step(request))
 
-    async def _roster(self, request: RosterRequest) -> dict[str, Any]:
-        return await _answered(self._apply_roster(request))
+    async def _roster(self, request: RosterRequest) -> MeshReply:
+        return await self._answered(self._apply_roster(request))
 
-    async def _advertise(self, request: AdvertiseRequest) -> dict[str, Any]:
-        return await _answered(self._apply_advertise(request))
+    async def _advertise(self, request: AdvertiseRequest) -> MeshReply:
+        return await self._answered(self._apply_advertise(request))
+
+    async def _answered(self, work: Awaitable[int]) -> MeshReply:
+        """The handler's answer: the revision written, or the error the node refused with."""
+        try:
+            return MeshReply(node=self.node, revision=await work)
+        except REFUSABLE as e:
+            log.info("mesh request refused: %s", e)
+            return MeshReply(node=self.node, refused=refusal_of(e))
 
     async def _apply_step(self, request: StepRequest) -> int:
         message = request.message
@@ -259,12 +267,3 @@ class MeshService:
         except InvalidEvent as e:
             raise Forbidden(advertised.agent, "advertise", "capabilities", f"they are not signed by it ({e})") from e
         return await self.store.set_capabilities(advertised)
-
-
-async def _answered(work: Awaitable[int]) -> dict[str, Any]:
-    """The handler's answer: what was written, or the error the node refused with."""
-    try:
-        return {"revision": await work}
-    except REFUSABLE as e:
-        log.info("mesh request refused: %s", e)
-        return refusal_of(e)

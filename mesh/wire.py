@@ -126,10 +126,10 @@ class MeshReply(Model):
 REFUSABLE: tuple[type[EpibusError], ...] = tuple(ERRORS.values())
 
 
-def refusal_of(error: EpibusError) -> dict[str, Any]:
-    """A refusal as a reply's fields (JSON)."""
+def refusal_of(error: EpibusError) -> Refusal:
+    """An error the node refuses with, as it goes on the wire: its type, its words and its fields (JSON)."""
     fields = json.loads(json.dumps(vars(error), default=str))
-    return {"refused": {"error": type(error).__name__, "message": str(error)[:4000], "fields": fields}}
+    return Refusal.model_validate({"error": type(error).__name__, "message": str(error)[:4000], "fields": fields})
 
 
 def raise_refusal(refusal: Refusal) -> NoReturn:

@@ -38,7 +38,7 @@ from bus.intake.admission import Delivery, Refusal, first_of_each_id
 from bus.intake.batch_context import batch_erased
 from bus.model.erasure import erased_digests
 from bus.model.event import Envelope, validate_event
-from bus.model.requests import LookupReply, LookupRequest
+from bus.model.requests import LookupOutcome, LookupReply, LookupRequest
 from bus.model.tombstones import Tombstone
 from bus.services.responder import Responder, serve
 from bus.services.tombstone_registry import TombstoneRegistry
@@ -446,6 +446,7 @@ class JournalObserver:
             nc, JOURNAL_LOOKUP, LookupRequest, LookupReply, self._lookup, node=self.name, authorize=authorize
         )
 
-    async def _lookup(self, request: LookupRequest) -> dict[str, Any]:
+    async def _lookup(self, request: LookupRequest) -> LookupReply:
         found = await asyncio.to_thread(self.journal.outcomes, request.root)  # raises Unavailable, ComponentFailed
-        return {"journaled": sorted(found), "outcomes": found}
+        outcomes = {event_id: LookupOutcome.model_validate(outcome) for event_id, outcome in found.items()}
+        return LookupReply(node=self.name, journaled=sorted(found), outcomes=outcomes)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pydantic import JsonValue
+
 from bus.enrolment.service_rules import journal_read_rule
 from bus.errors import AmbiguousId, ConfigError, NotFound
 from bus.model.ids import id_prefix, only_match
-from bus.model.requests import JournalReadReply, JournalReadRequest
+from bus.model.requests import JournalReadReply, JournalReadRequest, LookupFailure
 from bus.services.responder import Service
 from bus.subjects import JOURNAL_QUEUE, JOURNAL_READ
 from observers.journal import EventQuery, Journal
@@ -77,16 +79,19 @@ def _artifact(journal: Journal, project: str | None, value: str | None) -> str |
     return only_match(value, "artifact_id", found, what="artifact", where=where, hint=hint)
 
 
-def journal_read_service(journal: Journal) -> Service[JournalReadRequest]:
+def journal_read_service(journal: Journal, *, node: str) -> Service[JournalReadRequest]:
     """`epibus.journal.read`: one node of the queue group answers from its journal."""
 
-    async def answer(request: JournalReadRequest) -> dict[str, Any]:
+    async def answer(request: JournalReadRequest) -> JournalReadReply:
         try:
-            return {"result": await asyncio.to_thread(read_journal, journal, request)}
+            return JournalReadReply(node=node, result=await asyncio.to_thread(read_journal, journal, request))
         except NotFound as e:
-            return {"lookup": {"error": "NotFound", "fields": {"what": e.what, "key": e.key, "hint": e.hint}}}
+            fields: dict[str, JsonValue] = {"what": e.what, "key": e.key, "hint": e.hint}
+            return JournalReadReply(node=node, lookup=LookupFailure(error="NotFound", fields=fields))
         except AmbiguousId as e:
             fields = {"field": e.field, "prefix": e.prefix, "what": e.what, "where": e.where, "more": e.more}
-            return {"lookup": {"error": "AmbiguousId", "fields": fields | {"matches": list(e.matches)}}}
+            fields["matches"] = list(e.matches)
+            failure = LookupFailure(error="AmbiguousId", fields=fields)
+            return JournalReadReply(node=node, lookup=failure)
 
     return Service(JOURNAL_READ, JournalReadRequest, JournalReadReply, answer, journal_read_rule, queue=JOURNAL_QUEUE)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from sqlalchemy.engine import make_url
 
@@ -151,9 +151,12 @@ def _holds(path: Path, needles: Sequence[bytes]) -> bool:
     return False
 
 
-async def scrub(files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]) -> dict[str, Any]:
-    """Erase what a forget leaves in the outbox, the embedding cache and the journal's WAL. Idempotent."""
-    done: dict[str, Any] = {}
+async def scrub(
+    files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]
+) -> dict[str, int | bool]:
+    """Erase what a forget leaves in the outbox, the embedding cache and the journal's WAL: what each held.
+    Idempotent."""
+    done: dict[str, int | bool] = {}
     if files.outbox is not None:
         done["outbox_rows"] = await files.outbox.forget(project, artifact_id)
     if files.cache is not None:
@@ -162,28 +165,36 @@ async def scrub(files: NodeFiles, project: str, artifact_id: str, embedded_texts
     return done
 
 
-async def prove_forgotten(files: NodeFiles, request: dict[str, Any]) -> dict[str, Any]:
+async def prove_forgotten(files: NodeFiles, request: ForgetProofRequest, *, node: str) -> ForgetProofReply:
     """Answer a proof request: read the journal and the mirror back by event id and, once both have applied
     the forget, scrub (when asked) and scan every file for the request's fingerprints. Rewrites the mirror
-    only when its files still hold one. Raises Unavailable, KeyError or ValueError for a bad request."""
-    ids = [str(e) for e in request["event_ids"]]
-    project, artifact_id = str(request["project"]), str(request["artifact_id"])
-    answer: dict[str, Any] = await asyncio.to_thread(files.journal.forgotten_check, project, artifact_id, ids)
+    only when its files still hold one. Raises Unavailable."""
+    ids = [str(e) for e in request.event_ids]
+    project, artifact_id = request.project, request.artifact_id
+    rows = await asyncio.to_thread(files.journal.forgotten_check, project, artifact_id, ids)
     points = await files.store.retrieve([point_id(uuid.UUID(e)) for e in ids]) if files.store else []
-    answer["mirror_points"] = len(points)
-    applied = not (answer["journal_content_left"] or answer["projection_rows"] or answer["mirror_points"])
-    texts = [str(t) for t in request.get("embedded_texts", [])]
-    needles = sorted({str(f).encode() for f in request.get("fingerprints", [])})
-    answer["scrubbed"] = await scrub(files, project, artifact_id, texts) if applied and request.get("scrub") else {}
+    applied = not (rows["journal_content_left"] or rows["projection_rows"] or points)
+    texts = list(request.embedded_texts)
+    needles = sorted({f.encode() for f in request.fingerprints})
+    scrubbed = await scrub(files, project, artifact_id, texts) if applied and request.scrub else {}
     found = await asyncio.to_thread(scan_files, files.roots(), needles)
     store = compactable(files.store)
-    if answer["scrubbed"] and store is not None and _under(found.files, store.path):
-        answer["scrubbed"]["mirror_points_kept"] = await store.compact()
+    if scrubbed and store is not None and _under(found.files, store.path):
+        scrubbed["mirror_points_kept"] = await store.compact()
         found = await asyncio.to_thread(scan_files, files.roots(), needles)
-    answer["cached_vectors"] = await files.cache.count_cached(texts) if files.cache else 0
-    answer |= {"files": found.files, "unreadable": found.unreadable, "scanned": found.scanned}
-    answer["unscrubbable"] = files.unscrubbable()
-    return answer
+    return ForgetProofReply(
+        node=node,
+        journal_rows=rows["journal_rows"],
+        journal_content_left=rows["journal_content_left"],
+        projection_rows=rows["projection_rows"],
+        mirror_points=len(points),
+        scrubbed=scrubbed,
+        cached_vectors=await files.cache.count_cached(texts) if files.cache else 0,
+        files=found.files,
+        unreadable=found.unreadable,
+        scanned=found.scanned,
+        unscrubbable=files.unscrubbable(),
+    )
 
 
 def _under(paths: Sequence[str], folder: Path) -> bool:
@@ -191,11 +202,11 @@ def _under(paths: Sequence[str], folder: Path) -> bool:
     return any(Path(p).is_relative_to(root) for p in paths)
 
 
-def forget_proof_service(files: Callable[[], NodeFiles]) -> Service[ForgetProofRequest]:
+def forget_proof_service(files: Callable[[], NodeFiles], *, node: str) -> Service[ForgetProofRequest]:
     """The PROVE_FORGOTTEN service: finish a forget on the node's files as they stand (when asked) and prove
     it: rows, points and bytes."""
 
-    async def answer(request: ForgetProofRequest) -> dict[str, Any]:
-        return await prove_forgotten(files(), request.model_dump())
+    async def answer(request: ForgetProofRequest) -> ForgetProofReply:
+        return await prove_forgotten(files(), request, node=node)
 
     return Service(PROVE_FORGOTTEN, ForgetProofRequest, ForgetProofReply, answer, forget_proof_rule)

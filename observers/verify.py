@@ -20,7 +20,7 @@ from bus.intake.batch_context import BatchContext, batch_erased
 from bus.intake.stream_read import read_stream
 from bus.model.erasure import erased_digests
 from bus.model.ids import point_id
-from bus.model.requests import VerifyReply, VerifyRequest
+from bus.model.requests import StoreCheckReply, VerifyReply, VerifyRequest
 from bus.model.state import ArtifactState
 from bus.services.responder import Service
 from bus.subjects import STREAM, VERIFY, events_filter
@@ -44,18 +44,22 @@ class StoreReport:
     def clean(self) -> bool:
         return not (self.missing or self.extra or self.stale or self.mismatched)
 
+    def check(self) -> StoreCheckReply:
+        """What a node tells its askers: counts, and a sample of the ids behind each."""
+        return StoreCheckReply(
+            missing=len(self.missing),
+            extra=len(self.extra),
+            stale=len(self.stale),
+            mismatched=len(self.mismatched),
+            clean=self.clean,
+            sample_missing=self.missing[:SAMPLE],
+            sample_extra=self.extra[:SAMPLE],
+            sample_stale=self.stale[:SAMPLE],
+            sample_mismatched=self.mismatched[:SAMPLE],
+        )
+
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "missing": len(self.missing),
-            "extra": len(self.extra),
-            "stale": len(self.stale),
-            "mismatched": len(self.mismatched),
-            "clean": self.clean,
-            "sample_missing": self.missing[:SAMPLE],
-            "sample_extra": self.extra[:SAMPLE],
-            "sample_stale": self.stale[:SAMPLE],
-            "sample_mismatched": self.mismatched[:SAMPLE],
-        }
+        return self.check().model_dump()
 
 
 @dataclass
@@ -68,6 +72,17 @@ class VerifyReport:
     @property
     def clean(self) -> bool:
         return self.journal.clean and (self.mirror is None or self.mirror.clean)
+
+    def reply(self, node: str) -> VerifyReply:
+        mirror = self.mirror.check() if self.mirror else None
+        return VerifyReply(
+            node=node,
+            stream_events=self.stream_events,
+            journal=self.journal.check(),
+            mirror=mirror,
+            repaired=self.repaired,
+            clean=self.clean,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -209,13 +224,13 @@ async def _repair_mirror(
 
 
 def verify_service(
-    js: JetStreamContext, journal: Journal, mirror: Callable[[], MirrorObserver | None]
+    js: JetStreamContext, journal: Journal, mirror: Callable[[], MirrorObserver | None], *, node: str
 ) -> Service[VerifyRequest]:
     """The VERIFY service: reconcile this node's journal and its mirror as it stands (`mirror`, None without
     one) against the stream, and repair them when asked."""
 
-    async def answer(request: VerifyRequest) -> dict[str, Any]:
+    async def answer(request: VerifyRequest) -> VerifyReply:
         report = await verify(js, journal, mirror(), project=request.project, repair=request.repair)
-        return report.as_dict()
+        return report.reply(node)
 
     return Service(VERIFY, VerifyRequest, VerifyReply, answer, verify_rule)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
@@ -38,8 +37,9 @@ def shared_view(
     ]
 
 
-def shared_fields(enrolment: Enrolment) -> dict[str, Any]:
-    return SharedEnrolment.model_validate_json(enrolment.model_dump_json()).model_dump(mode="json")
+def shared(enrolment: Enrolment) -> SharedEnrolment:
+    """The enrolment as a node shows it to an agent (the caller cuts its projects first: shared_view)."""
+    return SharedEnrolment.model_validate_json(enrolment.model_dump_json())
 
 
 def as_enrolment(shared: SharedEnrolment) -> Enrolment:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -41,12 +40,18 @@ class ConsumerSlots:
         self.slots = slots
         self.counts = SlotCounts()
 
-    def service(self) -> Service[ConsumerOpenRequest]:
+    def service(self, *, node: str) -> Service[ConsumerOpenRequest]:
+        async def answer(request: ConsumerOpenRequest) -> ConsumerOpenReply:
+            name, taken = await self.open(request)
+            return ConsumerOpenReply(node=node, name=name, slots=self.slots, open=taken)
+
         return Service(
-            CONSUMER_OPEN, ConsumerOpenRequest, ConsumerOpenReply, self.open, consumer_rule, queue=CONSUMER_QUEUE
+            CONSUMER_OPEN, ConsumerOpenRequest, ConsumerOpenReply, answer, consumer_rule, queue=CONSUMER_QUEUE
         )
 
-    async def open(self, request: ConsumerOpenRequest) -> dict[str, Any]:
+    async def open(self, request: ConsumerOpenRequest) -> tuple[str | None, list[str]]:
+        """Open the agent's consumer in a free slot: its name (None when every slot is in use) and the slots'
+        consumers that were open already."""
         names = agent_consumer_names(request.owner_key, self.slots)
         taken = await self._existing(request.stream, set(names))
         for name in names:
@@ -58,11 +63,11 @@ class ConsumerSlots:
             made = info.config
             if made.opt_start_seq == config.opt_start_seq and made.filter_subject == config.filter_subject:
                 self.counts.opened += 1
-                return {"name": name, "slots": self.slots, "open": sorted(taken)}
+                return name, sorted(taken)
             taken.add(name)  # another node filled the slot meanwhile with another reader's consumer
         self.counts.full += 1
         log.warning("agent %s: all %d consumer slots on %s in use", request.owner_key, self.slots, request.stream)
-        return {"name": None, "slots": self.slots, "open": sorted(taken)}
+        return None, sorted(taken)
 
     async def _existing(self, stream: str, wanted: set[str]) -> set[str]:
         found: set[str] = set()

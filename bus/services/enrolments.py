@@ -21,7 +21,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from bus.broker.nats_errors import JS_TIMEOUT_S
-from bus.enrolment.enrolment_view import shared_fields, shared_view
+from bus.enrolment.enrolment_view import shared, shared_view
 from bus.enrolment.registry import AgentRegistry
 from bus.enrolment.service_rules import Authorizer, ServiceGuard, admin_rule, current_asker, enrolled_rule
 from bus.errors import ConfigError, EpibusError
@@ -46,6 +46,7 @@ from bus.model.requests import (
     AgentListReply,
     AgentListRequest,
     EnrolmentReply,
+    EnrolmentViewRecord,
     EnrolmentViewReply,
     EnrolmentViewRequest,
     EnrolRequest,
@@ -199,7 +200,7 @@ class Enrolments:
         """What an agent may see of the fleet's enrolments (`bus.enrolment.enrolment_view`): any enrolled agent
         asks, and sees the agents it shares a project with, cut to the projects shared, and the nodes."""
 
-        async def answer(request: EnrolmentViewRequest) -> dict[str, Any]:
+        async def answer(request: EnrolmentViewRequest) -> EnrolmentViewReply:
             asker = current_asker()
             scope = None if asker is None or asker.enrolment is None else list(asker.enrolment.projects)
             visible = shared_view((await self.records.read()).in_order(), scope)
@@ -211,15 +212,16 @@ class Enrolments:
             asked = [(0, e) for agent in request.agents if (e := await self.registry.get(agent)) is not None]
             seen = {e.agent_id for _, e in visible} | ({asker.agent_id} if asker is not None else set())
             current = shared_view(asked, scope, also=seen)
-            return {
-                "records": [{"seq": seq, "enrolment": shared_fields(e)} for seq, e in page],
-                "last_seq": last_seq,
-                "more": more,
-                "scope": scope,
-                "current": [shared_fields(e) for _, e in current],
-                "nodes": [shared_fields(e) for e in nodes],
-                "node_keys": node_keys,
-            }
+            return EnrolmentViewReply(
+                node=self.node_name,
+                records=[EnrolmentViewRecord(seq=seq, enrolment=shared(e)) for seq, e in page],
+                last_seq=last_seq,
+                more=more,
+                scope=scope,
+                current=[shared(e) for _, e in current],
+                nodes=[shared(e) for e in nodes],
+                node_keys=node_keys,
+            )
 
         return Service(
             ENROLMENT_VIEW,
@@ -230,7 +232,7 @@ class Enrolments:
             queue=ENROLMENT_VIEW_QUEUE,
         )
 
-    async def _enrol(self, request: EnrolRequest) -> dict[str, Any]:
+    async def _enrol(self, request: EnrolRequest) -> EnrolmentReply:
         if request.agent_id.startswith(NODE_PREFIX):
             why = f"{request.agent_id!r}: ids starting {NODE_PREFIX!r} name nodes; choose another name"
             raise ConfigError("agent_id", why)
@@ -249,24 +251,28 @@ class Enrolments:
                 # Enrolled already, perhaps a moment ago by this node's keeper, which may not have reloaded the
                 # server yet: apply (it waits for the keeper's pass) so that the agent's next connect is let in.
                 await self.apply()
-                return {"enrolment": (await self.registry.require(request.agent_id)).model_dump(mode="json")}
+                return self._reply(await self.registry.require(request.agent_id))
         else:
             await self._change(enrolment, replace_key=request.replace_key)
         self.guard.drop(enrolment.agent_id)
         await self.apply()
-        return {"enrolment": enrolment.model_dump(mode="json")}
+        return self._reply(enrolment)
 
-    async def _revoke(self, request: RevokeRequest) -> dict[str, Any]:
+    def _reply(self, enrolment: Enrolment) -> EnrolmentReply:
+        return EnrolmentReply(node=self.node_name, enrolment=enrolment.model_dump(mode="json"))
+
+    async def _revoke(self, request: RevokeRequest) -> EnrolmentReply:
         enrolment = await self.registry.require(request.agent_id)
         if enrolment.active:
             enrolment = enrolment.revoked(datetime.now(UTC))
             await self._change(enrolment)
         self.guard.drop(enrolment.agent_id)
         await self.apply()
-        return {"enrolment": enrolment.model_dump(mode="json")}
+        return self._reply(enrolment)
 
-    async def _list(self, request: AgentListRequest) -> dict[str, Any]:
-        return {"agents": [e.model_dump(mode="json") for e in await self.registry.enrolments()]}
+    async def _list(self, request: AgentListRequest) -> AgentListReply:
+        agents = [e.model_dump(mode="json") for e in await self.registry.enrolments()]
+        return AgentListReply(node=self.node_name, agents=agents)
 
     async def suspend(self, keys: frozenset[str]) -> None:
         """Suspend exactly these agent keys at the broker (over their publish budget); the rest publish again."""

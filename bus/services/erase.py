@@ -5,7 +5,6 @@ by reading the artifact's subjects, and never erases by sequence numbers an aske
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -18,12 +17,14 @@ from bus.intake.admission import Admission, Rejected
 from bus.intake.batch_context import EnrolmentLog
 from bus.intake.stream_read import read_stream
 from bus.model.erasure import erased_record
-from bus.model.requests import EraseReply, EraseRequest
+from bus.model.requests import ErasedMessage, EraseReply, EraseRequest
 from bus.services.responder import Service
 from bus.subjects import ADMIN_QUEUE, FORGET_ERASE, STREAM, artifact_filter
 
 
-async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request: EraseRequest) -> dict[str, Any]:
+async def erase_forgotten(
+    js: JetStreamContext, registry: AgentRegistry, request: EraseRequest, *, node: str
+) -> EraseReply:
     """Erase every message on the artifact's subjects before its last admitted `forgotten` event (earlier
     forgets of the id included: the last one carries what they kept). `delete_msg` overwrites the bytes.
     Idempotent: what is gone is not read again. Raises NotFound when the stream holds no forget of the
@@ -51,7 +52,7 @@ async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request
             f"{request.project}/{request.artifact_id}",
             "the stream holds no forget of this artifact; `epibus forget` publishes it before asking to erase",
         )
-    erased: list[dict[str, Any]] = []
+    erased: list[ErasedMessage] = []
     for seq, event_id in found:
         if seq >= forget_seq:
             break
@@ -62,14 +63,14 @@ async def erase_forgotten(js: JetStreamContext, registry: AgentRegistry, request
             continue  # erased meanwhile
         except NATS_OR_API_ERROR as e:
             raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
-        erased.append({"seq": seq, "event_id": event_id})
-    return {"forget_seq": forget_seq, "erased": erased}
+        erased.append(ErasedMessage(seq=seq, event_id=event_id))
+    return EraseReply(node=node, forget_seq=forget_seq, erased=erased)
 
 
-def erase_service(js: JetStreamContext, registry: AgentRegistry) -> Service[EraseRequest]:
+def erase_service(js: JetStreamContext, registry: AgentRegistry, *, node: str) -> Service[EraseRequest]:
     """The FORGET_ERASE service, answered by one node of the admin queue group: an admin asked."""
 
-    async def answer(request: EraseRequest) -> dict[str, Any]:
-        return await erase_forgotten(js, registry, request)
+    async def answer(request: EraseRequest) -> EraseReply:
+        return await erase_forgotten(js, registry, request, node=node)
 
     return Service(FORGET_ERASE, EraseRequest, EraseReply, answer, erase_rule, queue=ADMIN_QUEUE)

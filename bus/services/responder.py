@@ -8,7 +8,6 @@ handler checks a signature, a role or a reply subject itself."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +32,7 @@ REPLY_NOT_SENT: tuple[type[BaseException], ...] = (*NATS_UNAVAILABLE, MaxPayload
 
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
-Handler = Callable[[Req], Awaitable[dict[str, Any]]]
+Handler = Callable[[Req], Awaitable[Rep]]
 
 
 @dataclass
@@ -49,8 +48,8 @@ class ServiceCounts:
 
 
 class Responder(Generic[Req, Rep]):
-    """Answers one request subject as `node`: `handle` gets a validated request and returns the reply's fields
-    (without `node`); the reply is checked against `reply_model` before it is sent, as the asker will check it."""
+    """Answers one request subject as `node`: `handle` gets a validated request and returns its reply, a
+    `reply_model` naming this node; the reply is checked as the asker will check it before it is sent."""
 
     def __init__(
         self,
@@ -58,7 +57,7 @@ class Responder(Generic[Req, Rep]):
         subject: str,
         request_model: type[Req],
         reply_model: type[Rep],
-        handle: Handler[Req],
+        handle: Handler[Req, Rep],
         *,
         node: str,
         authorize: Authorizer[Req] | None = None,
@@ -144,10 +143,13 @@ class Responder(Generic[Req, Rep]):
                 return self._forbidden(e)
         try:
             with answering(asker):
-                body = await self.handle(request)
-            reply = json.dumps({"node": self.node} | body, allow_nan=False).encode()
+                answer = await self.handle(request)
+            reply = answer.model_dump_json().encode()
         except Exception as e:  # noqa: BLE001 - answered, counted and logged: a silent node looks absent
             return self._failed(f"{type(e).__name__}: {e}", e)
+        if not isinstance(answer, self.reply_model) or getattr(answer, "node", None) != self.node:
+            wrong = f"the handler answered a {type(answer).__name__}, not a {self.reply_model.__name__} of this node"
+            return self._failed(wrong, None)
         problem = _reply_problem(self.reply_model, reply, max_bytes=self.nc.max_payload)
         if problem is not None:
             return self._failed(problem, None)
@@ -214,7 +216,7 @@ async def serve(
     subject: str,
     request_model: type[Req],
     reply_model: type[Rep],
-    handle: Handler[Req],
+    handle: Handler[Req, Rep],
     *,
     node: str,
     authorize: Authorizer[Req] | None = None,
@@ -246,7 +248,7 @@ class Service(Generic[Req]):
     subject: str
     request_model: type[Req]
     reply_model: type[BaseModel]
-    handle: Handler[Req]
+    handle: Handler[Req, BaseModel]
     rule: Rule[Req]
     queue: str = ""
 

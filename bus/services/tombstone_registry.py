@@ -5,7 +5,6 @@ back; a client checks the claims it is about to publish. A confined agent checks
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -72,12 +71,12 @@ class TombstoneRegistry:
             found |= digests & set(reply.tombstoned)  # a node names only what was asked
         return found
 
-    def service(self) -> Service[TombstoneCheckRequest]:
+    def service(self, *, node: str) -> Service[TombstoneCheckRequest]:
         """The node's side of `tombstoned`: answered from the bucket's keys by one node of the queue group."""
 
-        async def answer(request: TombstoneCheckRequest) -> dict[str, Any]:
+        async def answer(request: TombstoneCheckRequest) -> TombstoneCheckReply:
             held = await self.hashes(request.project)
-            return {"tombstoned": sorted(held & set(request.hashes))}
+            return TombstoneCheckReply(node=node, tombstoned=sorted(held & set(request.hashes)))
 
         return Service(
             TOMBSTONE_CHECK,

@@ -192,7 +192,7 @@ class FleetHub:
             queue=FLEET_QUEUE,
         )  # fmt: skip
 
-    async def invite(self, request: FleetInviteRequest) -> dict[str, Any]:
+    async def invite(self, request: FleetInviteRequest) -> FleetInviteReply:
         member = await self.roster.get(request.name)
         if member is not None and member.active:
             raise ConfigError("name", f"{request.name} is a member already; remove it first (epibus fleet remove)")
@@ -218,7 +218,7 @@ class FleetHub:
         self.book.add(record)
         await self._apply()
         log.info("invited node %s until %s", request.name, invite.expires_at.isoformat())
-        return {"token": encode_token(invite), "expires_at": invite.expires_at.isoformat()}
+        return FleetInviteReply(node=self.name, token=encode_token(invite), expires_at=invite.expires_at)
 
     def join_rule(self, asker: Asker, request: FleetJoinRequest) -> None:
         """Who may join: the request signed by a pending invite's key for this name, with a proof by the node key
@@ -241,7 +241,7 @@ class FleetHub:
         except Forbidden as e:
             raise asker.refuse(e.rule) from e
 
-    async def join(self, request: FleetJoinRequest) -> dict[str, Any]:
+    async def join(self, request: FleetJoinRequest) -> FleetReply:
         record = self.book.redeem(request.invite_key, request.name, request.node_key)
         member = FleetMember(
             name=request.name, public_key=request.node_key, host=request.host, role="leaf",
@@ -251,9 +251,9 @@ class FleetHub:
         self._members = await self.roster.members()
         await self._apply()  # the invite key leaves the users, the node's own key joins them
         log.info("node %s joined the fleet with key %s", member.name, member.public_key)
-        return {"member": member.model_dump(mode="json")}
+        return FleetReply(node=self.name, member=member.model_dump(mode="json"))
 
-    async def remove(self, request: FleetRemoveRequest) -> dict[str, Any]:
+    async def remove(self, request: FleetRemoveRequest) -> FleetReply:
         member = await self.roster.get(request.name)
         if member is None:
             raise NotFound("fleet member", request.name, "`epibus fleet list` shows the members")
@@ -265,7 +265,7 @@ class FleetHub:
         self._members = await self.roster.members()
         await self._apply()  # its key is no longer a user: it cannot connect again
         await self.kick(member.name)  # and the connection it has is closed now
-        return {"member": member.model_dump(mode="json")}
+        return FleetReply(node=self.name, member=member.model_dump(mode="json"))
 
     async def refresh(self) -> None:
         """Read the members again (another process of this hub may have changed them)."""

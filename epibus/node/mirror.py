@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -23,7 +22,7 @@ from observers.journal import Journal
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
 from observers.mirror.observer import MirrorObserver
-from observers.mirror.reindex import Progress, rebuild
+from observers.mirror.reindex import Progress, ReindexCounts, rebuild
 from observers.mirror.store import VectorStore
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ class NodeMirror:
         """The stream sequence the live mirror's consumer has acked every message through."""
         return await self.runner.acked_through()
 
-    async def reindex(self, progress: Progress | None = None) -> dict[str, Any]:
+    async def reindex(self, progress: Progress | None = None) -> ReindexCounts:
         """Rebuild the mirror from the stream into a new collection while the old one keeps answering, swap
         it in, and continue with a new durable consumer right after the rebuilt part."""
         if self._loops is None:
@@ -98,7 +97,7 @@ class NodeMirror:
                     await self.js.delete_consumer(STREAM, old_name)
                 except NATS_OR_API_ERROR as e:  # the old consumer only wastes server memory; say so
                     log.warning("old mirror consumer %s not deleted: %s", old_name, e)
-            return {"points": rebuilt.points, "last_seq": rebuilt.last_seq, "rejected": rebuilt.rejected}
+            return ReindexCounts(rebuilt.points, rebuilt.last_seq, rebuilt.rejected)
 
 
 async def open_mirror(

@@ -64,7 +64,7 @@ from mesh.watch import FileCursor
 from observers.journal import Journal, JournalObserver
 from observers.mirror.embed import CachedEmbedder
 from observers.mirror.observer import MirrorObserver
-from observers.mirror.reindex import Progress
+from observers.mirror.reindex import Progress, ReindexCounts
 from observers.mirror.service import MirrorServices
 from observers.mirror.store import VectorStore
 from observers.read_service import journal_read_service
@@ -310,12 +310,12 @@ class Node:
         self.mirror_services = MirrorServices(self.live_mirror, journal, node=self.name, publish=nc.publish)
         self.consumer_slots = ConsumerSlots(nc, js, slots=self.config.agent_consumers)
         requests: list[Service[Any]] = [
-            forget_proof_service(lambda: node_files(self, journal)),
-            journal_read_service(journal),
-            verify_service(js, journal, lambda: self.mirror),
-            erase_service(js, enrolments.registry),
-            self.consumer_slots.service(),
-            TombstoneRegistry(js).service(),
+            forget_proof_service(lambda: node_files(self, journal), node=self.name),
+            journal_read_service(journal, node=self.name),
+            verify_service(js, journal, lambda: self.mirror, node=self.name),
+            erase_service(js, enrolments.registry, node=self.name),
+            self.consumer_slots.service(node=self.name),
+            TombstoneRegistry(js).service(node=self.name),
             enrolments.view_service(),
             *self.mirror_services.services(),
         ]
@@ -412,7 +412,7 @@ class Node:
             write_node_info(config.home, self.info)
             self._stack.callback(remove_node_info, config.home, os.getpid())
 
-    async def reindex_mirror(self, progress: Progress | None = None) -> dict[str, Any]:
+    async def reindex_mirror(self, progress: Progress | None = None) -> ReindexCounts:
         """Rebuild the mirror from the stream into a new collection while the old one keeps answering, swap
         it in, and continue with a new durable consumer right after the rebuilt part."""
         if self.live_mirror is None:

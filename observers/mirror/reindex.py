@@ -24,6 +24,15 @@ HNSW_AT_POINTS = 10_000  # below this, exact search on qdrant-edge answers in ab
 Progress = Callable[[int, int], Coroutine[Any, Any, None]]
 
 
+@dataclass(frozen=True)
+class ReindexCounts:
+    """What a reindex did: points in the rebuilt collection, the stream sequence it reached, events refused."""
+
+    points: int
+    last_seq: int
+    rejected: int
+
+
 @dataclass
 class Rebuilt:
     consumer_name: str  # the durable consumer the rebuilt collection continues with

@@ -11,6 +11,7 @@ from bus.errors import ConfigError
 from bus.model.requests import (
     IndexedReply,
     LookupRequest,
+    RecallHitReply,
     RecallReply,
     RecallRequest,
     ReindexProgress,
@@ -22,7 +23,7 @@ from bus.subjects import MIRROR_LOOKUP, RECALL, REINDEX
 from observers.journal import Journal
 from observers.mirror.embed import Embedder
 from observers.mirror.lookup import indexed_events
-from observers.mirror.reindex import Progress
+from observers.mirror.reindex import Progress, ReindexCounts
 from observers.mirror.store import VectorStore
 from observers.recall import audit_recall, recall
 
@@ -40,7 +41,7 @@ class LiveMirror(Protocol):
 
     async def acked_through(self) -> int: ...
 
-    async def reindex(self, progress: Progress | None = None) -> dict[str, Any]: ...
+    async def reindex(self, progress: Progress | None = None) -> ReindexCounts: ...
 
 
 class MirrorServices:
@@ -62,7 +63,7 @@ class MirrorServices:
             served.append(Service(RECALL, RecallRequest, RecallReply, self.recall, recall_rule))
         return served
 
-    async def recall(self, request: RecallRequest) -> dict[str, Any]:
+    async def recall(self, request: RecallRequest) -> RecallReply:
         """Answer a recall request from this node's mirror."""
         mirror = self._require_mirror("recall")
         if request.audit:
@@ -81,16 +82,17 @@ class MirrorServices:
                 as_of=request.as_of,
                 journal=self.journal,
             )
-        return {"hits": [h.as_dict() for h in result.hits]}
+        hits = [RecallHitReply.model_validate(h.as_dict(), strict=False) for h in result.hits]
+        return RecallReply(node=self.node, hits=hits)
 
-    async def indexed(self, request: LookupRequest) -> dict[str, Any]:
+    async def indexed(self, request: LookupRequest) -> IndexedReply:
         """Which of these events this node's mirror has indexed; a node without a mirror says so."""
         if self.mirror is None:
-            return {"mirror": False, "indexed": []}
+            return IndexedReply(node=self.node, mirror=False, indexed=[])
         found = await indexed_events(self.mirror.store, self.journal, self.mirror.acked_through, request.root)
-        return {"mirror": True, "indexed": found}
+        return IndexedReply(node=self.node, mirror=True, indexed=found)
 
-    async def reindex(self, request: ReindexRequest) -> dict[str, Any]:
+    async def reindex(self, request: ReindexRequest) -> ReindexReply:
         """Rebuild the mirror, telling the asker's progress inbox (when it gave one) how far it got."""
         mirror = self._require_mirror("reindex")
 
@@ -99,7 +101,8 @@ class MirrorServices:
                 update = ReindexProgress(node=self.node, done=done, total=total)
                 await self.publish(request.progress, update.model_dump_json().encode())
 
-        return await mirror.reindex(progress)
+        counts = await mirror.reindex(progress)
+        return ReindexReply(node=self.node, points=counts.points, last_seq=counts.last_seq, rejected=counts.rejected)
 
     def _require_mirror(self, field: str) -> LiveMirror:
         if self.mirror is None:

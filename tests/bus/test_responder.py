@@ -12,11 +12,13 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client as NatsClient
+from pydantic import BaseModel
 
 from bus.errors import ConfigError
 from bus.host.server import NatsServer
-from bus.model.requests import MAX_ERROR_CHARS, ErrorReply, VerifyReply, VerifyRequest
+from bus.model.requests import MAX_ERROR_CHARS, ErrorReply, StoreCheckReply, VerifyReply, VerifyRequest
 from bus.services.responder import Responder, serve
+from observers.verify import StoreReport, VerifyReport
 
 SUBJECT = "epibus.test.service"
 
@@ -42,7 +44,7 @@ async def ask(nc: NatsClient, body: bytes = b"{}") -> dict[str, Any]:
 async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_counted(
     nc: NatsClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
+    async def handle(request: VerifyRequest) -> VerifyReply:
         raise RuntimeError(f"the store fell over while checking {request.project}")
 
     responder = await serving(nc, handle)
@@ -56,7 +58,7 @@ async def test_a_handler_that_raises_is_answered_with_the_exception_logged_and_c
 
 
 async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_message(nc: NatsClient) -> None:
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
+    async def handle(request: VerifyRequest) -> VerifyReply:
         raise ValueError("x" * (3 << 20))
 
     responder = await serving(nc, handle)
@@ -67,9 +69,15 @@ async def test_a_huge_error_message_is_cut_so_the_reply_still_fits_in_one_messag
     assert responder.counts.failed == 1
 
 
+def clean_store() -> StoreCheckReply:
+    return VerifyReport(0, StoreReport(), None).reply("node-t").journal
+
+
 async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_error(nc: NatsClient) -> None:
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
-        return {"stream_events": "many"}
+    async def handle(request: VerifyRequest) -> VerifyReply:  # built around validation, as a bug could
+        return VerifyReply.model_construct(
+            node="node-t", stream_events="many", journal=clean_store(), mirror=None, repaired=False, clean=True
+        )
 
     responder = await serving(nc, handle)
     reply = await ask(nc)
@@ -77,9 +85,25 @@ async def test_an_answer_that_does_not_fit_the_reply_model_is_answered_as_an_err
     assert responder.counts.failed == 1
 
 
+async def test_an_answer_of_another_model_or_node_is_answered_as_an_error(nc: NatsClient) -> None:
+    answers: list[BaseModel] = [
+        ErrorReply(node="node-t", error="not a verify reply"),
+        VerifyReport(0, StoreReport(), None).reply("another-node"),
+    ]
+
+    async def handle(request: VerifyRequest) -> BaseModel:
+        return answers.pop(0)
+
+    responder = await serving(nc, handle)
+    assert (await ask(nc))["error"] == "the handler answered a ErrorReply, not a VerifyReply of this node"
+    assert (await ask(nc))["error"] == "the handler answered a VerifyReply, not a VerifyReply of this node"
+    assert responder.counts.failed == 2
+
+
 async def test_an_answer_over_the_servers_max_payload_is_answered_as_an_error(nc: NatsClient) -> None:
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
-        return {"padding": "x" * (nc.max_payload + 1)}
+    async def handle(request: VerifyRequest) -> VerifyReply:
+        huge = clean_store().model_copy(update={"sample_missing": ["x" * (nc.max_payload + 1)]})
+        return VerifyReport(0, StoreReport(), None).reply("node-t").model_copy(update={"journal": huge})
 
     responder = await serving(nc, handle)
     reply = await ask(nc)
@@ -92,16 +116,9 @@ async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_s
 ) -> None:
     seen: list[VerifyRequest] = []
 
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
+    async def handle(request: VerifyRequest) -> VerifyReply:
         seen.append(request)
-        check = {"missing": 0, "extra": 0, "stale": 0, "mismatched": 0, "clean": True}
-        samples: dict[str, list[str]] = {
-            "sample_missing": [],
-            "sample_extra": [],
-            "sample_stale": [],
-            "sample_mismatched": [],
-        }
-        return {"stream_events": 0, "journal": check | samples, "mirror": None, "repaired": False, "clean": True}
+        return VerifyReport(0, StoreReport(), None).reply("node-t")
 
     responder = await serving(nc, handle)
     reply = VerifyReply.model_validate(await ask(nc, b'{"project": "p", "repair": true}'))
@@ -111,8 +128,8 @@ async def test_a_valid_request_reaches_the_handler_validated_and_its_answer_is_s
 
 
 async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc: NatsClient) -> None:
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
-        return {}
+    async def handle(request: VerifyRequest) -> VerifyReply:
+        raise AssertionError("never asked")
 
     with pytest.raises(ConfigError, match="cannot name a reply"):
         await serve(nc, SUBJECT, VerifyRequest, VerifyReply, handle, node="")
@@ -121,7 +138,7 @@ async def test_a_node_name_no_reply_could_carry_is_refused_at_start(nc: NatsClie
 async def _two_requests_where_the_first_waits_for_the_second(nc: NatsClient, concurrency: int) -> list[Any]:
     second_seen = asyncio.Event()
 
-    async def handle(request: VerifyRequest) -> dict[str, Any]:
+    async def handle(request: VerifyRequest) -> VerifyReply:
         if request.project == "second":
             second_seen.set()
         else:
@@ -148,7 +165,7 @@ async def test_a_responder_answers_one_request_at_a_time_by_default(nc: NatsClie
 
 
 def test_a_responder_needs_room_for_one_request_at_least(nc: NatsClient) -> None:
-    async def never_called(_request: VerifyRequest) -> dict[str, Any]:
+    async def never_called(_request: VerifyRequest) -> VerifyReply:
         raise AssertionError("a responder without room answers nothing")
 
     with pytest.raises(ConfigError, match="concurrency"):

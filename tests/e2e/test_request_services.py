@@ -15,6 +15,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from pydantic import BaseModel
 
 from bus.client.client import EpibusClient, connect
 from bus.errors import Unavailable
@@ -152,9 +153,10 @@ def answer_after(node: Node, subject: str, sent: asyncio.Event) -> None:
     service = node.services[subject]
     handle = service.handle
 
-    async def after_the_garbage(request: Any) -> dict[str, Any]:
+    async def after_the_garbage(request: Any) -> BaseModel:
         await asyncio.wait_for(sent.wait(), timeout=5)
-        return await handle(request)
+        answer: BaseModel = await handle(request)
+        return answer
 
     service.handle = after_the_garbage
 
