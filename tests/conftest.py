@@ -18,6 +18,15 @@ from bus.host.server import NatsServer
 from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A long or soak run is slow too, so the quick loop (`-m "not slow"`, which replaces the default marker
+    expression) never starts one."""
+    for item in items:
+        if item.get_closest_marker("long") or item.get_closest_marker("soak"):
+            item.add_marker(pytest.mark.slow)
+
+
 POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 

@@ -227,6 +227,7 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
 
 # The suite's examples in two halves, each a class: xdist gives each class a worker of its own (loadscope), so
 # the two halves run side by side; each test draws its own examples (hypothesis seeds by the test's name).
+@pytest.mark.slow  # ~75 s of one worker: the quick loop keeps the one-example-per-path tests, the suite runs this
 class TestFirstHalf:
     @pytest.mark.timeout(1800)
     @settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
@@ -237,6 +238,7 @@ class TestFirstHalf:
         asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
 
 
+@pytest.mark.slow
 class TestSecondHalf:
     @pytest.mark.timeout(1800)
     @settings(max_examples=EXAMPLES - EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
