@@ -189,3 +189,9 @@ class LimitReached(EpibusError):
         self.allowed = allowed
         self.detail = detail
         super().__init__(f"limit {limit} ({allowed}) reached: {detail}; {fix}")
+
+
+def validation_message(error: Mapping[str, object]) -> str:
+    """A pydantic error's message as a person reads it: without the "Value error, " a validator's ValueError
+    gets in front of its own words."""
+    return str(error.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")

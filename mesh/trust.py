@@ -15,7 +15,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus.enrolment.registry import AgentRegistry
-from bus.errors import Conflict, Forbidden, IllegalTransition, InvalidEvent, MalformedRecord, NotFound
+from bus.errors import (
+    Conflict,
+    Forbidden,
+    IllegalTransition,
+    InvalidEvent,
+    MalformedRecord,
+    NotFound,
+    validation_message,
+)
 from bus.identity.signing import NODE_IDENTITY, verify_document, verify_signature
 from bus.model.event import Actor
 from bus.model.vocab import Role
@@ -131,7 +139,7 @@ async def verify_task(
         except REFUSED as e:
             raise UntrustedRecord(MESH_BUCKET, key, revision, f"{where} is not trustworthy: {e}") from e
         except ValidationError as e:  # e.g. a message id no protocol message carries
-            problem = e.errors()[0]["msg"]
+            problem = validation_message(e.errors()[0])
             raise UntrustedRecord(MESH_BUCKET, key, revision, f"{where} is no protocol message: {problem}") from e
         rebuilt = expected.model_copy(update={"steps": record.steps[: index + 1]})
     if rebuilt != record:

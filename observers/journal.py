@@ -349,6 +349,11 @@ class Journal:
                     found[row.event_id] = {"status": row.status, "reason": row.reason, "flags": flags}
         return found
 
+    def projects(self) -> list[str]:
+        """Every project with an event in this journal, in order (an index on project answers it)."""
+        with self._connect("listing projects") as conn:
+            return [row.project for row in conn.execute(select(events.c.project).distinct().order_by(events.c.project))]
+
     def query(self, q: EventQuery) -> list[JournalRow]:
         statement = select(events)
         for column, value in (

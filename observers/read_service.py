@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from bus.enrolment.service_rules import journal_read_rule
+from bus.enrolment.service_rules import current_asker, journal_read_rule
 from bus.errors import AmbiguousId, ConfigError, NotFound
 from bus.model.ids import id_prefix, only_match
 from bus.model.requests import JournalReadReply, JournalReadRequest, LookupFailure
@@ -44,6 +44,8 @@ def read_journal(journal: Journal, request: JournalReadRequest) -> Any:
             newest_first=not request.oldest_first,
         )
         return [_event(row) for row in journal.query(query)]
+    if request.read == "projects":
+        return journal.projects()
     if project is None:
         raise ConfigError("project", f"the {request.read} read is of one project; name it (-p)")
     if request.read == "artifacts":
@@ -84,7 +86,11 @@ def journal_read_service(journal: Journal, *, node: str) -> Service[JournalReadR
 
     async def answer(request: JournalReadRequest) -> JournalReadReply:
         try:
-            return JournalReadReply(node=node, result=await asyncio.to_thread(read_journal, journal, request))
+            result = await asyncio.to_thread(read_journal, journal, request)
+            asker = current_asker()
+            if request.read == "projects" and asker is not None and asker.enrolment is not None:
+                result = [p for p in result if asker.member_of(p)]  # an agent learns only of its own projects
+            return JournalReadReply(node=node, result=result)
         except NotFound as e:
             fields: dict[str, JsonValue] = {"what": e.what, "key": e.key, "hint": e.hint}
             return JournalReadReply(node=node, lookup=LookupFailure(error="NotFound", fields=fields))

@@ -27,6 +27,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+# epibus honours the NATS tools' variables; a developer's own must not point the suite at another server.
+for _name in ("NATS_URL", "NATS_CREDS"):
+    os.environ.pop(_name, None)
+
 POSTGRES_ADMIN_URL = os.environ.get("EPIBUS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 

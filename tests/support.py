@@ -32,9 +32,13 @@ from observers.journal import make_engine
 T = TypeVar("T")
 
 
+NATS_ENV = frozenset({"NATS_URL", "NATS_CREDS"})  # what the NATS tools read, and epibus too: never the caller's
+
+
 def cli_env(home: Path, *, columns: int | None = None) -> dict[str, str]:
     """The environment of an `epibus` command run for `home`: none of the caller's EPIBUS_ settings leak in."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_") and k not in NATS_ENV}
+    env |= {"EPIBUS_HOME": str(home)}
     return env | ({"COLUMNS": str(columns)} if columns is not None else {})
 
 
@@ -144,7 +148,8 @@ def start_node_process(
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """`epibus up --json` as a user runs it (no EPIBUS_* from the caller's environment but the home and `env`),
     and the status line it prints once it runs. Fails with the node's stderr if it exits instead."""
-    own = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
+    own = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_") and k not in NATS_ENV}
+    own |= {"EPIBUS_HOME": str(home)}
     process = subprocess.Popen(
         [sys.executable, "-m", "epibus", "up", "--json", *up_args],
         env=own | (env or {}),

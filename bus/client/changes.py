@@ -4,9 +4,11 @@ EpibusClient delegates its state-change verbs here."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from bus.client.project_view import ProjectView, ProjectViews
+from bus.errors import NotFound
 from bus.model.event import Envelope
 from bus.model.kinds import Body
 from bus.model.rollback import RollbackPlan, plan_rollback
@@ -25,6 +27,14 @@ class Publishing(Protocol):
     async def publish_expecting(
         self, event: Envelope, *, expected_headers: dict[str, str], timeout_s: float | None = None
     ) -> Receipt: ...
+
+
+def require_artifact(artifacts: Mapping[str, object], project: str, artifact_id: str) -> None:
+    """A change names an artifact that exists: NotFound otherwise, as an unknown prefix is (one error for one
+    situation; the state rules would call it an illegal transition from `absent`)."""
+    if artifact_id not in artifacts:
+        hint = f"no artifact with this id in project {project!r}; list them with `epibus audit -p {project}`"
+        raise NotFound("artifact", artifact_id, hint)
 
 
 class StateChanges:
@@ -51,6 +61,7 @@ class StateChanges:
         event = self.publishing.event(kind, body, project=project, artifact_id=artifact_id)
         view = view or await self.views.for_change(event)
         fold = view.fold
+        require_artifact(fold.artifacts, project, artifact_id)
         change = decide(event, view.next_seq, fold.artifacts.get, fold.tombstones.__contains__, view.authority)
         expected = view.subject_seq.get(artifact_id, 0)
         receipt = await self.publishing.publish_expecting(
@@ -64,6 +75,7 @@ class StateChanges:
     async def plan_rollback(self, project: str, artifact_id: str, *, cascade: bool = False) -> RollbackPlan:
         """What a rollback of artifact_id would do; writes nothing. Raises IllegalTransition."""
         view = await self.views.project(project)
+        require_artifact(view.fold.artifacts, project, artifact_id)
         return plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
 
     async def rollback(
@@ -73,6 +85,7 @@ class StateChanges:
         checked first, so one this agent may not roll back (Forbidden) stops the run before anything is
         published. A Conflict stops the run; the receipts say what was rolled back before it."""
         view = await self.views.project(project)
+        require_artifact(view.fold.artifacts, project, artifact_id)
         plan = plan_rollback(view.fold.artifacts, artifact_id, cascade=cascade)
         fold = view.fold
         for target in plan.to_roll_back:

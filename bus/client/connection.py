@@ -138,6 +138,10 @@ class Connection:
         log.warning("disconnected from NATS; publishing continues into the outbox")
 
     async def _on_error(self, error: Exception) -> None:
+        if self.nc is None:
+            # Still connecting: open() raises what stops it (Forbidden, Unavailable naming the last error), and a
+            # first use's refusal is expected (the agent is enrolled, then let in), so nothing is logged here.
+            return
         log.warning("NATS connection error: %s %s", type(error).__name__, error)
 
     async def close(self) -> None:

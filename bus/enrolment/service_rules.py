@@ -228,7 +228,10 @@ def tombstone_check_rule(asker: Asker, request: TombstoneCheckRequest) -> None:
 
 def journal_read_rule(asker: Asker, request: JournalReadRequest) -> None:
     """Read a node's journal: members of the project (every project, project null: agents of every project);
-    the audit read (every state): reviewers and admins of it, as the audit door of recall."""
+    the audit read (every state): reviewers and admins of it, as the audit door of recall. The projects read:
+    any agent (it is answered with the projects it is a member of)."""
+    if request.read == "projects":
+        return
     if request.project is None:
         if not asker.member_of(ANY):
             raise asker.refuse("project: null (every project) is for agents of every project; name a project (-p)")

@@ -231,8 +231,9 @@ def remove_node_info(home: Path, pid: int) -> None:
 
 
 def explicit_nats_url(explicit: str | None) -> str | None:
-    """--nats, else $EPIBUS_NATS_URL; None means "the local node, wherever node.json says it runs"."""
-    return explicit or os.environ.get("EPIBUS_NATS_URL") or None
+    """--nats, else $EPIBUS_NATS_URL, else $NATS_URL (the NATS tools' own variable); None means "the local
+    node, wherever node.json says it runs"."""
+    return explicit or os.environ.get("EPIBUS_NATS_URL") or os.environ.get("NATS_URL") or None
 
 
 def resolve_nats_url(explicit: str | None, home: Path) -> str:
@@ -246,7 +247,7 @@ def resolve_nats_url(explicit: str | None, home: Path) -> str:
             "nats",
             f"no epibus node is running under {home}, and this needs one: reads and state changes work on the "
             "node's current state (only `epibus publish` can wait in the outbox); start one with `epibus up` or "
-            "pass --nats URL (or set EPIBUS_NATS_URL)",
+            "pass --nats URL (or set EPIBUS_NATS_URL or NATS_URL)",
         )
     return node.nats_url
 

@@ -57,6 +57,23 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+CREDS_ENV = "NATS_CREDS"
+CREDS_SEED = re.compile(rb"-----BEGIN USER NKEY SEED-----\s*(SU[A-Z2-7]+)\s*------END USER NKEY SEED------")
+
+
+def creds_seed(path: Path) -> bytes:
+    """The user nkey seed in a NATS credentials file (`nsc`'s and `nats`'s .creds). Its JWT, if any, is not
+    used: an epibus node admits keys by enrolment. Raises ConfigError naming the file."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(CREDS_ENV, f"{path}: {e.strerror}; point it at a readable .creds file") from e
+    found = CREDS_SEED.search(text)
+    if found is None:
+        raise ConfigError(CREDS_ENV, f"{path} holds no USER NKEY SEED block; is it a NATS .creds file?")
+    return found.group(1)
+
+
 class AgentKey:
     """One agent's signing key. `public_key` is the nkey user public key ('U…')."""
 
@@ -75,9 +92,12 @@ class AgentKey:
 
     @classmethod
     def load_or_create(cls, home: Path, agent_id: str) -> AgentKey:
-        """The agent's key from `home/keys`, created (0600) on first use."""
+        """The agent's key: from the NATS credentials file $NATS_CREDS names (its nkey seed, as the NATS tools
+        read it), else from `home/keys`, created (0600) on first use."""
         if not AGENT_PATTERN.fullmatch(agent_id):
             raise ConfigError("agent", f"{agent_id!r} must match {AGENT_PATTERN.pattern}")
+        if creds := os.environ.get(CREDS_ENV):
+            return cls(agent_id, creds_seed(Path(creds)))
         return cls.load_or_create_at(home / "keys" / f"{agent_id}.nk", agent_id)
 
     @classmethod

@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticSerializationError
 
-from bus.errors import InvalidEvent
+from bus.errors import InvalidEvent, validation_message
 from bus.model.fields import AgentId, ArtifactId, ProjectSlug, PublicKey, Timestamp, not_a_flag
 from bus.model.ids import new_event_id
 from bus.model.kinds import BUILTIN_BODIES, Body, Model, body_model, is_registered, kind_names, require_kind
@@ -182,7 +182,7 @@ def invalid_event_of(error: ValidationError) -> InvalidEvent:
     shown = f"={got!r}" if not isinstance(got, dict | list) else ""
     if "expected" in ctx:
         return InvalidEvent(f"{field}{shown}", f"expected {ctx['expected']}")
-    return InvalidEvent(f"{field}{shown}", str(first["msg"]).removeprefix("Value error, "))
+    return InvalidEvent(f"{field}{shown}", validation_message(first))
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

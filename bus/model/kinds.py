@@ -3,6 +3,7 @@ kinds can be added with `register_kind`, and an unregistered kind is an InvalidE
 
 from __future__ import annotations
 
+import difflib
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
@@ -224,6 +225,11 @@ def kind_names() -> list[str]:
     return sorted(_KINDS)
 
 
+def artifact_kind_names() -> list[str]:
+    """The kinds an artifact can have: claims, not the transitions acting on them or subsystems' records."""
+    return [k for k in kind_names() if not (_KINDS[k].body.transition or _KINDS[k].body.system_record)]
+
+
 def is_registered(kind: str) -> bool:
     return kind in _KINDS
 
@@ -236,7 +242,9 @@ def body_model(kind: str) -> type[Body]:
 def require_kind(kind: str) -> KindSpec:
     spec = _KINDS.get(kind)
     if spec is None:
-        raise InvalidEvent("kind", repr(kind), allowed=kind_names())
+        close = difflib.get_close_matches(kind, kind_names(), n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidEvent("kind", f"{kind!r}{guess}", allowed=kind_names())
     return spec
 
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from bus.errors import MalformedRecord
+from bus.errors import MalformedRecord, validation_message
 from bus.model.auth import PUBLIC_KEY_PATTERN, Enrolment, first_use_enrolment
 from bus.subjects import AGENT_KEYS_BUCKET
 
@@ -29,7 +29,11 @@ def decode_json(model: type[M], data: bytes, *, bucket: str, key: str, revision:
     except ValidationError as e:
         first = e.errors(include_url=False)[0] if e.error_count() else None
         where = ".".join(str(p) for p in first["loc"]) if first and first["loc"] else ""
-        problem = f"{where}: {first['msg']}" if first and where else (first["msg"] if first else str(e))
+        problem = (
+            f"{where}: {validation_message(first)}"
+            if first and where
+            else (validation_message(first) if first else str(e))
+        )
         raise MalformedRecord(bucket, key, revision, f"holds no valid {model.__name__} ({problem})") from e
     except (ValueError, RecursionError) as e:  # the parser's own limits, should a validator reach them
         raise MalformedRecord(bucket, key, revision, f"holds no valid {model.__name__} ({type(e).__name__})") from e

@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, from_json
 
-from bus.errors import ConfigError
+from bus.errors import ConfigError, validation_message
 from bus.model.auth import ANY_PROJECT, AgentId, Owner, ProjectScope, PublicKey
 from bus.model.fields import AGENT_PATTERN
 from bus.model.vocab import Role
@@ -312,7 +312,7 @@ class JournalReadRequest(Message):
     """A read of a node's journal, answered as the CLI's `--json` shows it. `project` None (events only): every
     project, for agents of every project."""
 
-    read: Literal["events", "artifacts", "audit", "briefing", "lineage", "vocab_report"]
+    read: Literal["events", "artifacts", "audit", "briefing", "lineage", "vocab_report", "projects"]
     project: Project | None = None
     kinds: Annotated[list[Kind], Field(max_length=MAX_KINDS)] | None = None
     include_resolved: bool = False
@@ -444,7 +444,7 @@ def refusal(model: type[BaseModel], error: ErrorDetails) -> str:
     where = _where(error)
     if error["type"] == "missing":
         return f"{where} is missing; allowed: {_allowed(model, error['loc'])}"
-    problem = error["msg"]
+    problem = validation_message(error)
     if error["type"] == "json_invalid":
         problem = f"not JSON ({error.get('ctx', {}).get('error', problem)})"
     elif error["type"] == "extra_forbidden":

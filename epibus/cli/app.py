@@ -25,6 +25,7 @@ from epibus.cli import (
     mesh_agents,
     mesh_roster,
     mesh_views,
+    natsctx,
     ops,
     reads,
     recall,
@@ -70,6 +71,7 @@ app.command()(health.health)
 app.command()(state.resolve)
 for command in (verify.verify, state.contradict, state.rollback):
     app.command(help=f"{command.__doc__}\n\n{state.trust_help()}")(command)
+app.command()(verify.reconcile)
 app.command("artifacts")(reads.artifacts_command)
 app.command()(reads.audit)
 app.command("lineage")(lineage.lineage_command)
@@ -87,6 +89,7 @@ app.command()(ops.down)
 app.command("chaos")(chaos.chaos)
 app.command()(ops.version)
 app.command()(ops.completion)
+app.command("nats-context")(natsctx.nats_context)
 
 
 @app.callback()

@@ -6,9 +6,8 @@ import asyncio
 import contextlib
 import functools
 import json
-import re
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -16,27 +15,44 @@ from typing import Annotated, Any, TypeVar
 import typer
 from nats.aio.client import Client as NatsClient
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from bus.client.connection import open_nats
 from bus.errors import EpibusError
 from bus.host.home import NodeFollower, default_agent, epibus_home, explicit_nats_url, resolve_nats_url, split_servers
 from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from epibus.cli.display import shown
+from epibus.cli.tables import make_console, set_wide
+from epibus.cli.tables import table as table  # what every command prints with
 
 T = TypeVar("T")
 
-console = Console()
+console = make_console()
 err_console = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print only the new id, for a shell variable: A=$(epibus … -q).")
+]
+WideOpt = Annotated[
+    bool,
+    typer.Option("--wide", "-w", help="Show text and ids whole, folded over lines.", callback=set_wide),
+]
 HomeOpt = Annotated[
     Path | None, typer.Option("--home", envvar="EPIBUS_HOME", help="epibus state directory [default: ~/.epibus]")
 ]
 NatsOpt = Annotated[
     str | None,
-    typer.Option("--nats", envvar="EPIBUS_NATS_URL", help="NATS URL(s), comma-separated [default: the local node]"),
+    typer.Option(
+        "--nats",
+        envvar=["EPIBUS_NATS_URL", "NATS_URL"],
+        help="NATS URL(s), comma-separated [default: the local node]",
+    ),
+]
+NodeNatsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--nats", envvar="EPIBUS_NATS_URL", help="An external NATS for this node [default: its own nats-server]"
+    ),
 ]
 JournalOpt = Annotated[
     str | None,
@@ -81,39 +97,6 @@ def handles_errors(fn: Callable[..., T]) -> Callable[..., T]:
 def emit_json(data: Any) -> None:
     # flushed: a watcher's lines (tail, inbox --watch) reach a pipe as they happen, not a buffer at a time
     print(json.dumps(data, default=str, sort_keys=True), flush=True)
-
-
-# What a person copies out of a table into the next command: never folded across lines.
-ID_TOKEN = re.compile(
-    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # event, artifact, task ids
-    r"|\bU[A-Z2-7]{55}\b"  # an agent's public key
-)
-
-
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    """A table whose title and cells are shown literally (see `display.shown`); a cell may wrap at newlines.
-    A column whose cells hold ids never wraps (the other columns fold to make room), and a column mixing ids
-    with text is never narrower than an id: every id printed can be copied whole from one line."""
-    longest_title_word = max((len(word) for word in title.split()), default=0)
-    t = Table(title=shown(title), show_lines=False, min_width=longest_title_word + 4)
-    for index, column in enumerate(columns):
-        cells = ["" if row[index] is None else str(row[index]) for row in rows]
-        ids = [len(m.group()) for c in cells for m in ID_TOKEN.finditer(c)]
-        if ids and all(len(c) <= 160 and not any(ch.isspace() for ch in c) for c in cells):
-            t.add_column(shown(column), no_wrap=True, overflow="fold")
-        else:
-            t.add_column(shown(column), overflow="fold", min_width=max(ids, default=None))
-    for row in rows:
-        t.add_row(*(_cell(v) for v in row))
-    return t
-
-
-def _cell(value: Any) -> Text:
-    return Text("") if value is None else shown(str(value), multiline=True)
-
-
-def stdout_is_terminal() -> bool:
-    return sys.stdout.isatty()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from epibus.cli.common import (
     JsonOpt,
     NatsOpt,
     Target,
+    WideOpt,
     console,
     emit_json,
     handles_errors,
@@ -64,6 +65,7 @@ def dlq_list(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """List dead letters with their reasons."""
     rows = run(_dlq_list(consumer, Target(nats, home, agent)))

@@ -25,6 +25,7 @@ from epibus.cli.common import (
     JsonOpt,
     NatsOpt,
     Target,
+    WideOpt,
     console,
     emit_json,
     err_console,
@@ -55,6 +56,7 @@ def tail(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Follow events live as they reach the stream (messages the nodes refuse are shown, marked, with the reason)."""
     run(_tail(project, kind, from_start, count, Target(nats, home, agent), as_json))
@@ -137,6 +139,7 @@ def events(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Query the journal (through a node as --agent; --journal reads it directly, as the node's operator)."""
     request = build_request(
@@ -155,24 +158,21 @@ def events(
     if as_json:
         emit_json(rows)
         return
-    console.print(
-        table(
-            f"{len(rows)} event(s)",
-            ["seq", "stored", "project", "kind", "artifact", "actor", "text"],
-            [
-                [
-                    r["stream_seq"],
-                    f"{datetime.fromisoformat(r['stored_at'] or r['recorded_at']):%Y-%m-%d %H:%M:%S}",
-                    r["project"],
-                    r["kind"],
-                    r["artifact_id"],
-                    r["actor"],
-                    "[forgotten]" if r["text"] is None else r["text"][:80],
-                ]
-                for r in rows
-            ],
-        )
-    )
+    where = f" in {project}" if project else ""
+    columns = ["seq", "stored", *([] if project else ["project"]), "kind", "artifact", "actor", "text"]
+    cells = [
+        [
+            r["stream_seq"],
+            f"{datetime.fromisoformat(r['stored_at'] or r['recorded_at']):%Y-%m-%d %H:%M:%S}",
+            *([] if project else [r["project"]]),
+            r["kind"],
+            r["artifact_id"],
+            r["actor"],
+            "[forgotten]" if r["text"] is None else r["text"],
+        ]
+        for r in rows
+    ]
+    console.print(table(f"{len(rows)} event(s){where}", columns, cells))
 
 
 # -- replay -----------------------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ without doing anything."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import typer
 from typer._click import exceptions as usage  # typer 0.29 carries its own click
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from bus.errors import EpibusError
 from epibus.cli.common import fail
@@ -48,6 +49,39 @@ def usage_line(error: usage.UsageError, named: str, argv: Sequence[str] = ()) ->
     return f"{message}; run '{path} --help'"
 
 
+def every_missing(error: usage.MissingParameter, argv: Sequence[str]) -> str | None:
+    """All the required options the arguments leave out, not only the first that click stopped at: one run
+    names everything to add. None when click's own message says it all (one missing, or an argument)."""
+    if error.ctx is None or error.param is None:
+        return None
+    words = [w.split("=", 1)[0] for w in argv]
+    missing = [
+        param.opts[0]
+        for param in error.ctx.command.params
+        if isinstance(param, TyperOption)
+        and param.required
+        and not any(opt in words for opt in param.opts)
+        and not (param.envvar and any(os.environ.get(v) for v in _envvars(param.envvar)))
+    ]
+    if len(missing) < 2:
+        return None
+    return "Missing options " + ", ".join(f"'{opt}'" for opt in missing)
+
+
+def _envvars(envvar: str | Sequence[str]) -> list[str]:
+    return [envvar] if isinstance(envvar, str) else list(envvar)
+
+
+def untyped_flags(command: Any, ctx: Any) -> None:
+    """A flag takes no value, so its help shows none (typer 0.29 prints `--json <bool>`): an empty metavar,
+    on the command, its help option and every subcommand below it."""
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        untyped_flags(sub, ctx)
+
+
 class EpibusGroup(TyperGroup):
     """Runs the app in click's non-standalone mode and reports what it raises in the one error format."""
 
@@ -74,6 +108,8 @@ class EpibusGroup(TyperGroup):
             return 0
         except usage.UsageError as e:
             line = usage_line(e, " ".join([prog_name, *self._named(argv)]), argv)
+            if isinstance(e, usage.MissingParameter) and (every := every_missing(e, argv)) is not None:
+                line = every + line[line.index("; run '") :]
             return fail(line, as_json=as_json, error_type=type(e).__name__).exit_code
         except usage.ClickException as e:
             return fail(e.format_message(), as_json=as_json, error_type=type(e).__name__).exit_code
@@ -82,6 +118,16 @@ class EpibusGroup(TyperGroup):
         except EpibusError as e:  # a command without @handles_errors, or an option callback
             return fail(str(e), as_json=as_json, error_type=type(e).__name__).exit_code
         return result if isinstance(result, int) else 0
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            untyped_flags(command, ctx)
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        untyped_flags(self, ctx)
+        super().format_help(ctx, formatter)
 
     def _named(self, argv: list[str]) -> list[str]:
         """The (sub)command names the arguments begin with."""

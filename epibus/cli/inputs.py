@@ -12,7 +12,7 @@ import typer
 
 import mesh.events  # noqa: F401  registers the mesh's kinds (task, coordinators): --kind accepts, reads parse them
 from bus.model.fields import AGENT_PATTERN
-from bus.model.kinds import kind_names, require_kind
+from bus.model.kinds import artifact_kind_names, kind_names
 from bus.subjects import PROJECT_PATTERN
 
 PROJECT_RULE = "lowercase letters, digits and '-', starting with a letter or digit, at most 63 characters"
@@ -34,11 +34,6 @@ def agent(value: str | None) -> str | None:
     return value
 
 
-def artifact_kinds() -> list[str]:
-    """The kinds an artifact can have: claims, not the transitions acting on them or subsystems' records."""
-    return [k for k in kind_names() if not (require_kind(k).body.transition or require_kind(k).body.system_record)]
-
-
 def _kind_in(value: str, allowed: list[str], what: str) -> str:
     if value in allowed:
         return value
@@ -49,7 +44,7 @@ def _kind_in(value: str, allowed: list[str], what: str) -> str:
 
 def artifact_kind_list(values: list[str] | None) -> list[str] | None:
     """--kind, repeatable, on the artifact reads (artifacts, audit, recall)."""
-    return [_kind_in(v, artifact_kinds(), "an artifact kind") for v in values] if values else values
+    return [_kind_in(v, artifact_kind_names(), "an artifact kind") for v in values] if values else values
 
 
 def event_kind(value: str | None) -> str | None:

@@ -23,7 +23,7 @@ def _row(relation: str, member: dict[str, Any]) -> list[Any]:
     content = "(forgotten) " + member["content"] if member["forgotten"] else member["content"]
     created = datetime.fromisoformat(member["created_at"]).strftime("%Y-%m-%d %H:%M")
     label = state_label(member)
-    return [relation, member["artifact_id"], member["kind"], label, member["author"], created, content[:70]]
+    return [relation, member["artifact_id"], member["kind"], label, member["author"], created, content]
 
 
 def lineage_rows(found: dict[str, Any]) -> list[list[Any]]:

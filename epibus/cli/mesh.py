@@ -25,6 +25,7 @@ from epibus.cli.common import (
     HomeOpt,
     JsonOpt,
     NatsOpt,
+    QuietOpt,
     console,
     emit_json,
     err_console,
@@ -155,6 +156,7 @@ def propose(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Propose work to a project's coordinators."""
     data = _payload(payload)
@@ -176,7 +178,11 @@ def propose(
             message_id=mid,
         )
 
-    _show_outcome(run_mesh(nats, agent, home, work), as_json)
+    outcome = run_mesh(nats, agent, home, work)
+    if quiet and not as_json:
+        print(outcome.record.task_id, flush=True)
+        return
+    _show_outcome(outcome, as_json)
 
 
 def _payload(value: str | None) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from epibus.cli.common import (
     HomeOpt,
     JsonOpt,
     NatsOpt,
+    WideOpt,
     console,
     emit_json,
     err_console,
@@ -56,6 +57,7 @@ def show(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """One task: its proposal, where it stands, and every step with who took it."""
     entry = run_task(nats, agent, home, task, project, lambda m, t: m.locate(t, project))
@@ -108,6 +110,7 @@ def outbox(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Tasks this agent proposed, wherever they stand."""
     entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.outbox(project)))
@@ -122,6 +125,7 @@ def pending(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Completed tasks their proposer has not acknowledged yet (open handshakes)."""
     entries, quarantined = run_mesh(nats, agent, home, lambda m: _listed(m, m.pending(project)))
@@ -156,6 +160,7 @@ def inbox(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Proposals for this agent, work assigned to it, decisions on its proposals. With --watch, follows new
     ones, resuming after the last one it showed (a saved cursor, or --out's last line)."""

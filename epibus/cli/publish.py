@@ -26,6 +26,7 @@ from epibus.cli.common import (
     HomeOpt,
     JsonOpt,
     NatsOpt,
+    QuietOpt,
     console,
     emit_json,
     err_console,
@@ -149,6 +150,7 @@ def _common_parameters() -> list[inspect.Parameter]:
         p("nats", keyword, default=None, annotation=NatsOpt),
         p("home", keyword, default=None, annotation=HomeOpt),
         p("as_json", keyword, default=False, annotation=JsonOpt),
+        p("quiet", keyword, default=False, annotation=QuietOpt),
     ]
 
 
@@ -175,7 +177,8 @@ def _make_command(kind: str) -> Any:
 
     command.__signature__ = inspect.Signature([*common, *field_params])  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in [*common, *field_params]}
-    command.__doc__ = f"Publish a `{kind}` event" + (" (acts on --artifact-id)." if spec.transition else ".")
+    article = "an" if kind[0] in "aeiou" else "a"
+    command.__doc__ = f"Publish {article} {kind} event" + (" (acts on --artifact-id)." if spec.transition else ".")
     return handles_errors(command)
 
 
@@ -209,6 +212,9 @@ async def _publish(kind: str, body: dict[str, Any], o: dict[str, Any]) -> None:
         receipt = await client.publish(event, wait_for=o["wait_for"], timeout_s=o["timeout_s"], strict=o["strict"])
     if o["as_json"]:
         emit_json({"ok": True, **receipt.as_dict(), "artifact_id": event.artifact_id})
+        return
+    if o["quiet"]:
+        print(event.artifact_id, flush=True)
         return
     if client.offline:
         err_console.print(

@@ -5,6 +5,7 @@ membership rules of recall, so an agent reads its projects and is refused the ot
 
 from __future__ import annotations
 
+import difflib
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,6 +24,7 @@ from epibus.cli.common import (
     HomeOpt,
     JsonOpt,
     NatsOpt,
+    WideOpt,
     console,
     emit_json,
     err_console,
@@ -64,9 +66,36 @@ def journal_read(
     directly when `journal` is given. Raises Forbidden (the rule that refused the agent), Unavailable, and
     NotFound or AmbiguousId for an artifact prefix, named as the option the user typed (`artifact_field`)."""
     try:
-        return run(_ask(request, nats, agent, home)) if journal is None else _read_file(request, journal, home, as_json)
+        answer = (
+            run(_ask(request, nats, agent, home)) if journal is None else _read_file(request, journal, home, as_json)
+        )
     except AmbiguousId as e:
         raise AmbiguousId(artifact_field, e.prefix, e.what, e.where, e.matches, e.more) from None
+    if request.project is not None and not as_json and _empty(answer):
+        projects = JournalReadRequest(read="projects")
+        known = run(_ask(projects, nats, agent, home)) if journal is None else _read_file(projects, journal, home, True)
+        if (note := unknown_project_note(request.project, known)) is not None:
+            err_console.print(shown(("note: ", "yellow"), note), soft_wrap=True)
+    return answer
+
+
+def _empty(answer: Any) -> bool:
+    if isinstance(answer, dict):  # a briefing: a list per section
+        return all(not v for v in answer.values() if isinstance(v, list))
+    return isinstance(answer, list) and not answer
+
+
+def unknown_project_note(project: str, known: list[str]) -> str | None:
+    """What to say when a read of `project` came back empty and no event of it is in the journal: the projects
+    that are, the nearest first. None when the project has events (empty because nothing matched)."""
+    if project in known:
+        return None
+    if not known:
+        return f"project {project!r} has no events yet, and neither has any other project you can read"
+    near = difflib.get_close_matches(project, known, n=3, cutoff=0.6)
+    listed = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    guess = f"; did you mean {' or '.join(repr(p) for p in near)}?" if near else ""
+    return f"project {project!r} has no events yet{guess} (projects with events: {listed})"
 
 
 def _read_file(request: JournalReadRequest, journal: str, home: Path | None, as_json: bool) -> Any:
@@ -98,7 +127,7 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
             v["author"],
             f"{v['relevance']:.3f}",
             ",".join(sorted(v["flags"])),
-            v["content"][:70],
+            v["content"],
         ]
         for v in views
     ]
@@ -129,6 +158,7 @@ def artifacts_command(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """The safe read: never contradicted, rolled back, retracted or mistyped artifacts. Ranked by relevance."""
     request = build_request(
@@ -158,6 +188,7 @@ def audit(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """The audit read: every artifact whatever its state, with its verification log (reviewers and admins)."""
     request = build_request(
@@ -200,6 +231,7 @@ def briefing_command(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """What a starting agent needs: top artifacts, open unknowns, recent mistakes and dead ends, recently
     superseded items and confidence flags; with --goal-text, what the mirrors recall for the goal."""
@@ -210,13 +242,19 @@ def briefing_command(
     if as_json:
         emit_json(brief | {"semantic": semantic.as_dict() if semantic else None})
         return
+    empty: list[str] = []
     for section, title in BRIEFING_SECTIONS:
         if section == "for_goal" and not goal:
             continue
         views = brief[section]
+        if not views:
+            empty.append(title.format(goal=goal))
+            continue
         console.print(table(f"{title.format(goal=goal)} ({len(views)})", COLUMNS, artifact_rows(views)))
+    if empty:
+        console.print(shown(("nothing yet: ", "dim"), "; ".join(empty)), soft_wrap=True)
     if semantic is not None:
-        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"], h["content"][:70]] for h in semantic.hits]
+        rows = [[f"{h['score']:.3f}", h["kind"], h["artifact_id"], h["content"]] for h in semantic.hits]
         console.print(table(f"recalled for the goal ({len(rows)})", ["score", "kind", "artifact", "content"], rows))
 
 

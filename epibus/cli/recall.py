@@ -16,6 +16,7 @@ from epibus.cli.common import (
     JsonOpt,
     NatsOpt,
     Target,
+    WideOpt,
     console,
     emit_json,
     err_console,
@@ -50,7 +51,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
             h["artifact_id"],
             f"{h['state']['trust']}/{h['state']['lifecycle']}",
             h["provenance"]["actor"],
-            h["content"][:70],
+            h["content"],
         ]
         for h in answer.hits
     ]
@@ -80,6 +81,7 @@ def recall_command(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """The safe door by meaning: never contradicted, rolled back, retracted or mistyped items. Ranked by
     similarity x relevance; says which nodes answered. No mirror answering is an error, not "no matches"."""
@@ -99,6 +101,7 @@ def audit_recall_command(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """The audit door by meaning: everything mirrored, whatever its state, with that state (for reviewers and
     admins; under a node's home the node's operator asks)."""

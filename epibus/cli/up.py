@@ -19,7 +19,7 @@ from epibus.cli.common import (
     HomeOpt,
     JournalOpt,
     JsonOpt,
-    NatsOpt,
+    NodeNatsOpt,
     console,
     emit_json,
     err_console,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 @handles_errors
 def up(
-    nats: NatsOpt = None,
+    nats: NodeNatsOpt = None,
     port: Annotated[
         int | None,
         typer.Option("--port", min=1, max=65535, help="The embedded nats-server's client port; kept for later starts."),

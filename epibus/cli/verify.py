@@ -1,5 +1,5 @@
-"""`epibus verify`: two jobs under one name. With an artifact it vouches for
-that artifact (trust -> verified); without one it reconciles the stream with every node's journal and mirror."""
+"""`epibus verify ARTIFACT` vouches for an artifact (trust -> verified); `epibus reconcile` compares the stream
+with every node's journal and mirror by event id, and repairs them on request. Two jobs, two names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import typer
 
 from bus.client.fleet import ask_verify
-from bus.errors import ConfigError
 from epibus.cli import inputs, state
 from epibus.cli.common import (
     AgentOpt,
@@ -28,39 +27,19 @@ from epibus.cli.common import (
 
 @handles_errors
 def verify(
-    artifact_id: Annotated[
-        str | None,
-        typer.Argument(help="Vouch for this artifact (id or unique prefix); leave out to reconcile the stores."),
-    ] = None,
-    project: Annotated[
-        str | None,
-        typer.Option("--project", "-p", help="Project (required with an artifact).", callback=inputs.project),
-    ] = None,
-    note: Annotated[str | None, typer.Option("--note", help="With an artifact: what was checked.")] = None,
-    evidence: Annotated[
-        list[str] | None, typer.Option("--evidence", help="With an artifact: KIND:REF, repeatable.")
-    ] = None,
-    repair: Annotated[bool, typer.Option("--repair", help="Without an artifact: make the stores agree.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Without an artifact: seconds.")] = 120.0,
+    artifact_id: Annotated[str, typer.Argument(help="The artifact to vouch for (id or unique prefix).")],
+    project: Annotated[str, typer.Option("--project", "-p", help="Its project.", callback=inputs.project)],
+    note: Annotated[str | None, typer.Option("--note", help="What was checked.")] = None,
+    evidence: Annotated[list[str] | None, typer.Option("--evidence", help="KIND:REF, repeatable.")] = None,
     nats: NatsOpt = None,
     journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """With ARTIFACT: vouch for another agent's artifact (trust -> verified; a verified one gains another
-    record; the verifier is the signing --agent, of another owner than the author's). Without: reconcile the stream,
-    every node's journal and every node's mirror by event id (missing, extra, stale payload; --repair fixes
-    them; exit code 1 unless every store is clean)."""
-    if artifact_id is None:
-        if note or evidence:
-            raise ConfigError("verify", "--note and --evidence go with an ARTIFACT to vouch for")
-        _reconcile(project, repair=repair, timeout=timeout, nats=nats, agent=agent, home=home, as_json=as_json)
-        return
-    if project is None:
-        raise ConfigError("--project", "is required to verify an artifact")
-    if repair:
-        raise ConfigError("verify", "--repair reconciles the stores; leave out the ARTIFACT to use it")
+    """Vouch for another agent's artifact (trust -> verified; a verified one gains another record). The
+    verifier is the signing --agent, of another owner than the author's. To compare the stores, run
+    `epibus reconcile`."""
     state.verify(
         artifact_id,
         project,
@@ -72,6 +51,26 @@ def verify(
         home=home,
         as_json=as_json,
     )
+
+
+@handles_errors
+def reconcile(
+    project: Annotated[
+        str | None,
+        typer.Option(
+            "--project", "-p", help="Only this project [default: every project, for admins].", callback=inputs.project
+        ),
+    ] = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Make the stores agree with the stream.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every node.")] = 120.0,
+    nats: NatsOpt = None,
+    agent: AgentOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reconcile the stream, every node's journal and every node's mirror by event id: missing, extra and
+    stale-payload counts per store (--repair fixes them). Exit code 1 unless every store is clean."""
+    _reconcile(project, repair=repair, timeout=timeout, nats=nats, agent=agent, home=home, as_json=as_json)
 
 
 def _reconcile(
@@ -108,7 +107,7 @@ def _reconcile(
                     rows.append([a["node"], a["stream_events"], store, part["missing"], part["extra"], part["stale"]])
         console.print(
             table(
-                "verify" + (" (after repair)" if repair else ""),
+                "reconcile" + (" (after repair)" if repair else ""),
                 ["node", "stream events", "store", "missing", "extra", "stale payload"],
                 rows,
             )

@@ -24,10 +24,11 @@ from epibus.dashboard.feed import CLOSE, Feed, Subscriber
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 FILES = {
-    "/": ("index.html", "text/html"),
     "/app.js": ("app.js", "text/javascript"),
     "/style.css": ("style.css", "text/css"),
+    "/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
+INITIAL_MARK = b"<!--initial-->"  # where the page carries where things stand, so its first paint shows figures
 MAX_BODY_BYTES = 6 * MAX_TEXT_CHARS + 1024  # the longest query, every character escaped as \uXXXX
 RECALL_HITS = 10
 SEND_TIMEOUT_S = 10.0  # a page that takes no bytes for this long is dropped
@@ -39,9 +40,22 @@ Recall = Callable[[RecallRequest], Awaitable[list[dict[str, Any]]]]
 def build_app(feed: Feed, recall: Recall) -> Starlette:
     files = {path: ((STATIC / name).read_bytes(), media) for path, (name, media) in FILES.items()}
 
+    page = (STATIC / "index.html").read_bytes()
+
     async def static(request: Request) -> Response:
         body, media = files[request.url.path]
         return Response(body, media_type=media)
+
+    async def index(_: Request) -> Response:
+        """The page with the figures of now inside it, rendered by the script before the stream opens: a page
+        (or a screenshot) never shows placeholders waiting for the first update."""
+        health = await feed.current_health()
+        initial = {
+            "events": {"events": feed.events, "rate": feed.rate},
+            "health": health | {"pages": health["pages"] | {"dropped_here": 0}},
+        }
+        data = json.dumps(initial, default=str).replace("<", "\\u003c").encode()  # no `</script>` can end it
+        return Response(page.replace(INITIAL_MARK, data), media_type="text/html")
 
     async def snapshot(_: Request) -> JSONResponse:
         return JSONResponse({"events": feed.events, "health": await feed.current_health()})
@@ -59,7 +73,7 @@ def build_app(feed: Feed, recall: Recall) -> Starlette:
     async def recall_route(request: Request) -> JSONResponse:
         return await _recall(request, recall)
 
-    routes = [Route(path, static) for path in files]
+    routes = [Route("/", index), *(Route(path, static) for path in files)]
     routes += [
         Route("/api/snapshot", snapshot),
         Route("/api/stream", stream),

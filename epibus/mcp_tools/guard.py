@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from bus.errors import InvalidEvent
+from bus.errors import InvalidEvent, validation_message
 from bus.model.event import MAX_EVENT_BYTES
 
 M = TypeVar("M", bound=BaseModel)
@@ -53,7 +53,7 @@ def _invalid(tool: str, error: ValidationError) -> InvalidEvent:
     ctx = first.get("ctx") or {}
     if "expected" in ctx:
         return InvalidEvent(f"{field}{shown}", f"expected {ctx['expected']}")
-    return InvalidEvent(f"{field}{shown}", str(first["msg"]).removeprefix("Value error, "))
+    return InvalidEvent(f"{field}{shown}", validation_message(first))
 
 
 def _short(value: Any) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, JsonValue, StringConstraints, create_model
 
 from bus.model.fields import AgentId, ArtifactId, ProjectSlug, ShortText, Text
-from bus.model.kinds import Evidence, kind_names, require_kind
+from bus.model.kinds import Evidence, artifact_kind_names, kind_names, require_kind
 from bus.model.vocab import EpistemicSource, ResolutionKind
 from bus.subjects import KIND_PATTERN
 from epibus.mcp_tools.schema import Capability, Limit, MessageId, Query, RepoPath, TaskId, ToolInput, When
@@ -16,9 +16,26 @@ from mesh.task import MAX_PAYLOAD_KEYS, CommitSha
 from mesh.vocab import ActionCategory
 
 Wait = Literal["published", "journaled"]
-# Kinds can be registered at run time, so a kind is checked against the registry when the tool runs.
+
+
+def _kinds_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = kind_names()  # when the schema is made: kinds registered at run time are listed too
+
+
+def _artifact_kinds_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = artifact_kind_names()
+
+
+# Kinds can be registered at run time, so the schema lists them when it is made and the tool checks the registry.
 KindName = Annotated[
-    str, StringConstraints(pattern=KIND_PATTERN.pattern), Field(description="A registered kind, e.g. finding.")
+    str,
+    StringConstraints(pattern=KIND_PATTERN.pattern),
+    Field(description="A registered kind, e.g. finding.", json_schema_extra=_kinds_enum),
+]
+ArtifactKindName = Annotated[
+    str,
+    StringConstraints(pattern=KIND_PATTERN.pattern),
+    Field(description="A kind of artifact, e.g. finding.", json_schema_extra=_artifact_kinds_enum),
 ]
 SYSTEM_KINDS = frozenset({"coordinators", "enrolment", "task"})
 
@@ -67,7 +84,7 @@ class ArtifactInput(ProjectInput):
 class RecallInput(ProjectInput):
     query: Query = Field(description="What to recall, in words.")
     k: Limit = Field(default=10, description="How many hits at most.")
-    kinds: list[KindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
+    kinds: list[ArtifactKindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
 
 
 class SafeRecallInput(RecallInput):
@@ -76,14 +93,14 @@ class SafeRecallInput(RecallInput):
 
 
 class ArtifactsInput(ProjectInput):
-    kinds: list[KindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
+    kinds: list[ArtifactKindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
     include_resolved: bool = Field(default=False, description="Also stale or superseded claims.")
     as_of: When | None = None
     limit: Limit = 50
 
 
 class AuditInput(ProjectInput):
-    kinds: list[KindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
+    kinds: list[ArtifactKindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
     as_of: When | None = None
     limit: Limit = 200
 

@@ -87,10 +87,11 @@ class NodeMirror:
             self.observer = MirrorObserver(
                 self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.node
             )
-            counted = self.runner.tally  # the metrics keep counting on
+            counted, handled = self.runner.tally, self.runner.stats.handled  # metrics and status keep counting on
             self.runner = ConsumerRunner(
                 self.nc, self.observer, batch_size=MIRROR_BATCH, start_seq=rebuilt.last_seq + 1, tally=counted
             )
+            self.runner.stats.handled = handled
             self.start(self._loops)
             if old_name and old_name != rebuilt.consumer_name:
                 try:

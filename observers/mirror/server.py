@@ -5,6 +5,7 @@ model id and dimension. All client calls run on one owned thread: local mode is 
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,9 @@ def server_filter(where: Filter) -> models.Filter | None:
     if not must and not must_not:
         return None
     return models.Filter(must=must or None, must_not=must_not or None)
+
+
+QDRANT_API_KEY_ENV = "QDRANT_API_KEY"  # as Qdrant's own tools read it
 
 
 class ServerVectorStore:
@@ -134,7 +138,12 @@ class ServerVectorStore:
         if self.location == ":memory:":
             self._client = QdrantClient(location=":memory:")
         elif self.location.startswith(("http://", "https://", "grpc://")):
-            self._client = QdrantClient(url=self.location, prefer_grpc=self.location.startswith("grpc://"), timeout=10)
+            self._client = QdrantClient(
+                url=self.location,
+                prefer_grpc=self.location.startswith("grpc://"),
+                timeout=10,
+                api_key=os.environ.get(QDRANT_API_KEY_ENV) or None,  # a secured server; https:// for TLS
+            )
         else:
             self._client = QdrantClient(path=self.location)
         # `collection` is an alias onto a real collection, so a reindex can swap a rebuilt one in atomically.

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from bus.client.client import connect
 from bus.client.project_view import ProjectView, load_artifact, load_project
 from bus.enrolment.registry import AgentRegistry
-from bus.errors import Conflict, Forbidden, IllegalTransition
+from bus.errors import Conflict, Forbidden, IllegalTransition, NotFound
 from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey, wire_message
 from bus.model.event import Envelope, draft_event
@@ -216,7 +216,7 @@ async def test_hostile_messages_a_retraction_and_a_lost_race(nats_server: NatsSe
         whole = (await load_artifact(verifier.js, verify_successor)).whole_project
         assert whole is not None
         assert "superseding" in whole
-        with pytest.raises(IllegalTransition, match="does not exist"):
+        with pytest.raises(NotFound, match="no artifact with this id"):
             await verifier.transition("verified", {"note": "n"}, project=project, artifact_id=successor.artifact_id)
         # The verifier decides from the direct read, then loses the race to a contradiction: JetStream refuses.
         stale = await verifier.change_view(verify)

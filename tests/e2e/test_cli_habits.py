@@ -19,6 +19,7 @@ from tests.support import start_node_process, stop_node_process
 pytestmark = pytest.mark.slow
 PROJECT = "habits"
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+ID_PREFIX = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}(?:-[0-9a-f]{1,4}){0,3}(?:-[0-9a-f]{1,12})?")
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def publish(home: Path, text: str, *extra: str, wait: str = "indexed") -> dict[s
     return dict(as_json(epibus(home, "publish", "finding", "-p", PROJECT, *claim, *extra, "--json")))
 
 
-def narrow(home: Path, *args: str) -> str:
+def narrow(home: Path, *args: str, columns: int = 80) -> str:
     """A command's table output as an 80-column terminal gets it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPIBUS_")} | {"EPIBUS_HOME": str(home)}
     result = subprocess.run(
         [sys.executable, "-m", "epibus", *args],
-        env=env | {"COLUMNS": "80"},
+        env=env | {"COLUMNS": str(columns)},
         capture_output=True,
         text=True,
         timeout=60,
@@ -52,14 +53,23 @@ def narrow(home: Path, *args: str) -> str:
     return result.stdout
 
 
-def assert_ids_whole(output: str, ids: set[str]) -> None:
-    """Every id appears, and wherever its last characters (random, unlike the first ones, which say when the id
-    was made) appear, the whole id is on that line: no id folds across lines."""
+def assert_ids_on_one_line(output: str, ids: set[str]) -> dict[str, str]:
+    """Every id appears on one line of at most 80 columns, whole or as a prefix of 13 characters or more that
+    no other id shown shares (as git abbreviates), never folded: the characters after what is shown are not on
+    the next line. Returns what each id is shown as."""
     lines = output.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    shown_as: dict[str, str] = {}
     for whole in ids:
-        assert any(whole in line for line in lines), (whole, output)
-        assert all(whole in line for line in lines if whole[-12:] in line), (whole, output)
+        found = [m.group() for line in lines for m in ID_PREFIX.finditer(line) if whole.startswith(m.group())]
+        assert found, (whole, output)
+        shortest = min(found, key=len)
+        assert len(shortest) >= 13, shortest
+        assert not any(other.startswith(shortest) for other in ids - {whole}), (shortest, output)
+        rest = whole[len(shortest) :]
+        assert not rest or not any(line.strip().startswith(rest[:6]) for line in lines), (whole, output)
+        shown_as[whole] = shortest
+    return shown_as
 
 
 def test_indexed_then_recalled_at_once_and_ids_by_prefix(mirrored: Path) -> None:
@@ -98,14 +108,16 @@ def test_indexed_then_recalled_at_once_and_ids_by_prefix(mirrored: Path) -> None
     elsewhere = epibus(home, "verify", prefix, "-p", "other", "--json", check=False)
     assert "no artifact id in project 'other' starts with it" in error_json(elsewhere)["error"]
 
-    # On an 80-column terminal every id is printed whole on one line, and what is pasted from a table works.
+    # On an 80-column terminal every id is on one line, abbreviated when the row would not fit otherwise, and
+    # what is pasted from a table works; at 120 columns they are whole.
     listed = narrow(home, "artifacts", "-p", PROJECT)
     for output in (listed, narrow(home, "events", "-p", PROJECT), narrow(home, "recall", "deploys", "-p", PROJECT)):
-        assert_ids_whole(output, ids)
-    assert_ids_whole(narrow(home, "lineage", whole, "-p", PROJECT), {whole})
-    pasted = UUID.findall(listed)[0]
+        assert_ids_on_one_line(output, ids)
+    assert_ids_on_one_line(narrow(home, "lineage", whole, "-p", PROJECT), {whole})
+    pasted = assert_ids_on_one_line(listed, ids)[whole]
     shown = as_json(epibus(home, "lineage", pasted, "-p", PROJECT, "--json"))
-    assert shown["artifact"]["artifact_id"] == pasted
+    assert shown["artifact"]["artifact_id"] == whole
+    assert all(i in narrow(home, "artifacts", "-p", PROJECT, columns=120) for i in ids)
 
 
 def test_task_ids_by_prefix(mirrored: Path) -> None:
@@ -125,7 +137,7 @@ def test_task_ids_by_prefix(mirrored: Path) -> None:
     assert error_json(unknown)["type"] == "NotFound"
     assert f"no task id in project '{PROJECT}' starts with it" in error_json(unknown)["error"]
     table = narrow(home, "mesh", "outbox", "--agent", "bob")
-    assert_ids_whole(table, {task})
+    assert_ids_on_one_line(table, {task})
 
 
 def test_wait_indexed_on_a_node_without_a_mirror_says_so_and_the_event_is_published(tmp_path: Path) -> None:

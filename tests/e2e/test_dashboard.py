@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import AsyncIterator
@@ -313,3 +314,22 @@ async def test_pages_that_never_read_or_vanish_do_not_hold_the_node_back(
         for sock in stuck:  # the pages go away without a word
             sock.close()
         await eventually(lambda: not dashboard.feed.subscribers, timeout_s=20)
+
+
+async def test_the_first_paint_shows_real_figures_before_any_live_update(ui_node: Node, browser: Browser) -> None:
+    """The page carries where things stand when it is served: with its live stream blocked it still shows the
+    figures, the observers, a dated 24-hour time, and its icon."""
+    dashboard = ui_node.dashboard
+    assert dashboard is not None
+    page = await browser.new_page()
+    await page.route("**/api/stream", lambda route: route.abort())  # no update can arrive
+    opened = await page.goto(dashboard.url_with_token, wait_until="load")
+    assert opened is not None
+    assert opened.status == 200
+    figures = {f: await page.locator(f"#{f}").inner_text() for f in ("rate", "dlq", "outbox", "nats")}
+    assert [f for f, text in figures.items() if text in ("\u2013", "", "?")] == [], figures  # \u2013: the placeholder
+    assert await page.locator("#observers tr[data-observer^='journal-']").count() == 1
+    assert re.fullmatch(r"updated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", await page.locator("#updated").inner_text())
+    icon = await page.request.get(dashboard.url.rstrip("/") + "/favicon.svg")
+    assert icon.status == 200
+    assert (await icon.body()).startswith(b"<svg")

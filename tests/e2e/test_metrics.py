@@ -387,5 +387,7 @@ async def test_a_reindex_keeps_the_mirrors_counts_going(
         assert node.mirror_runner is not before
         await alice.publish(alice.event("finding", finding(2), project=project))
         await eventually(lambda: mirrored() == 3, timeout_s=30)
+        assert node.mirror_runner is not None
+        assert node.mirror_runner.stats.handled == 3  # what `epibus status` shows agrees with the metrics
         found = await samples(node)
     assert values(found, "epibus_events_mirrored_total", "project", "kind")[(project, "finding")] == 3

@@ -15,8 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from rich.console import Console, RenderableType
 
-from epibus.cli.common import table
 from epibus.cli.display import SafeFormatter, plain, shown
+from epibus.cli.tables import fitted
 
 CLI = Path(__file__).resolve().parents[2] / "epibus" / "cli"
 HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}  # controls, format (bidi, zero-width), separators, lone surrogates
@@ -80,7 +80,8 @@ def test_a_styled_line_carries_only_its_own_style_sequences(text: str) -> None:
 
 
 def test_a_table_of_hostile_texts_renders_them_literally_with_no_sequence_but_styles() -> None:
-    out = on_terminal(table("[/] " + HOSTILE[3], ["[bold]", "text"], [[h, h] for h in HOSTILE]))
+    rows = [[h, h] for h in HOSTILE]
+    out = on_terminal(fitted("[/] " + HOSTILE[3], ["[bold]", "text"], rows, width=400, wide=True))
     inert = SGR.sub("", out)
     assert "\x1b" not in inert
     assert hidden(inert, but="\n") == []

@@ -50,7 +50,12 @@ function fill(tbody, rows, build, empty) {
 }
 
 function time(iso) {
-  return iso ? new Date(iso).toLocaleTimeString() : "";
+  // The date and a 24-hour clock, in the viewer's time zone: YYYY-MM-DD HH:MM:SS
+  if (!iso) return "";
+  const d = new Date(iso);
+  const two = (n) => String(n).padStart(2, "0");
+  return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + " " +
+    two(d.getHours()) + ":" + two(d.getMinutes()) + ":" + two(d.getSeconds());
 }
 
 function showEvents(data) {
@@ -163,7 +168,16 @@ async function recall(event) {
   $("recall").dataset.answered = String(++answers);
 }
 
+function showInitial() {
+  const initial = $("initial");
+  if (!initial || !initial.textContent.trim()) return;
+  const data = JSON.parse(initial.textContent);
+  showEvents(data.events);
+  showHealth(data.health);
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   $("recall").addEventListener("submit", recall);
+  showInitial();
   connect();
 });
