@@ -16,6 +16,7 @@ require_own_layers()
 
 if TYPE_CHECKING:
     from bus.client.client import EpibusClient, connect
+    from bus.client.consume import Consumer, Received
     from bus.errors import (
         ConfigError,
         Conflict,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         NotFound,
         Unavailable,
     )
+    from bus.intake.cursor import FileCursor, MemoryCursor
     from bus.model.event import Envelope
     from bus.model.kinds import Body, Evidence, register_kind
     from bus.model.vocab import EpistemicSource, ReceiptLevel, ResolutionKind, Reversibility, Trust
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
 # Where each public name lives: (module, attribute), attribute None for a module itself.
 _WHERE: dict[str, tuple[str, str | None]] = {
     **{name: ("bus.client.client", name) for name in ("EpibusClient", "connect")},
+    **{name: ("bus.client.consume", name) for name in ("Consumer", "Received")},
+    **{name: ("bus.intake.cursor", name) for name in ("FileCursor", "MemoryCursor")},
     **{
         name: ("bus.errors", name)
         for name in (
@@ -76,6 +80,7 @@ __all__ = [
     "Body",
     "ConfigError",
     "Conflict",
+    "Consumer",
     "Coordinator",
     "Envelope",
     "EpibusClient",
@@ -83,12 +88,14 @@ __all__ = [
     "EpistemicSource",
     "EventQuery",
     "Evidence",
+    "FileCursor",
     "Forbidden",
     "IllegalTransition",
     "Inbox",
     "InvalidEvent",
     "Journal",
     "JournalRow",
+    "MemoryCursor",
     "MeshAgent",
     "ModelMismatch",
     "Node",
@@ -98,6 +105,7 @@ __all__ = [
     "Outcome",
     "Receipt",
     "ReceiptLevel",
+    "Received",
     "ResolutionKind",
     "Reversibility",
     "Trust",

@@ -18,12 +18,13 @@ from typing import Literal, Protocol
 from bus.broker.loops import run_together
 from bus.broker.nats_errors import RETRYABLE
 from bus.errors import ConfigError, Conflict, Forbidden, IllegalTransition, InvalidEvent, NotFound
+from bus.intake.cursor import Cursor
 from bus.model.ids import derived_event_id
 from mesh.agent import MeshAgent
 from mesh.store import TaskEntry
 from mesh.task import TaskRecord
 from mesh.vocab import ActionCategory, TaskAction, TaskState
-from mesh.watch import Cursor, agent_watcher
+from mesh.watch import agent_watcher
 
 log = logging.getLogger(__name__)
 OPEN_STATES = frozenset({TaskState.proposed, TaskState.accepted, TaskState.working})

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import InvalidEvent, MalformedRecord
+from bus.intake.cursor import Cursor
 from mesh.agent import MeshAgent
 from mesh.protocol import TERMINAL
 from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord
 from mesh.vocab import TaskAction, TaskState
-from mesh.watch import Cursor, agent_watcher
+from mesh.watch import agent_watcher
 
 log = logging.getLogger(__name__)
 CONTEXT_REFRESH_S = 5.0  # how often an inbox re-reads the rosters and the agent's capabilities

@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from bus.broker.nats_errors import JS_TIMEOUT_S
 from bus.broker.streams import ensure_streams
 from bus.errors import Conflict, InvalidEvent, MalformedRecord
+from bus.intake.cursor import Cursor
 from bus.model.event import Envelope
 from bus.outbox.outbox_file import OutboxRow
 from bus.outbox.publish import send_one
@@ -22,7 +23,7 @@ from mesh.events import step_event
 from mesh.store import MeshStore, TaskEntry, ensure_counter_task
 from mesh.task import Step
 from mesh.vocab import TaskAction
-from mesh.watch import Cursor, TaskWatcher
+from mesh.watch import TaskWatcher
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.broker.polling import Poller, fetch_batch
-from bus.errors import ConfigError, InvalidEvent, MalformedRecord
-from bus.host.home import write_private
+from bus.errors import ConfigError, MalformedRecord
 from bus.intake.consumers import pull_consumer
+from bus.intake.cursor import Cursor, MemoryCursor
 from bus.intake.follow import ResumingSubscription, resume_config
 from bus.intake.stream_read import last_matching
 from bus.model.records import Quarantine
@@ -34,49 +33,6 @@ if TYPE_CHECKING:
     from mesh.agent import MeshAgent
 
 log = logging.getLogger(__name__)
-MAX_REVISION_DIGITS = 20  # a KV revision is a stream sequence, a uint64
-
-
-class Cursor(Protocol):
-    """Where a watcher keeps the last revision it handled."""
-
-    def load(self) -> int:
-        """The last handled revision; 0 when nothing was handled yet."""
-
-    def save(self, revision: int) -> None:
-        """Durably record a handled revision (called after the handler returned)."""
-
-
-class MemoryCursor:
-    def __init__(self, revision: int = 0) -> None:
-        self.revision = revision
-
-    def load(self) -> int:
-        return self.revision
-
-    def save(self, revision: int) -> None:
-        self.revision = revision
-
-
-class FileCursor:
-    """A cursor in a small file, replaced atomically (write, fsync, rename) so a crash leaves the old or the
-    new value, never a torn one."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> int:
-        try:
-            text = self.path.read_text().strip()
-        except FileNotFoundError:
-            return 0
-        # ASCII digits only: str.isdigit() also takes '²', which int() refuses; and no more than int() reads
-        if not (text.isascii() and text.isdigit() and len(text) <= MAX_REVISION_DIGITS):
-            raise InvalidEvent(f"cursor file {self.path}", f"holds {text[:40]!r}, expected a revision number")
-        return int(text)
-
-    def save(self, revision: int) -> None:
-        write_private(self.path, f"{revision}\n", durable=True)
 
 
 @dataclass

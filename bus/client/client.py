@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 from bus.broker.loops import cancel_and_wait
 from bus.client.changes import StateChanges
 from bus.client.connection import Connection
+from bus.client.consume import DEFAULT_MAX_UNACKED, Consumer
 from bus.client.dispatch import Dispatch
 from bus.client.fleet import Asking, FleetRequests
 from bus.client.pipeline import PublishPipeline
@@ -31,6 +32,7 @@ from bus.client.recall import RecallAnswer
 from bus.errors import ConfigError, Unavailable
 from bus.host.home import NodeFollower
 from bus.identity.signing import AgentKey
+from bus.intake.cursor import Cursor
 from bus.model.auth import Enrolment
 from bus.model.event import Envelope, draft_event
 from bus.model.forget import ForgetProof, ForgetReport
@@ -242,6 +244,31 @@ class EpibusClient:
     def require_member(self, project: str, action: str) -> None:
         """See PublishChecks.require_member: Forbidden unless this agent is enrolled in `project`."""
         self.checks.require_member(project, action)
+
+    # -- consuming -------------------------------------------------------------------------------------
+
+    def consume(
+        self,
+        project: str,
+        *,
+        kind: str | None = None,
+        cursor: Cursor | None = None,
+        from_start: bool = False,
+        max_unacked: int = DEFAULT_MAX_UNACKED,
+    ) -> Consumer:
+        """One project's events as they reach the stream, each to `ack()` (see bus.client.consume): `async with
+        client.consume("demo", cursor=FileCursor(path)) as events: async for received in events: ...`.
+        Raises Forbidden unless this agent is a member of `project`, Unavailable when not connected."""
+        self.require_member(project, "read")
+        return Consumer(
+            self.connection.require_nc(),
+            project,
+            kind=kind,
+            cursor=cursor,
+            from_start=from_start,
+            max_unacked=max_unacked,
+            registry=self.connection.registry,
+        )
 
     # -- publishing ------------------------------------------------------------------------------------
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
+
 from bus.errors import ConfigError
 from bus.host.home import write_private
 
 PORTS_FILE = "ports.json"
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's state column
 
 
 @dataclass(frozen=True)
@@ -56,52 +56,15 @@ def port_taken(host: str, port: int) -> bool:
 
 
 def port_holder(port: int) -> str | None:
-    """'pid N (name)' of the process listening on a TCP port, read from /proc; None when it cannot be seen
-    (another user's process, or not Linux)."""
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return None
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and any(target[8:-1] in inodes for target in _socket_fds(entry)):
+    """'pid N (name)' of the process listening on a TCP port (psutil); None when it cannot be seen (another
+    user's process)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
             try:
-                return f"pid {entry.name} ({(entry / 'comm').read_text().strip()})"
-            except (FileNotFoundError, ProcessLookupError):
-                return f"pid {entry.name}"  # it exited just now
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+            except psutil.NoSuchProcess:
+                return f"pid {conn.pid}"  # it exited just now
     return None
-
-
-def _socket_fds(process: Path) -> list[str]:
-    """The `socket:[inode]` targets of a process's open files. An fd closed while it is read is skipped on its
-    own: a busy process (the node itself, reconnecting) closes fds all the time, and skipping the whole process
-    on one of them would hide the very holder being looked for."""
-    found: list[str] = []
-    try:
-        fds = list((process / "fd").iterdir())
-    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
-        return found  # gone meanwhile, or not ours to look at
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # closed between the listing and the read
-        if target.startswith("socket:["):
-            found.append(target)
-    return found
-
-
-def _listening_inodes(port: int) -> set[str]:
-    found: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == _LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
-                found.add(inode)
-    return found
 
 
 def raise_for_taken_port(role: str, host: str, port: int, option: str) -> NoReturn:

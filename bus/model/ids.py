@@ -3,64 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import threading
-import time
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
+
+from uuid_utils.compat import uuid7
 
 from bus.errors import AmbiguousId, InvalidEvent, NotFound
 
 # Fixed forever: changing it orphans every point already written.
 EPIBUS_NAMESPACE = uuid.UUID("6f1c3a52-9d4e-4b8a-9a57-2f0e8c1d7b33")
 
-_lock = threading.Lock()
-_last_ms = 0
-_counter = 0
-
-
-_RANDOM_POOL_BYTES = 4096
-_random_pool = b""
-_random_at = 0
-
-
-def _forget_random_pool() -> None:
-    # A forked child must not hand out the bytes its parent hands out: that would repeat event ids.
-    global _random_pool, _random_at
-    _random_pool, _random_at = b"", 0
-
-
-os.register_at_fork(after_in_child=_forget_random_pool)
-
-
-def _random_bytes(n: int) -> bytes:
-    """`n` bytes of os.urandom, read 4 KiB at a time (one system call per few hundred ids). Under `_lock`."""
-    global _random_pool, _random_at
-    if _random_at + n > len(_random_pool):
-        _random_pool, _random_at = os.urandom(_RANDOM_POOL_BYTES), 0
-    chunk = _random_pool[_random_at : _random_at + n]
-    _random_at += n
-    return chunk
-
 
 def new_event_id() -> uuid.UUID:
-    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, then a 12-bit counter so ids made in one millisecond
-    by this process still sort in creation order, then 62 random bits."""
-    global _last_ms, _counter
-    with _lock:
-        now_ms = time.time_ns() // 1_000_000
-        if now_ms > _last_ms:
-            _last_ms, _counter = now_ms, int.from_bytes(_random_bytes(2), "big") & 0x3FF
-        else:
-            _counter += 1
-            if _counter > 0xFFF:  # counter exhausted: borrow the next millisecond
-                _last_ms, _counter = _last_ms + 1, 0
-        ms, counter = _last_ms, _counter
-        rand = int.from_bytes(_random_bytes(8), "big") & ((1 << 62) - 1)
-    value = (ms << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | rand
-    return uuid.UUID(int=value)
+    """A UUIDv7 (RFC 9562) from uuid-utils: 48-bit Unix milliseconds, then a counter seeded at random each
+    millisecond, so ids made by one process sort in creation order, then random bits."""
+    return uuid7()
 
 
 def parse_event_id(value: str, field: str) -> uuid.UUID:

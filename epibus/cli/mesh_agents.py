@@ -43,8 +43,8 @@ def coordinate(
 ) -> None:
     """Run the coordinator service for a project: decide proposals by the policy, expire overdue tasks.
     This agent must be one of the project's coordinators."""
+    from bus.intake.cursor import FileCursor
     from mesh.coordinator import Coordinator, parse_policy
-    from mesh.watch import FileCursor
 
     chosen = parse_policy(policy)
 

@@ -40,10 +40,10 @@ from epibus.cli.mesh import (
 
 # The mesh's models load when a mesh command runs, not at every CLI start (`epibus --help` included).
 if TYPE_CHECKING:
+    from bus.intake.cursor import Cursor
     from mesh.agent import MeshAgent
     from mesh.inbox import Notification, NotificationLog
     from mesh.store import TaskEntry
-    from mesh.watch import Cursor
 
 # -- reading ----------------------------------------------------------------------------------------------
 
@@ -170,8 +170,8 @@ def inbox(
         return
     if reset and out is not None:
         raise ConfigError("--reset", "with --out the file is the cursor: start a new file (or remove it) instead")
+    from bus.intake.cursor import FileCursor
     from mesh.inbox import NotificationLog
-    from mesh.watch import FileCursor
 
     me = agent or default_agent()
     cursor: Cursor

@@ -25,13 +25,14 @@ from nats.js import JetStreamContext
 
 from bus.errors import EpibusError
 from bus.host.home import write_private
+from bus.intake.cursor import MemoryCursor
 from bus.services.enrolments import local_agent_keys
 from epibus.monitoring.statusline import KEEP_ALIVE_S, STATUS_FILE, STATUS_FORMAT, WRITE_EVERY_S
 from mesh.inbox import CONTEXT_REFRESH_S, capabilities_of, coordinators_of, inbox_reason
 from mesh.protocol import awaits_acknowledgement
 from mesh.store import MeshStore, TaskEntry
 from mesh.task import TaskRecord
-from mesh.watch import MemoryCursor, TaskWatcher
+from mesh.watch import TaskWatcher
 from observers.journal import Journal
 from observers.reads import open_unknown_counts
 

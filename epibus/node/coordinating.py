@@ -9,9 +9,9 @@ from pathlib import Path
 from bus.client.client import EpibusClient
 from bus.client.enrol import enrol_locally
 from bus.identity.signing import AgentKey
+from bus.intake.cursor import FileCursor
 from mesh.agent import MeshAgent
 from mesh.coordinator import Coordinator, parse_policy
-from mesh.watch import FileCursor
 
 
 async def start_coordinators(

@@ -31,6 +31,7 @@ from bus.host.home import (
 from bus.host.ports import read_ports
 from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey, node_key
+from bus.intake.cursor import FileCursor
 from bus.intake.runner import ConsumerRunner
 from bus.outbox.forwarder import Forwarder
 from bus.outbox.outbox import Outbox
@@ -60,7 +61,6 @@ from mesh import events as mesh_events
 from mesh.coordinator import Coordinator
 from mesh.recorder import MeshRecorder
 from mesh.service import MeshService
-from mesh.watch import FileCursor
 from observers.journal import Journal, JournalObserver
 from observers.mirror.embed import CachedEmbedder
 from observers.mirror.observer import MirrorObserver

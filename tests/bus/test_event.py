@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import string
 import uuid
 from datetime import UTC, datetime
@@ -316,3 +317,20 @@ def test_numbers_flags_and_times_are_never_coerced(tmp_path: Path, field: str, v
     (raw[target] if target else raw)[name] = value
     with pytest.raises(InvalidEvent, match=name):
         decode_event(json.dumps(raw).encode())
+
+
+def test_a_forked_child_never_repeats_its_parent_s_event_ids() -> None:
+    new_event_id()  # the parent's generator has state before the fork
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write its ids and leave at once
+        os.close(read_end)
+        os.write(write_end, "\n".join(str(new_event_id()) for _ in range(2000)).encode())
+        os._exit(0)
+    os.close(write_end)
+    parent = {str(new_event_id()) for _ in range(2000)}
+    with os.fdopen(read_end, "rb") as child_output:
+        child = set(child_output.read().decode().split("\n"))
+    os.waitpid(pid, 0)
+    assert len(child) == 2000
+    assert not parent & child

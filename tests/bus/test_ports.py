@@ -1,4 +1,4 @@
-"""Who holds a port: found from /proc even while the holder opens and closes files all the time (as a node that
+"""Who holds a port (psutil): found even while the holder opens and closes files all the time (as a node that
 reconnects does), so a refusal names the process to stop."""
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 from bus.errors import MalformedRecord, Unavailable
 from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey
+from bus.intake.cursor import MemoryCursor
 from bus.model.ids import new_event_id
 from bus.subjects import MESH_BUCKET, capabilities_key, roster_key, task_key
 from epibus.node.node import Node, service_failures
@@ -24,7 +25,7 @@ from mesh.protocol import advance
 from mesh.store import decode_capabilities, decode_roster, decode_task
 from mesh.task import Message, Proposal
 from mesh.vocab import ActionCategory, TaskAction
-from mesh.watch import MemoryCursor, TaskWatcher
+from mesh.watch import TaskWatcher
 from tests.conftest import finding
 from tests.hostile import Hostile, all_hostile_task_records, hostile_payloads, put_raw
 from tests.mesh.conftest import MeshFactory

@@ -16,11 +16,12 @@ from bus.broker.loops import cancel_and_wait
 from bus.broker.nats_errors import RETRYABLE
 from bus.errors import InvalidEvent, Unavailable
 from bus.host.server import NatsServer
+from bus.intake.cursor import FileCursor
 from bus.subjects import MESH_STREAM
 from mesh.agent import MeshAgent
 from mesh.inbox import Inbox, Notification, NotificationLog
 from mesh.store import TaskEntry
-from mesh.watch import FileCursor, TaskWatcher
+from mesh.watch import TaskWatcher
 from tests.mesh.conftest import MeshFactory
 from tests.support import eventually
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nats
 import nats.errors
+import psutil
 import pytest
 
 from bus.broker.streams import MIB
@@ -184,17 +185,7 @@ asyncio.run(main())
 
 
 def _listening_ports(pid: int | None) -> set[int]:
-    """The TCP ports a process listens on, from its sockets' inodes in /proc/net/tcp."""
+    """The TCP ports a process listens on."""
     assert pid is not None
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}

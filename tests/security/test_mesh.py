@@ -23,6 +23,7 @@ from bus.broker.ask import fan_out
 from bus.client.client import EpibusClient
 from bus.errors import Forbidden
 from bus.identity.signing import node_key
+from bus.intake.cursor import MemoryCursor
 from bus.model.ids import new_event_id
 from bus.model.requests import ErrorReply
 from bus.subjects import MESH_BUCKET, MESH_ROSTER, MESH_STEP, roster_key, task_key
@@ -34,7 +35,6 @@ from mesh.protocol import advance
 from mesh.task import RosterDraft, TaskRecord
 from mesh.trust import UntrustedRecord
 from mesh.vocab import TaskAction, TaskState
-from mesh.watch import MemoryCursor
 from mesh.wire import MeshReply, RosterRequest, StepRequest
 from tests.security.mesh_fleet import SHA, Fleet, fleet_on_a_node, recorder_past, watch_until
 from tests.security.test_broker import Violations
