@@ -15,6 +15,7 @@ from typer.core import TyperGroup, TyperOption
 
 from bus.errors import EpibusError
 from epibus.cli.common import fail
+from epibus.extras import missing_extra
 
 PROG = "epibus"
 
@@ -117,6 +118,10 @@ class EpibusGroup(TyperGroup):
             return fail("aborted", as_json=as_json, error_type="Aborted").exit_code
         except EpibusError as e:  # a command without @handles_errors, or an option callback
             return fail(str(e), as_json=as_json, error_type=type(e).__name__).exit_code
+        except ModuleNotFoundError as e:  # a node command on the light install
+            if (fix := missing_extra(e)) is None:
+                raise
+            return fail(fix, as_json=as_json, error_type="MissingExtra").exit_code
         return result if isinstance(result, int) else 0
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:

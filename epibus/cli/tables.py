@@ -91,11 +91,12 @@ def fitted(
     kinds = [_kind(column, [row[i] for row in cells]) for i, column in enumerate(columns)]
     if wide and _natural_width(columns, cells, kinds) > width:
         return expanded(title, columns, cells)
-    if _least_width(columns, cells, kinds) > width:
+    # Before a short column (a kind, a state) is cut: empty columns go, then ids shrink to unique prefixes.
+    if _natural_width(columns, cells, kinds) > width:
         kept = [i for i in range(len(columns)) if any(row[i] for row in cells)]  # an empty column says nothing
         columns, kinds = [columns[i] for i in kept], [kinds[i] for i in kept]
         cells = [[row[i] for i in kept] for row in cells]
-    if not wide and _least_width(columns, cells, kinds) > width:
+    if not wide and _natural_width(columns, cells, kinds) > width:
         cells = abbreviated_ids(cells)
     widths = _widths(columns, cells, kinds, width=width, wide=wide)
     longest_title_word = max((len(word) for word in title.split()), default=0)
@@ -160,12 +161,6 @@ def expanded(title: str, columns: Sequence[str], cells: Sequence[Sequence[str]])
             record.add_row(shown(column), shown(cell, multiline=True))
         parts += [Rule(f"{number}", align="left", characters="─"), record]
     return Group(*parts)
-
-
-def _least_width(columns: Sequence[str], cells: Sequence[Sequence[str]], kinds: Sequence[str]) -> int:
-    values = [[row[i] for row in cells] for i in range(len(columns))]
-    least = sum(_least(c, v, k) for c, v, k in zip(columns, values, kinds, strict=True))
-    return least + GAP * (len(columns) - 1)
 
 
 def _widths(

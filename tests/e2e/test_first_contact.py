@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def test_the_readme_tour_runs_as_written_on_a_fresh_node(node: tuple[Path, dict[
         stdin=subprocess.DEVNULL,
         cwd=home.parent,
     )
-    ran = [line for line in result.stderr.splitlines() if line.startswith("+ epibus")]
+    ran = [line for line in result.stderr.splitlines() if re.match(r"\++ epibus ", line)]  # ++: inside $(…)
     assert result.returncode == 0, f"stopped after {ran[-1:]}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     out = result.stdout
     for word in ("5 artifact(s) in demo", "recall: 5 hit(s)", "top artifacts", "contradicted", "rolled back 1",
@@ -169,3 +170,83 @@ async def _connect_as_the_nats_cli_would(context: dict[str, Any], seed: str) -> 
         return 1 if nc.is_connected else 0
     finally:
         await nc.close()
+
+
+# -- the light install ------------------------------------------------------------------------------------
+
+LIGHT_SITE = '''
+import importlib.abc, sys
+from epibus.extras import EXTRA_OF_MODULE
+
+class LightInstall(importlib.abc.MetaPathFinder):
+    """Only what `pip install epibus` installs can be imported: every extra's module is missing."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in EXTRA_OF_MODULE:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, LightInstall())
+'''
+
+CONSUME = """
+import asyncio, sys
+from epibus import connect
+
+async def main():
+    async with connect(agent="dora") as client, client.consume(sys.argv[1], from_start=True) as events:
+        received = await asyncio.wait_for(anext(events), 15)
+        received.ack()
+        print(received.event.event_id)
+
+asyncio.run(main())
+"""
+
+
+def light(home: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A command as it runs on the light install: the extras' modules cannot be imported."""
+    site = tmp_path / "light-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(LIGHT_SITE)
+    env = cli_env(home, columns=100) | {"PYTHONPATH": f"{site}:{Path(__file__).parents[2]}"}
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
+
+
+def test_an_agent_on_the_light_install_publishes_reads_recalls_tails_and_consumes(
+    node: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    home, _ = node
+    probe = light(home, tmp_path, "-c", "import fastembed")
+    assert "No module named 'fastembed'" in probe.stderr  # the light install is what this test runs
+    published = light(home, tmp_path, "-m", "epibus", "publish", "finding", "-p", "light", "-q", "--agent", "dora",
+                      "--text", "a light client publishes", "--impact", "0.3", "--confidence", "0.5",
+                      "--subject", "s", "--wait", "indexed")  # fmt: skip
+    assert published.returncode == 0, published.stderr
+    event_id = published.stdout.strip()
+    for args, word in (
+        (["artifacts", "-p", "light", "--agent", "dora"], "1 artifact(s) in light"),
+        (["recall", "what does a light client do", "-p", "light", "--agent", "dora"], "a light client publishes"),
+        (["tail", "-p", "light", "-n", "1", "--from-start", "--agent", "dora"], event_id),
+    ):
+        result = light(home, tmp_path, "-m", "epibus", *args)
+        assert result.returncode == 0, (args, result.stderr)
+        assert word in result.stdout, (args, result.stdout)
+    consumed = light(home, tmp_path, "-c", CONSUME, "light")
+    assert consumed.returncode == 0, consumed.stderr
+    assert consumed.stdout.strip() == event_id
+
+
+def test_a_node_command_on_the_light_install_names_the_extra_to_install(tmp_path: Path) -> None:
+    result = light(tmp_path / "home", tmp_path, "-m", "epibus", "up")
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "pip install 'epibus[node]'" in result.stderr
+
+
+def test_the_light_install_holds_nothing_of_the_node_extra() -> None:
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[\[<>=]", requirement)[0] for requirement in project["dependencies"]}
+    node_extra = {re.split(r"[\[<>=]", requirement)[0] for requirement in project["optional-dependencies"]["node"]}
+    assert core & node_extra == set()
+    assert {"fastembed", "qdrant-edge-py", "onnxruntime"} & core == set()

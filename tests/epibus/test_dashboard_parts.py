@@ -127,7 +127,8 @@ async def test_a_page_that_does_not_keep_up_loses_its_oldest_messages_counted_an
 def test_the_dashboard_files_load_nothing_from_elsewhere() -> None:
     static = Path(__file__).parents[2] / "epibus" / "dashboard" / "static"
     for path in static.iterdir():
-        text = path.read_text()
+        # an SVG names its XML namespace with a URL; nothing is fetched from it
+        text = path.read_text().replace('xmlns="http://www.w3.org/2000/svg"', "")
         forbidden = ("http://", "https://", "//cdn", "innerHTML", "insertAdjacentHTML", "eval(")
         found = [bad for bad in forbidden if bad in text]
         assert found == [], path.name

@@ -56,6 +56,18 @@ def test_at_120_columns_ids_are_whole_and_every_column_is_shown() -> None:
     assert all(any(i in line for line in lines) for i in IDS)
 
 
+@given(width=st.integers(min_value=60, max_value=140))
+def test_a_short_column_is_never_cut_while_an_id_could_be_shortened(width: int) -> None:
+    """Kinds and states stay whole at every width where unique id prefixes leave room for them."""
+    lines = rendered(fitted("2 artifact(s) in demo", ARTIFACT_COLUMNS, ROWS, width=width, wide=False), width)
+    words = " ".join(lines).split()
+    whole = ["finding", "unknown", "unverified/active", "verified/resolved(superseded)"]
+    full_ids = all(any(i in line for line in lines) for i in IDS)
+    abbreviated_width = MIN_ID_CHARS + 2 + 7 + 2 + len(whole[3]) + 2 + 6 + 2 + 9 + 2 + len("unearned") + 2 + 10
+    if full_ids or width >= abbreviated_width:
+        assert [w for w in whole if w not in words] == []
+
+
 def test_wide_on_a_narrow_terminal_shows_each_row_as_a_record_with_every_value_whole() -> None:
     lines = rendered(fitted("2 artifact(s) in demo", ARTIFACT_COLUMNS, ROWS, width=80, wide=True), 80)
     assert max(map(len, lines)) <= 80
