@@ -234,7 +234,7 @@ async def test_an_undeclared_wrong_or_oversized_argument_is_refused_and_nothing_
         message = await refused(bob, "complete", task_id="t1", sha="a" * 40, repo="relative/repo")
         assert "complete.repo='relative/repo'" in message
         message = await refused(bob, "events", project=project, kind="findng")
-        assert message.startswith("InvalidEvent: kind: 'findng' not in {"), message
+        assert message.startswith("InvalidEvent: kind: 'findng' (did you mean 'finding'?) not in {"), message
         with pytest.raises(MCPError, match="unknown tool 'publish'"):
             await bob.call_tool("publish", {"project": project})
         # still serving after every refusal
