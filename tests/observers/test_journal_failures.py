@@ -49,6 +49,7 @@ CALLS: list[tuple[str, Callable[[Journal, AgentKey], object]]] = [
     ("outcomes", lambda j, _k: j.outcomes([EVENT_ID])),
     ("query", lambda j, _k: j.query(EventQuery(project="p"))),
     ("count", lambda j, _k: j.count()),
+    ("projects", lambda j, _k: j.projects()),
     ("event_ids", lambda j, _k: j.event_ids()),
     ("reading", _read),
 ]
