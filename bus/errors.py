@@ -120,6 +120,40 @@ class Unavailable(EpibusError):
         super().__init__(f"{component} unavailable: {cause}")
 
 
+class DiskFull(Unavailable):
+    """A store did not write: the filesystem under it has less free space than the reserve. Nothing was lost;
+    an observer holds its events and resumes by itself once space returns."""
+
+    def __init__(self, writer: str, path: str, free_bytes: int, reserve_bytes: int) -> None:
+        self.writer = writer
+        self.path = path
+        self.free_bytes = free_bytes
+        self.reserve_bytes = reserve_bytes
+        super().__init__(
+            writer,
+            f"disk full: {path} has {_mib(free_bytes)} free, below the reserve of {_mib(reserve_bytes)}; "
+            "free space there or lower EPIBUS_DISK_RESERVE_MB",
+        )
+
+
+class StoreDamaged(Unavailable):
+    """A store's files are damaged (a torn page, a cut file): what it holds cannot be read until it is rebuilt
+    from the stream. Not the event's fault, so observers hold events instead of dead-lettering them."""
+
+    def __init__(self, store: str, path: str, damage: str, remedy: str) -> None:
+        self.store = store
+        self.path = path
+        self.damage = damage
+        self.remedy = remedy
+        Exception.__init__(self, f"{store} damaged: {path}: {damage}; {remedy}")
+        self.component = store
+        self.cause = damage
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):.0f} MiB"
+
+
 class ComponentFailed(EpibusError):
     """A component answered, but failed or refused this request, and asking again later will not help (a bug,
     a request it rejects). Not an outage: a consumer spends deliveries on it and then dead-letters the event

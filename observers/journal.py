@@ -32,7 +32,8 @@ from sqlalchemy.exc import (
 )
 
 from bus.enrolment.service_rules import Authorizer
-from bus.errors import ComponentFailed, ConfigError, InvalidEvent, Unavailable
+from bus.errors import ComponentFailed, ConfigError, InvalidEvent, StoreDamaged, Unavailable
+from bus.host.disk import require_room
 from bus.host.home import private_sqlite
 from bus.intake.admission import Delivery, Refusal, first_of_each_id
 from bus.intake.batch_context import batch_erased
@@ -50,6 +51,14 @@ log = logging.getLogger(__name__)
 DIALECTS = ("sqlite", "postgresql")
 PROJECTION_LOCK_ID = 7_031_816
 SCRUBBED_TABLES = ("events", "artifacts", "verifications")  # the tables that held a forgotten artifact's content
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite journal URL; None for another database or an in-memory SQLite."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return Path(parsed.database)
 
 
 def make_engine(url: str) -> Engine:
@@ -137,6 +146,19 @@ DATABASE_OUTAGES = (OperationalError, InterfaceError, DisconnectionError, sqlalc
 SQLITE_OUTAGE = re.compile(r"locked|busy|disk i/o error|unable to open|disk is full|readonly|no space", re.I)
 
 
+# SQLite's words for a file whose pages are not what it wrote: the journal must be rebuilt from the stream.
+SQLITE_DAMAGE = re.compile(r"malformed|file is not a database|database corruption|disk image", re.I)
+JOURNAL_REMEDY = "rebuild it from the stream with `epibus replay --rebuild` (the damaged file is kept aside)"
+
+
+def journal_damage(error: BaseException, path: Path | None) -> StoreDamaged | None:
+    """StoreDamaged when a SQLite journal's error says its file is damaged; None for any other error."""
+    orig = error.orig if isinstance(error, DBAPIError) else error
+    if path is None or not isinstance(orig, sqlite3.DatabaseError) or not SQLITE_DAMAGE.search(str(orig)):
+        return None
+    return StoreDamaged("journal", str(path), str(orig), JOURNAL_REMEDY)
+
+
 def database_failure(error: SQLAlchemyError, message: str) -> Unavailable | ComponentFailed:
     """The one choke point from SQLAlchemy errors to epibus errors."""
     if isinstance(error, DBAPIError) and isinstance(error.orig, sqlite3.OperationalError):
@@ -205,6 +227,7 @@ class Journal:
         self.url = url
         self.engine = make_engine(url)
         self.dialect = self.engine.dialect.name
+        self.file = sqlite_file(url)  # None for PostgreSQL and an in-memory SQLite
 
     @contextlib.contextmanager
     def _translated(self, doing: str, *, batch: bool = False) -> Iterator[None]:
@@ -214,6 +237,8 @@ class Journal:
         try:
             yield
         except SQLAlchemyError as e:
+            if (damage := journal_damage(e, self.file)) is not None:
+                raise damage from e
             if batch and isinstance(e, (DataError, IntegrityError)):
                 # The database refuses these rows, and would every time: not an outage to wait out. The runner
                 # isolates the event that causes it and dead-letters it after its deliveries.
@@ -227,6 +252,8 @@ class Journal:
         """A connection (in a transaction that commits on leaving, with `transaction`) whose errors, from
         connecting to committing, are translated by `_translated`."""
         with self._translated(doing, batch=batch):
+            if transaction and self.file is not None:
+                require_room(self.file, "journal")
             if transaction:
                 with self.engine.begin() as conn:
                     yield conn
@@ -245,6 +272,17 @@ class Journal:
         one durable consumer; separate journals get separate consumers and each sees every event."""
         with self._connect("reading the journal identity") as conn:
             return str(conn.execute(select(journal_identity.c.id)).scalar_one())
+
+    def check(self) -> None:
+        """Raise StoreDamaged when SQLite's quick check finds the journal's pages damaged (a few seconds per GB,
+        reading only). PostgreSQL checks its own pages: it only has to answer."""
+        with self._connect("checking the journal's pages") as conn:
+            if self.file is None:
+                conn.execute(select(1))
+                return
+            found = [str(row[0]) for row in conn.exec_driver_sql("PRAGMA quick_check(5)")]
+        if found != ["ok"]:
+            raise StoreDamaged("journal", str(self.file), "; ".join(found)[:300], JOURNAL_REMEDY)
 
     def migrate(self) -> int:
         with self._translated("migrating"):

@@ -48,6 +48,7 @@ CONNECT_OR_REFUSED: tuple[type[BaseException], ...] = (*CONNECT_ERRORS, nats.err
 
 WRONG_LAST_SEQUENCE = 10071
 STREAM_FULL = 10077  # a stream with discard new at its byte or message limit
+STORAGE_FULL = 10023  # "insufficient resources": the server's JetStream storage limit (max_file_store) is reached
 
 
 def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
@@ -59,6 +60,13 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
             "nats",
             f"publish to {subject}: the stream is full ({error.description}); the event waits in the outbox: the "
             "operator raises `epibus up --events-max-gib/--events-max-msgs`, or forgets and erases what is not needed",
+        )
+    if isinstance(error, nats.js.errors.APIError) and error.err_code == STORAGE_FULL:
+        return Unavailable(
+            "nats",
+            f"publish to {subject}: the server's disk is full (JetStream: {error.description}); the node keeps room "
+            "for its journal and mirror: `epibus health` on it names the path and the free space; free space there "
+            "(an outboxed event is sent once there is room)",
         )
     if isinstance(error, NATS_UNAVAILABLE) or (isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)):
         return Unavailable("nats", f"publish to {subject}: {type(error).__name__} {error}".strip())
@@ -92,7 +100,8 @@ def _forbidden(nc: NatsClient, subject: str, violation: str) -> Forbidden:
         subject,
         f"the broker refused it ({violation.strip()}): the subject is outside the agent's projects or "
         "permissions (`epibus agent list` shows them; an admin changes them with `epibus agent add`), or "
-        "the agent went over its publish budget and is suspended for up to a minute (`epibus stats`)",
+        "the agent went over its publish budget and is suspended for up to a minute (`epibus stats`), or the "
+        "node's disk is full and it takes no publishes until space is freed (`epibus health` names the disk)",
     )
 
 

@@ -167,6 +167,15 @@ def managed_streams(replicas: int = 1, limits: StreamLimits | None = None) -> li
     return events + buckets
 
 
+INSUFFICIENT_STORAGE = 10047  # creating a stream whose byte limit the server cannot reserve
+
+
+def limits_total_mib(limits: StreamLimits | None) -> int:
+    """The bytes the event and dead-letter streams reserve, in MiB (the buckets reserve nothing)."""
+    chosen = limits or StreamLimits()
+    return (chosen.events_max_bytes + chosen.dlq_max_bytes) // MIB
+
+
 # A node checks its streams this often while it stays connected, and at every reconnect.
 DRIFT_CHECK_EVERY_S = 15.0
 Found = list[tuple[ManagedStream, StreamConfig, list[Difference]]]
@@ -200,6 +209,13 @@ async def ensure_streams(
                     changed[stream.name] = diffs
             return changed
     except NATS_OR_API_ERROR as e:
+        if isinstance(e, nats.js.errors.APIError) and e.err_code == INSUFFICIENT_STORAGE:
+            raise ConfigError(
+                "events-max-gib",
+                f"the streams' byte limits ({limits_total_mib(limits)} MiB) are more than the server may store "
+                "(JetStream takes at most 75% of the free disk under its store): lower `epibus up --events-max-gib` "
+                "and `--dlq-max-mib`, or give the node a larger disk",
+            ) from e
         # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
         raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e
 

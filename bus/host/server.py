@@ -299,6 +299,9 @@ class NatsServer:
         if the server does not report the reload in time."""
         self.authorization = authorization
         write_private(self.store_dir / AUTHORIZATION_FILE, authorization)
+        self._reload("authorization", timeout_s)
+
+    def _reload(self, what: str, timeout_s: float) -> None:
         process = self._process
         if process is None or process.poll() is not None:
             return  # applied at the next start
@@ -308,10 +311,10 @@ class NatsServer:
         # The server logs the outcome of every reload; read from where the log stood (no monitoring port needed).
         while (outcome := self._reload_outcome(mark)) is None:
             if time.monotonic() > deadline or process.poll() is not None:
-                raise Unavailable("nats-server", f"did not reload its authorization: {self.log_tail()}")
+                raise Unavailable("nats-server", f"did not reload its {what}: {self.log_tail()}")
             time.sleep(0.02)
         if outcome != RELOADED:
-            raise Unavailable("nats-server", f"refused the new authorization: {outcome}")
+            raise Unavailable("nats-server", f"refused the new {what}: {outcome}")
 
     def _log_size(self) -> int:
         try:

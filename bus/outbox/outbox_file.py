@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bus.errors import Unavailable
+from bus.errors import DiskFull, Unavailable
+from bus.host.disk import require_room
 from bus.host.home import private_sqlite
 from bus.identity.signing import PreparedEvent, event_headers, wire_message
 from bus.model.event import Envelope
@@ -143,7 +144,10 @@ class OutboxFile:
                 # This call commits everything queued so far, its own rows and those of waiting callers.
                 batch, self._pending, self._pending_done = self._pending, [], None
                 try:
+                    require_room(self.path, "outbox")
                     await self.run(self._insert, batch)
+                except DiskFull as e:
+                    done.set_exception(e)
                 except (sqlite3.Error, OSError) as e:
                     done.set_exception(Unavailable("outbox", f"cannot write to {self.path}: {e}"))
                 else:

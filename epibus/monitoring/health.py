@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError
+from bus.host.disk import MIB, disk_space
 from bus.host.home import NodeInfo, write_private
 from epibus.node.supervise import service_failures
 
 if TYPE_CHECKING:
     from epibus.node.view import NodeView
 
+log = logging.getLogger(__name__)
 HEALTH_FILE = "health.json"
 REPORT_EVERY_S = 2.0
 # A report older than this means the node's event loop is stuck (or the node died without cleaning up).
@@ -62,6 +65,12 @@ def problems(
     at = datetime.fromisoformat(str(report["at"]))
     age_s = ((now or datetime.now(UTC)) - at).total_seconds()
     if age_s > STALE_AFTER_S:
+        space = disk_space(home)
+        if space.full:  # the report itself could not be written
+            return [
+                f"node {report.get('name')} (pid {info.pid}) has not reported for {age_s:.0f}s: the disk under "
+                f"{space.path} is full ({space.free_bytes // MIB} MiB free); free space there"
+            ]
         return [f"node {report.get('name')} (pid {info.pid}) has not reported for {age_s:.0f}s: it may be hung"]
     found: list[str] = []
     nats = report.get("nats") or {}
@@ -78,12 +87,29 @@ def problems(
             )
         elif stats.get("degraded"):
             found.append(f"observer {name} degraded, holding events: {stats.get('last_error')}")
+    found += storage_problems(report)
     refused = (report.get("fleet") or {}).get("refused")
     if refused:
         found.append(str(refused))
     drift = (report.get("streams") or {}).get("drift")
     if drift:
         found.append(f"{drift}; until then the node forwards nothing (its outbox keeps the events)")
+    return found
+
+
+def storage_problems(report: dict[str, Any]) -> list[str]:
+    """A full disk and a damaged store, one line each, with what to do."""
+    found: list[str] = []
+    for role, space in sorted((report.get("disk") or {}).items()):
+        if space.get("full"):
+            found.append(
+                f"disk full ({role}): {space['path']} has {space['free_bytes'] // MIB} MiB free, below the reserve "
+                f"of {space['reserve_bytes'] // MIB} MiB: the node writes nothing there and refuses publishes; "
+                "free space there and it resumes by itself"
+            )
+    for name, check in sorted((report.get("stores") or {}).items()):
+        if check.get("state") == "damaged":
+            found.append(f"{name} damaged: {check.get('problem')}; {check.get('remedy')}")
     return found
 
 
@@ -115,6 +141,7 @@ def node_health(node: NodeView) -> dict[str, Any]:
         "service_failures": dict(service_failures),
         "budgets": node.budget.report() if node.budget is not None else None,
         "consumer_slots": asdict(node.consumer_slots.counts) if node.consumer_slots is not None else None,
+        **(node.upkeep.report() if node.upkeep is not None else {"disk": {}, "stores": {}}),
     }
 
 
@@ -129,7 +156,16 @@ def _mirror(node: NodeView) -> dict[str, Any]:
 
 
 async def report_health(node: NodeView) -> None:
-    """Write the node's health every REPORT_EVERY_S, until cancelled."""
+    """Write the node's health every REPORT_EVERY_S, until cancelled. A report that cannot be written (a full
+    disk) is logged once per run of failures and tried again: the loop goes on."""
+    failing = False
     while True:
-        write_health(node.config.home, node_health(node))
+        try:
+            write_health(node.config.home, node_health(node))
+        except OSError as e:
+            if not failing:
+                log.warning("cannot write the health report under %s: %s", node.config.home, e)
+            failing = True
+        else:
+            failing = False
         await asyncio.sleep(REPORT_EVERY_S)

@@ -72,6 +72,7 @@ class NodeMetrics:
         node = self.node
         found = [*_observer_families(node), *_consumer_families(node), *_service_families(node)]
         found += [*_embed_families(node), *_node_families(node), *_mesh_families(node), *_limit_families(node)]
+        found += _storage_families(node)
         found += await self._stream_families()
         found += await self._outbox_families()
         errors = CounterMetricFamily(
@@ -337,6 +338,27 @@ def _node_families(node: NodeView) -> list[Metric]:
         forwarded.add_metric(["rejected"], stats.rejected)
         forwarded.add_metric(["failed_attempt"], stats.failed_attempts)
     return [connected, restarts, forwarded]
+
+
+def _storage_families(node: NodeView) -> list[Metric]:
+    """Free disk space per filesystem the node writes to, and each store's last check."""
+    free = GaugeMetricFamily("epibus_disk_free_bytes", "Free space where the node writes, by role.", labels=["role"])
+    reserve = GaugeMetricFamily("epibus_disk_reserve_bytes", "Free space the node never writes into.")
+    full = GaugeMetricFamily("epibus_disk_full", "1 while free space is below the reserve.", labels=["role"])
+    damaged = GaugeMetricFamily(
+        "epibus_store_damaged", "1 when the last check found the store damaged.", labels=["store"]
+    )
+    upkeep = node.upkeep
+    if upkeep is None:
+        return [free, reserve, full, damaged]
+    for role, space in upkeep.disk.items():
+        free.add_metric([role], space.free_bytes)
+        full.add_metric([role], float(space.full))
+    if upkeep.disk:
+        reserve.add_metric([], next(iter(upkeep.disk.values())).reserve_bytes)
+    for name, check in upkeep.checks.items():
+        damaged.add_metric([name], float(check.damaged))
+    return [free, reserve, full, damaged]
 
 
 def _mesh_families(node: NodeView) -> list[Metric]:

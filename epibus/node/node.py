@@ -19,6 +19,7 @@ from bus.broker.loops import cancel_and_wait
 from bus.broker.presence import Presence
 from bus.enrolment.service_rules import enrolled_rule
 from bus.errors import ConfigError
+from bus.host.disk import require_room
 from bus.host.home import (
     NodeInfo,
     default_journal_url,
@@ -57,6 +58,7 @@ from epibus.node.fleet import FleetLink, FleetPlace, fleet_place, join_if_invite
 from epibus.node.mirror import NodeMirror, open_mirror
 from epibus.node.recovery import Recovery
 from epibus.node.supervise import Loops, service_failures, supervised
+from epibus.node.upkeep import Upkeep
 from mesh import events as mesh_events
 from mesh.coordinator import Coordinator
 from mesh.recorder import MeshRecorder
@@ -156,6 +158,7 @@ class Node:
         self.status: StatusWriter | None = None
         self.metrics: MetricsServer | None = None
         self.presence: Presence | None = None
+        self.upkeep: Upkeep | None = None  # free disk space and the stores' checks (epibus/node/upkeep.py)
         self.connection = NodeConnection(replicas=config.replicas, limits=config.limits)
         self.recovery = Recovery(self.connection, self._stop_services, self._start)
         self.loops = Loops()
@@ -231,6 +234,7 @@ class Node:
         self.fleet = fleet_place(config)
         self.name = node_name(home, config.name or self.fleet.joining_as)
         self.key = node_key(home)
+        require_room(home, "node")  # a node on a full disk says so in one line (qdrant-edge would die of SIGBUS)
         if config.nats_url is None:
             authorization = starting_authorization(home / "nats", self.key) if self.authenticated else None
             options = self.fleet.server_options(home, self.name, config.host, self.key)
@@ -324,7 +328,13 @@ class Node:
     async def _watch_budgets(self, server: NatsServer, enrolments: Enrolments) -> BudgetWatch:
         """Every agent's publish budget, counted by the embedded server, read as its system account's user."""
         system = await self._system_connection()
-        return BudgetWatch(system, self.config.budget, agents=enrolments.agent_keys, apply=enrolments.suspend)
+        return BudgetWatch(
+            system, self.config.budget, agents=enrolments.agent_keys, apply=enrolments.suspend, hold_all=self._disk_full
+        )
+
+    def _disk_full(self) -> bool:
+        """While the disk is below its reserve no agent publishes through this node (reads go on)."""
+        return self.upkeep is not None and bool(self.upkeep.full())
 
     async def _system_connection(self) -> NatsClient:
         """The node's one connection as its server's system-account user (budgets, the fleet's leaf links)."""
@@ -360,6 +370,9 @@ class Node:
         loops.supervise("journal progress", self.runner.watch_progress)
         loops.supervise("outbox forwarder", self.forwarder.run)
         loops.supervise("health report", lambda: report_health(self))
+        self.upkeep = Upkeep(home, self.journal, server=self.server, mirror=self._mirror_store)
+        loops.supervise("disk watch", self.upkeep.watch_disk)
+        loops.supervise("store checks", self.upkeep.watch_stores)
         loops.supervise("authorization", enrolments.keep_in_step)
         loops.supervise("heartbeat", self.presence.run)
         if self.server is not None and self.fleet.leaf is not None:
@@ -384,6 +397,10 @@ class Node:
             # Two loops: the view follows the mesh, the writer writes what it shows.
             loops.supervise("status mesh view", status.view.watcher.run)
             loops.supervise("status snapshot", status.run)
+
+    def _mirror_store(self) -> tuple[VectorStore, int] | None:
+        store, embedder = self.store, self.embedder
+        return (store, embedder.dimension) if store is not None and embedder is not None else None
 
     async def _start_extras(self, servers: list[str]) -> None:
         """Coordinators, the dashboard and the metrics endpoint when configured, then node.json."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from epibus.node.budget import BudgetWatch
     from epibus.node.config import NodeConfig
     from epibus.node.fleet import FleetLink
+    from epibus.node.upkeep import Upkeep
     from observers.journal import Journal
     from observers.mirror.embed import CachedEmbedder
     from observers.mirror.store import VectorStore
@@ -66,3 +67,5 @@ class NodeView(Protocol):
     def connection_restarts(self) -> int: ...
     @property
     def server_restarts(self) -> int: ...
+    @property
+    def upkeep(self) -> Upkeep | None: ...

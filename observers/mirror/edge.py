@@ -17,11 +17,13 @@ from typing import Any, TypeVar
 
 import qdrant_edge as qe
 
-from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
+from bus.errors import ComponentFailed, ModelMismatch, StoreDamaged, Unavailable, error_summary
+from bus.host.disk import require_room
 from bus.host.home import private_dir, private_tree, write_private
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,
+    MIRROR_REMEDY,
     CollectionInfo,
     Filter,
     Hit,
@@ -36,6 +38,10 @@ T = TypeVar("T")
 # Engine messages that mean its files failed (disk full, too many files, I/O), which may pass.
 ENGINE_IO_FAILURE = re.compile(
     r"i/?o error|no space left|too many open files|resource temporarily unavailable|read-only file system", re.I
+)
+# The engine's words for files that are not what it wrote (cut short, overwritten): rebuild, do not retry.
+ENGINE_DAMAGE = re.compile(
+    r"out of bounds|not readable|corrupt|checksum|unexpected end of file|failed to (?:deserialize|decode)", re.I
 )
 META_FILE = "collection.json"
 SHARD_DIR = "shard"
@@ -141,10 +147,14 @@ class EdgeVectorStore:
                 raise ModelMismatch(f"{self.model_id} ({self.dimension}-d)", message) from e
             if ENGINE_IO_FAILURE.search(message):
                 raise Unavailable("qdrant-edge", f"{self.path}: {message}") from e
+            if ENGINE_DAMAGE.search(message):
+                raise StoreDamaged("mirror", str(self.path), " ".join(message.split())[:300], MIRROR_REMEDY) from e
             raise ComponentFailed("qdrant-edge", f"{self.path}: {error_summary(e)}") from e
 
     def _write(self, fn: Any, *args: Any) -> Any:
-        """An engine call that may create files (segments, index pages, WAL), which are then made owner-only."""
+        """An engine call that may create files (segments, index pages, WAL), which are then made owner-only.
+        Never below the disk reserve: the engine writes through mmap, and a page the disk cannot back is SIGBUS."""
+        require_room(self.path, "mirror")
         try:
             return self._engine(fn, *args)
         finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from bus.errors import ComponentFailed, ConfigError, Unavailable, error_summary
+from bus.host.disk import require_room
 from bus.host.home import private_dir, private_sqlite, write_private
 from bus.outbox.outbox_file import checkpoint_wal
 
@@ -201,6 +202,7 @@ class CachedEmbedder:
         return found
 
     def _store(self, items: list[tuple[str, list[float]]]) -> None:
+        require_room(self.path, "embedding cache")
         with self._conn:
             self._conn.execute("BEGIN IMMEDIATE")
             self._conn.executemany(

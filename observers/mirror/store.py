@@ -14,6 +14,10 @@ Vector = Sequence[float]
 Scalar = str | int | float | bool
 
 
+# What rebuilds a damaged mirror, named wherever damage is found.
+MIRROR_REMEDY = "rebuild it from the stream with `epibus reindex`"
+
+
 @dataclass(frozen=True)
 class Point:
     id: uuid.UUID

@@ -39,6 +39,7 @@ def _read(journal: Journal, _key: AgentKey) -> object:
 CALLS: list[tuple[str, Callable[[Journal, AgentKey], object]]] = [
     ("identity", lambda j, _k: j.identity()),
     ("migrate", lambda j, _k: j.migrate()),
+    ("check", lambda j, _k: j.check()),
     ("write", lambda j, k: j.write([_delivery(k)])),
     ("kept_events", lambda j, _k: j.kept_events([EVENT_ID])),
     ("rebuild_projection", lambda j, _k: j.rebuild_projection()),
