@@ -36,6 +36,7 @@ VERIFY = "epibus.verify"
 # Core NATS request: rebuild a node's mirror into a new collection and swap it in (progress on the request's
 # `progress` inbox).
 REINDEX = "epibus.reindex"
+JOURNAL_REBUILD = "epibus.journal.rebuild"  # one node rebuilds its journal from the stream
 
 # Core NATS request answered by one node of the `epibus-consumers` queue group: open a pull consumer for the
 # signing agent, named for it and filtered to one of its projects (agents may not create consumers themselves).

@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from sqlalchemy.exc import (
 from bus.enrolment.service_rules import Authorizer
 from bus.errors import ComponentFailed, ConfigError, InvalidEvent, StoreDamaged, Unavailable
 from bus.host.disk import require_room
-from bus.host.home import private_sqlite
+from bus.host.home import fsync_directory, private_sqlite
 from bus.intake.admission import Delivery, Refusal, first_of_each_id
 from bus.intake.batch_context import batch_erased
 from bus.model.erasure import erased_digests
@@ -276,13 +277,42 @@ class Journal:
     def check(self) -> None:
         """Raise StoreDamaged when SQLite's quick check finds the journal's pages damaged (a few seconds per GB,
         reading only). PostgreSQL checks its own pages: it only has to answer."""
-        with self._connect("checking the journal's pages") as conn:
-            if self.file is None:
+        if self.file is None:
+            with self._connect("checking the journal") as conn:
                 conn.execute(select(1))
-                return
-            found = [str(row[0]) for row in conn.exec_driver_sql("PRAGMA quick_check(5)")]
+            return
+        # Its own read-only connection: a pooled one may answer from pages it cached before the damage.
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{self.file}?mode=ro", uri=True, timeout=30)) as conn:
+                found = [str(row[0]) for row in conn.execute("PRAGMA quick_check(5)")]
+        except sqlite3.Error as e:
+            if (damage := journal_damage(e, self.file)) is not None:
+                raise damage from e
+            raise Unavailable("journal", f"checking {self.safe_url} failed: {type(e).__name__}: {e}") from e
         if found != ["ok"]:
             raise StoreDamaged("journal", str(self.file), "; ".join(found)[:300], JOURNAL_REMEDY)
+
+    def adopt_identity(self, identity: str) -> None:
+        """Take another journal's id (a rebuilt file continues the durable consumer of the one it replaces)."""
+        with self._connect("adopting a journal identity", transaction=True) as conn:
+            conn.execute(journal_identity.update().values(id=identity))
+
+    def replace_file(self, fresh: Path | None, aside: Path) -> None:
+        """Swap a rebuilt SQLite file in for this journal's (which is kept as `aside`, with its WAL): the engine
+        is made again on the same URL, so every holder of this Journal reads the new file from now on. `fresh`
+        None: nothing takes its place (the next connection makes an empty file)."""
+        if self.file is None:
+            raise ConfigError("journal", f"{self.safe_url} is not a SQLite file; only a SQLite journal is swapped")
+        self.engine.dispose()
+        for suffix in ("", "-wal", "-shm"):
+            current = Path(f"{self.file}{suffix}")
+            if current.exists():
+                os.replace(current, Path(f"{aside}{suffix}"))
+            rebuilt = Path(f"{fresh}{suffix}")
+            if fresh is not None and rebuilt.exists():
+                os.replace(rebuilt, current)
+        fsync_directory(self.file.parent)
+        self.engine = make_engine(self.url)
 
     def migrate(self) -> int:
         with self._translated("migrating"):
@@ -458,9 +488,17 @@ class JournalObserver:
         self.inserted = 0
         self.already_present = 0
         self.tombstone_sync_failures = 0
+        self._writing = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No batch is written while inside (a rebuild swaps the journal's file); batches wait, then go on."""
+        async with self._writing:
+            yield
 
     async def handle(self, batch: Sequence[Delivery]) -> list[Refusal]:
-        written = await asyncio.to_thread(self.journal.write, batch)
+        async with self._writing:
+            written = await asyncio.to_thread(self.journal.write, batch)
         self.inserted += len(written.inserted)
         self.already_present += len(batch) - len(written.inserted) - len(written.refused)
         if self.tombstones is not None:

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.broker.ask import Replies, ask_one, fan_out, refused_by_all
+from bus.broker.ask import Replies, ask_one, fan_out, refusal, refused_by_all
 from bus.client.changes import StateChanges
 from bus.client.connection import Connection
 from bus.client.project_view import ProjectViews
@@ -30,10 +30,13 @@ from bus.model.forget import ForgetProof, ForgetReport, content_fingerprints, fr
 from bus.model.requests import (
     EraseReply,
     EraseRequest,
+    ErrorReply,
     ForgetProofReply,
     ForgetProofRequest,
     JournalReadReply,
     JournalReadRequest,
+    JournalRebuildReply,
+    JournalRebuildRequest,
     ReindexProgress,
     ReindexReply,
     ReindexRequest,
@@ -43,7 +46,16 @@ from bus.model.requests import (
     describe_invalid,
 )
 from bus.outbox.outbox import Outbox
-from bus.subjects import FORGET_ERASE, JOURNAL_READ, PROVE_FORGOTTEN, REINDEX, STREAM, VERIFY, artifact_filter
+from bus.subjects import (
+    FORGET_ERASE,
+    JOURNAL_READ,
+    JOURNAL_REBUILD,
+    PROVE_FORGOTTEN,
+    REINDEX,
+    STREAM,
+    VERIFY,
+    artifact_filter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +184,25 @@ async def ask_erase(
     request = build_request(EraseRequest, project=project, artifact_id=artifact_id)
     reply = await ask_one(nc, FORGET_ERASE, request, EraseReply, signer=signer, timeout_s=timeout_s)
     return [(m.seq, m.event_id) for m in reply.erased]
+
+
+async def ask_rebuild_journal(
+    nc: NatsClient, signer: AgentKey, node: str, *, timeout_s: float = 3600.0
+) -> JournalRebuildReply:
+    """Ask node `node` (an admin's request) to rebuild its SQLite journal from the stream and swap it in, the
+    damaged file kept aside. Raises Forbidden, Refused (e.g. not a SQLite journal), Unavailable (it did not
+    answer in time)."""
+    request = build_request(JournalRebuildRequest, node=node)
+    replies = await fan_out(
+        nc, JOURNAL_REBUILD, request, JournalRebuildReply, signer=signer, timeout_s=timeout_s, expect=[node]
+    )
+    for answer in replies.answers:
+        if answer.node != node:
+            continue
+        if isinstance(answer, ErrorReply):
+            raise refusal(answer, signer, JOURNAL_REBUILD)
+        return answer
+    raise Unavailable("epibus node", f"node {node} did not answer the rebuild within {timeout_s:g}s; is it running?")
 
 
 async def ask_forget_proof(

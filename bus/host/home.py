@@ -120,6 +120,15 @@ def write_private(path: Path, text: str, *, durable: bool = False) -> None:
     tmp.replace(path)
 
 
+def fsync_directory(path: Path) -> None:
+    """Make the renames in a directory durable (its entries are on disk once this returns)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 MIN_TOKEN_CHARS = 32
 
 

@@ -74,3 +74,17 @@ async def drop_consumer(js: JetStreamContext, subscription: JetStreamContext.Pul
                 await js.delete_consumer(subscription._stream, subscription._consumer)
     except DROP_ERRORS as e:  # gone with the connection, or idled out already
         log.info("dropping a consumer: %s %s", type(e).__name__, e)
+
+
+async def drop_durable(js: JetStreamContext, stream: str, name: str) -> None:
+    """Delete a durable consumer nothing reads through any more (a journal set aside). One that is gone already
+    is fine; a server that does not answer is logged: the consumer then waits for an operator to remove it."""
+    try:
+        async with asyncio.timeout(JS_TIMEOUT_S):
+            await js.delete_consumer(stream, name)
+    except nats.js.errors.NotFoundError:
+        return
+    except RETRYABLE as e:
+        log.warning("durable consumer %s on %s not deleted (%s): remove it with `nats consumer rm`", name, stream, e)
+        return
+    log.info("durable consumer %s on %s deleted", name, stream)

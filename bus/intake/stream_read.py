@@ -30,13 +30,18 @@ STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"; 10037 i
 async def last_sequence(js: JetStreamContext, stream: str) -> int:
     """The stream's last sequence. Raises Forbidden when the broker refused to tell (an agent reads whole
     streams never: only its projects), Unavailable when nobody answered."""
+    return (await stream_bounds(js, stream))[1]
+
+
+async def stream_bounds(js: JetStreamContext, stream: str) -> tuple[int, int]:
+    """The stream's first and last sequence (limits and erasures move the first on). Raises as last_sequence."""
     try:
         async with refused_at_once(js, js_api("STREAM.INFO", stream)), asyncio.timeout(READ_TIMEOUT_S):
             info = await js.stream_info(stream)
     except NATS_OR_API_ERROR as e:
         refusal = broker_refusal(js, js_api("STREAM.INFO", stream))
         raise refusal or Unavailable("nats", f"stream {stream}: {type(e).__name__} {e}") from e
-    return int(info.state.last_seq)
+    return int(info.state.first_seq), int(info.state.last_seq)
 
 
 async def last_matching(js: JetStreamContext, stream: str, filter_subject: str) -> int:

@@ -110,6 +110,12 @@ class ReindexRequest(Message):
     )
 
 
+class JournalRebuildRequest(Message):
+    """An admin asks one node to rebuild its (SQLite) journal from the stream and swap it in."""
+
+    node: NodeName = Field(description="the node whose journal is rebuilt, by name (`epibus status` shows it)")
+
+
 class EraseRequest(Message):
     """An admin asks a node to erase from the stream the messages of an artifact whose `forgotten` event is there."""
 
@@ -254,6 +260,19 @@ class ReindexReply(Message):
     points: Count
     last_seq: Count
     rejected: Count
+
+
+class JournalRebuildReply(Message):
+    """`rebuilt` false: the request named another node. `not_restored` null: the damaged file could not tell."""
+
+    node: NodeName
+    rebuilt: bool
+    events: Count = 0
+    last_seq: Count = 0
+    rejected: Count = 0
+    aside: str | None = None
+    first_stream_seq: Count = 0
+    not_restored: Count | None = None
 
 
 class ErasedMessage(Message):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from bus.enrolment.registry import AgentRegistry
-from bus.host.home import epibus_home, resolve_journal_url
+from bus.errors import ConfigError
+from bus.host.home import epibus_home, read_node_info, resolve_journal_url
 from bus.intake.admission import Admission, Rejected
 from bus.intake.follow import StreamFollower
 from bus.intake.reader import replay
@@ -184,14 +186,63 @@ def replay_command(
     rebuild_state: Annotated[
         bool, typer.Option("--rebuild-state", help="Then recompute the state projection from the journal's events.")
     ] = False,
+    rebuild: Annotated[
+        bool,
+        typer.Option(
+            "--rebuild",
+            help="Have the running node rebuild its journal into a fresh file from the stream and swap it in "
+            "(a damaged journal; the old file is kept aside).",
+        ),
+    ] = False,
+    node: Annotated[str | None, typer.Option("--node", help="With --rebuild: the node [default: this home's].")] = None,
     nats: NatsOpt = None,
     journal: JournalOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Rebuild the journal from the stream. Safe to repeat: rows already present are left as they are."""
+    """Rebuild the journal from the stream. Safe to repeat: rows already present are left as they are.
+    --rebuild starts from an empty file instead, for a journal that is damaged."""
+    if rebuild:
+        run(_rebuild(node, Target(nats, home, agent), as_json))
+        return
     run(_replay(from_seq, rebuild_state, journal, Target(nats, home, agent), as_json))
+
+
+def _running_node(home: Path) -> str:
+    info = read_node_info(home)
+    if info is None or not info.name:
+        raise ConfigError("node", f"no node runs under {home}: start it (`epibus up`), or name one with --node NAME")
+    return info.name
+
+
+async def _rebuild(node: str | None, target: Target, as_json: bool) -> None:
+    from bus.client.fleet import ask_rebuild_journal
+
+    name = node or _running_node(epibus_home(target.home))
+    spinner = err_console.status(f"node {name} rebuilds its journal from the stream")
+    async with target.asking() as (nc, signer):
+        with contextlib.nullcontext() if as_json else spinner:
+            reply = await ask_rebuild_journal(nc, signer, name)
+    report = reply.model_dump(mode="json")
+    if as_json:
+        emit_json({"ok": True, **report})
+        return
+    rows = [[k, v] for k, v in report.items() if k not in ("rebuilt",)]
+    console.print(table(f"journal of node {name} rebuilt", ["what", "value"], rows))
+    if reply.first_stream_seq > 1:
+        console.print(
+            shown(
+                f"note: the stream starts at sequence {reply.first_stream_seq}: what came before (dropped by its "
+                f"limits, or erased by a forget) is not in the rebuilt journal; "
+                + (
+                    f"{reply.not_restored} row(s) of the damaged file are missing from it"
+                    if reply.not_restored is not None
+                    else "the damaged file cannot say how many rows that was"
+                )
+            ),
+            soft_wrap=True,
+        )
 
 
 async def _replay(from_seq: int, rebuild_state: bool, journal: str | None, target: Target, as_json: bool) -> None:

@@ -71,6 +71,12 @@ def _status_rows(report: dict[str, Any]) -> list[list[Any]]:
         model = f", {mirror['model']} ({mirror['dimension']}-d)" if mirror.get("model") else ""
         rows.append(["mirror", f"{mirror['backend']}{model}"])
     rows.append(["outbox", f"{report['outbox']['depth']} waiting, {report['outbox']['parked']} parked"])
+    for role, space in (report.get("disk") or {}).items():
+        state = "FULL" if space["full"] else "ok"
+        rows.append([f"disk ({role})", f"{state}; {space['free_bytes'] >> 20} MiB free under {space['path']}"])
+    for name, check in (report.get("stores") or {}).items():
+        found = f"DAMAGED: {check['problem']}; {check['remedy']}" if check["state"] == "damaged" else check["state"]
+        rows.append([f"{name} check", found])
     return rows
 
 

@@ -93,6 +93,13 @@ def up(
             help="Restore streams whose settings drifted from what epibus needs, instead of refusing to start.",
         ),
     ] = False,
+    rebuild_journal: Annotated[
+        bool,
+        typer.Option(
+            "--rebuild-journal",
+            help="Keep a damaged SQLite journal aside and rebuild it from the stream as the node runs.",
+        ),
+    ] = False,
     ui_port: Annotated[
         int | None,
         typer.Option(
@@ -230,6 +237,7 @@ def up(
         authenticate=authenticate,
         auto_enrol=auto_enrol,
         repair_streams=repair_streams,
+        rebuild_journal=rebuild_journal,
         ui_port=ui_port,
         ui_host=ui_host,
         ui_remote=ui_remote,

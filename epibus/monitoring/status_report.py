@@ -57,6 +57,8 @@ async def node_status(home: Path) -> dict[str, Any]:
         "observers": _observers(report, node),
         "mirror": (report or {}).get("mirror") if _fresh(report, node) else None,
         "outbox": await outbox_figures(Path(node.info.outbox_path)),
+        "disk": (report or {}).get("disk") if _fresh(report, node) else None,
+        "stores": (report or {}).get("stores") if _fresh(report, node) else None,
         "problems": found,
     }
 

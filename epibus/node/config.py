@@ -39,6 +39,7 @@ class NodeConfig:
     # Local clients enrol their agents with the node's key on first connect (see bus/client/client.py connect).
     auto_enrol: bool = True
     repair_streams: bool = False  # restore drifted streams at start instead of refusing to start
+    rebuild_journal: bool = False  # keep the journal file aside and rebuild it from the stream (a damaged one)
     # The live web dashboard (docs/dashboard.md): None serves none; 0 a free port, kept across service restarts.
     ui_port: int | None = None
     ui_host: str = "127.0.0.1"

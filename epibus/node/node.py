@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from bus.broker.loops import cancel_and_wait
 from bus.broker.presence import Presence
 from bus.enrolment.service_rules import enrolled_rule
-from bus.errors import ConfigError
+from bus.errors import ConfigError, StoreDamaged
 from bus.host.disk import require_room
 from bus.host.home import (
     NodeInfo,
@@ -32,6 +32,7 @@ from bus.host.home import (
 from bus.host.ports import read_ports
 from bus.host.server import NatsServer
 from bus.identity.signing import AgentKey, node_key
+from bus.intake.consumers import drop_durable
 from bus.intake.cursor import FileCursor
 from bus.intake.runner import ConsumerRunner
 from bus.outbox.forwarder import Forwarder
@@ -43,6 +44,7 @@ from bus.services.responder import Responder, Service, serve_services
 from bus.services.tombstone_registry import TombstoneRegistry
 from bus.subjects import (
     JOURNAL_LOOKUP,
+    STREAM,
 )
 from epibus.dashboard import Dashboard
 from epibus.fleet.hub import FleetHub
@@ -64,6 +66,7 @@ from mesh.coordinator import Coordinator
 from mesh.recorder import MeshRecorder
 from mesh.service import MeshService
 from observers.journal import Journal, JournalObserver
+from observers.journal_rebuild import START_REMEDY, rebuild_service, set_aside
 from observers.mirror.embed import CachedEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, ReindexCounts
@@ -158,6 +161,7 @@ class Node:
         self.status: StatusWriter | None = None
         self.metrics: MetricsServer | None = None
         self.presence: Presence | None = None
+        self._journal_set_aside = False
         self.upkeep: Upkeep | None = None  # free disk space and the stores' checks (epibus/node/upkeep.py)
         self.connection = NodeConnection(replicas=config.replicas, limits=config.limits)
         self.recovery = Recovery(self.connection, self._stop_services, self._start)
@@ -242,7 +246,14 @@ class Node:
             self.fleet = await join_if_invited(self.fleet, self.server, self.key, host=config.host)
         self.journal = Journal(config.journal_url or default_journal_url(home))
         self._stack.callback(self.journal.close)
-        await asyncio.to_thread(self.journal.migrate)
+        old_consumer = None
+        if config.rebuild_journal and not self._journal_set_aside:  # once, not again at a recovery's restart
+            _, old_consumer = await asyncio.to_thread(set_aside, self.journal)
+            self._journal_set_aside = True
+        try:
+            await asyncio.to_thread(self.journal.migrate)
+        except StoreDamaged as e:  # a running node could rebuild it; this one cannot start on it
+            raise StoreDamaged(e.store, e.path, e.damage, START_REMEDY) from e
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
         self.nc = await self.connection.open(
             servers,
@@ -259,6 +270,8 @@ class Node:
             enrolments=enrolments, system=self._system_connection,
         )  # fmt: skip
         await self._start_stores(self.nc, self.js, self.journal)
+        if old_consumer is not None:
+            await drop_durable(self.js, STREAM, old_consumer)
         await self._serve_requests(self.nc, self.js, self.journal, enrolments)
         await self._start_loops(enrolments)
         await self._start_extras(servers)
@@ -311,13 +324,16 @@ class Node:
         assert self.observer is not None
         lookups = enrolments.guard.authorizer(enrolled_rule)
         self.services[JOURNAL_LOOKUP] = await self.observer.serve_lookups(nc, authorize=lookups)
-        self.mirror_services = MirrorServices(self.live_mirror, journal, node=self.name, publish=nc.publish)
+        self.mirror_services = MirrorServices(
+            self.live_mirror, journal, node=self.name, publish=nc.publish, after_reindex=self._check_stores
+        )
         self.consumer_slots = ConsumerSlots(nc, js, slots=self.config.agent_consumers)
         requests: list[Service[Any]] = [
             forget_proof_service(lambda: node_files(self, journal), node=self.name),
             journal_read_service(journal, node=self.name),
             verify_service(js, journal, lambda: self.mirror, node=self.name),
             erase_service(js, enrolments.registry, node=self.name),
+            rebuild_service(js, journal, lambda: self.observer, node=self.name, after=self._check_stores),
             self.consumer_slots.service(node=self.name),
             TombstoneRegistry(js).service(node=self.name),
             enrolments.view_service(),
@@ -397,6 +413,10 @@ class Node:
             # Two loops: the view follows the mesh, the writer writes what it shows.
             loops.supervise("status mesh view", status.view.watcher.run)
             loops.supervise("status snapshot", status.run)
+
+    async def _check_stores(self) -> None:
+        if self.upkeep is not None:
+            await self.upkeep.check_stores()
 
     def _mirror_store(self) -> tuple[VectorStore, int] | None:
         store, embedder = self.store, self.embedder

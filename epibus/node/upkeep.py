@@ -98,10 +98,10 @@ class Upkeep:
         return checks
 
     async def watch_stores(self) -> None:
-        """Check the stores every EPIBUS_STORE_CHECK_S (600 s by default). Until cancelled."""
+        """Check the stores at once, then every EPIBUS_STORE_CHECK_S (600 s by default). Until cancelled."""
         while True:
-            await asyncio.sleep(check_every_s())
             await self.check_stores()
+            await asyncio.sleep(check_every_s())
 
     def report(self) -> dict[str, object]:
         return {

@@ -31,6 +31,7 @@ from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.services.enrolments import local_agent_keys
 from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, stream_info_subject
 from epibus.fleet.doctor import certificate_checks, fleet_role, member_checks
+from epibus.monitoring.health import read_health
 from epibus.node.process import connect_key
 from epibus.ops.doctor_local import (
     FAIL,
@@ -42,6 +43,7 @@ from epibus.ops.doctor_local import (
     layers_check,
     mirror_check,
     mode_checks,
+    store_checks,
 )
 from observers.mirror.embed import DEFAULT_DIMENSION, DEFAULT_MODEL, FastEmbedder
 
@@ -69,6 +71,7 @@ async def diagnose(
     finally:
         embedder.close()
     checks.append(disk_check(where))
+    checks += store_checks(read_health(where) if read_node_info(where) is not None else None)
     checks += mode_checks(where)
     checks.append(layers_check())
     return checks

@@ -1,30 +1,32 @@
 """`epibus doctor`'s checks of what lives on this machine: the journal's schema version, the mirror's embedding
-model, the home's free disk space and the file modes of the home and its keys. Each returns `Check` lines;
+model, the journal's pages, the home's free disk space against the reserve, the running node's last checks of
+its stores and the file modes of the home and its keys. Each returns `Check` lines;
 none of them creates or changes a file."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from bus.errors import ConfigError
+from bus.errors import ConfigError, StoreDamaged, Unavailable
+from bus.host.disk import disk_space
 from bus.host.home import PRIVATE_DIR, PRIVATE_FILE
 from bus.identity.signing import NODE_KEY_FILE
 from bus.services.enrolments import local_agent_keys
 from epibus.layers import LAYERS, claimed_by_others, shadowed_layers
-from observers.journal import make_engine
+from observers.journal import Journal, make_engine
 from observers.schema import LATEST_VERSION, current_version
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-# Free space on the home's filesystem: below these the stores (journal, mirror, outbox, JetStream) soon fail.
-DISK_WARN_BYTES = 1 << 30  # 1 GiB
-DISK_FAIL_BYTES = 100 << 20  # 100 MiB
+# Free space on the home's filesystem: below the reserve (bus.host.disk) the stores hold their writes and the
+# node takes no publishes; within this much above it, soon.
+DISK_WARN_ABOVE_RESERVE_BYTES = 1 << 30  # 1 GiB
 JOURNAL_TIMEOUT_S = 5  # a PostgreSQL server that does not answer fails the check instead of hanging it
 MIRROR_DIR = "mirror"
 MIRROR_META_FILE = "collection.json"  # written by the edge store beside its shard (observers/mirror/edge.py)
@@ -64,7 +66,24 @@ def journal_check(url: str) -> Check:
         return Check("journal", FAIL, f"{shown} did not answer: {first}", "start the database, or pass --journal URL")
     finally:
         engine.dispose()
-    return schema_check(shown, version)
+    schema = schema_check(shown, version)
+    if schema.status != OK:
+        return schema
+    return damage_check(url) or schema
+
+
+def damage_check(url: str) -> Check | None:
+    """SQLite's quick check of the journal's pages: a FAIL naming the damage and the rebuild, else None."""
+    journal = Journal(url)
+    try:
+        journal.check()
+    except StoreDamaged as e:
+        return Check("journal", FAIL, f"damaged: {e.path}: {e.damage}", e.remedy)
+    except Unavailable as e:
+        return Check("journal", FAIL, str(e), "start the database, or pass --journal URL")
+    finally:
+        journal.close()
+    return None
 
 
 def schema_check(shown: str, version: int) -> Check:
@@ -108,17 +127,35 @@ def mirror_check(home: Path, model_id: str, dimension: int) -> Check:
 
 
 def disk_check(home: Path) -> Check:
-    where = home if home.exists() else home.parent
-    return disk_verdict(where, shutil.disk_usage(where).free)
+    space = disk_space(home)
+    return disk_verdict(Path(space.path), space.free_bytes, space.reserve_bytes)
 
 
-def disk_verdict(where: Path, free: int) -> Check:
-    detail = f"{free / (1 << 30):.2f} GiB free on the filesystem of {where}"
-    if free < DISK_FAIL_BYTES:
-        return Check("disk space", FAIL, detail, "free space now: JetStream, the journal and the mirror stop writing")
-    if free < DISK_WARN_BYTES:
+def disk_verdict(where: Path, free: int, reserve: int) -> Check:
+    detail = f"{free / (1 << 30):.2f} GiB free on the filesystem of {where} (reserve {reserve // (1 << 20)} MiB)"
+    if free < reserve:
+        return Check(
+            "disk space",
+            FAIL,
+            detail,
+            "free space now: below the reserve the node takes no publishes and its stores hold their writes",
+        )
+    if free < reserve + DISK_WARN_ABOVE_RESERVE_BYTES:
         return Check("disk space", WARN, detail, "free some space, or move EPIBUS_HOME to a larger filesystem")
     return Check("disk space", OK, detail)
+
+
+def store_checks(report: dict[str, Any] | None) -> list[Check]:
+    """The running node's last checks of its stores (from its health report): a FAIL per damaged store."""
+    if report is None:
+        return []
+    found = []
+    for name, check in sorted((report.get("stores") or {}).items()):
+        if check.get("state") == "damaged":
+            found.append(Check(f"{name} pages", FAIL, f"damaged: {check.get('problem')}", str(check.get("remedy"))))
+        else:
+            found.append(Check(f"{name} pages", OK, f"{check.get('state')} at the node's last check"))
+    return found
 
 
 def layers_check() -> Check:

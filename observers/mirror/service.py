@@ -48,8 +48,17 @@ class MirrorServices:
     """What a node answers about its mirror. `mirror` None: the node runs none (started with --mirror off); it
     then answers the indexed lookup with `mirror: false`, refuses reindex and serves no recall."""
 
-    def __init__(self, mirror: LiveMirror | None, journal: Journal, *, node: str, publish: Publish) -> None:
+    def __init__(
+        self,
+        mirror: LiveMirror | None,
+        journal: Journal,
+        *,
+        node: str,
+        publish: Publish,
+        after_reindex: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         self.mirror = mirror
+        self.after_reindex = after_reindex  # the node checks its stores again
         self.journal = journal
         self.node = node
         self.publish = publish  # sends a reindex's progress to the asker's inbox
@@ -102,6 +111,8 @@ class MirrorServices:
                 await self.publish(request.progress, update.model_dump_json().encode())
 
         counts = await mirror.reindex(progress)
+        if self.after_reindex is not None:
+            await self.after_reindex()
         return ReindexReply(node=self.node, points=counts.points, last_seq=counts.last_seq, rejected=counts.rejected)
 
     def _require_mirror(self, field: str) -> LiveMirror:

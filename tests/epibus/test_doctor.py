@@ -27,7 +27,7 @@ from bus.identity.signing import AgentKey
 from bus.subjects import STREAM
 from epibus.cli.app import app
 from epibus.ops.doctor import SKEW_FAIL_S, SKEW_WARN_S, skew_verdict
-from epibus.ops.doctor_local import DISK_FAIL_BYTES, DISK_WARN_BYTES, disk_verdict
+from epibus.ops.doctor_local import DISK_WARN_ABOVE_RESERVE_BYTES, disk_verdict
 from observers.journal import Journal
 from observers.mirror.edge import EdgeVectorStore
 from observers.schema import LATEST_VERSION
@@ -220,9 +220,10 @@ def test_a_world_readable_home_and_key_fail_with_the_chmod_to_run(sound: tuple[P
 
 def test_disk_space_and_clock_skew_thresholds() -> None:
     where = Path("/")
-    assert disk_verdict(where, DISK_WARN_BYTES).status == "ok"
-    assert disk_verdict(where, DISK_WARN_BYTES - 1).status == "warn"
-    assert disk_verdict(where, DISK_FAIL_BYTES - 1).status == "fail"
+    reserve = 256 << 20
+    assert disk_verdict(where, reserve + DISK_WARN_ABOVE_RESERVE_BYTES, reserve).status == "ok"
+    assert disk_verdict(where, reserve + DISK_WARN_ABOVE_RESERVE_BYTES - 1, reserve).status == "warn"
+    assert disk_verdict(where, reserve - 1, reserve).status == "fail"
     assert skew_verdict(SKEW_WARN_S / 2, 0.001).status == "ok"
     assert skew_verdict(-(SKEW_WARN_S + 0.5), 0.001).status == "warn"
     assert skew_verdict(SKEW_FAIL_S + 1, 0.001).status == "fail"

@@ -40,6 +40,7 @@ CALLS: list[tuple[str, Callable[[Journal, AgentKey], object]]] = [
     ("identity", lambda j, _k: j.identity()),
     ("migrate", lambda j, _k: j.migrate()),
     ("check", lambda j, _k: j.check()),
+    ("adopt_identity", lambda j, _k: j.adopt_identity("x")),
     ("write", lambda j, k: j.write([_delivery(k)])),
     ("kept_events", lambda j, _k: j.kept_events([EVENT_ID])),
     ("rebuild_projection", lambda j, _k: j.rebuild_projection()),
@@ -54,7 +55,7 @@ CALLS: list[tuple[str, Callable[[Journal, AgentKey], object]]] = [
     ("event_ids", lambda j, _k: j.event_ids()),
     ("reading", _read),
 ]
-NO_DATABASE = {"close", "safe_url"}  # disposes the pool; renders the URL
+NO_DATABASE = {"close", "safe_url", "replace_file"}  # disposes the pool; renders the URL; renames files
 
 
 def test_the_table_names_every_public_method_of_the_journal() -> None:
