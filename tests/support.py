@@ -27,7 +27,7 @@ from bus.model.auth import Enrolment
 from bus.model.requests import EnrolRequest, build_request
 from bus.model.vocab import Role
 from bus.services.enrolments import record_enrolment
-from observers.journal import make_engine
+from observers.journal_engine import make_engine
 
 T = TypeVar("T")
 

@@ -20,7 +20,8 @@ from bus.host.home import PRIVATE_DIR, PRIVATE_FILE
 from bus.identity.signing import NODE_KEY_FILE
 from bus.services.enrolments import local_agent_keys
 from epibus.layers import LAYERS, claimed_by_others, shadowed_layers
-from observers.journal import Journal, make_engine
+from observers.journal import Journal
+from observers.journal_engine import make_engine
 from observers.schema import LATEST_VERSION, current_version
 
 OK, WARN, FAIL = "ok", "warn", "fail"

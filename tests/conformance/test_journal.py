@@ -19,7 +19,8 @@ from bus.model.event import draft_event
 from bus.model.kinds import FindingBody
 from bus.subjects import event_subject
 from epibus.node.node import Node, NodeConfig
-from observers.journal import EventQuery, Journal, make_engine
+from observers.journal import EventQuery, Journal
+from observers.journal_engine import make_engine
 from observers.schema import LATEST_VERSION
 from tests.conftest import finding
 from tests.support import journal_event_ids, missing_and_extra

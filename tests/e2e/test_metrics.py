@@ -36,7 +36,7 @@ from epibus.cli.mesh_roster import seat_as_operator
 from epibus.monitoring.metrics_http import TOKEN_FILE
 from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
-from observers.journal import make_engine
+from observers.journal_engine import make_engine
 from tests.conftest import finding
 from tests.support import eventually, start_node_process, stop_node_process
 

@@ -22,7 +22,7 @@ from sqlalchemy import text
 
 from bus.client.client import connect
 from epibus.node.node import Node, NodeConfig
-from observers.journal import make_engine
+from observers.journal_engine import make_engine
 from tests.conftest import finding
 from tests.e2e.test_mesh_processes import epibus, error_json, first_line, lines, spawn, stop
 from tests.support import eventually, eventually_sync, journal_event_ids, last_json

@@ -20,7 +20,7 @@ from bus.identity.signing import AgentKey, wire_message
 from bus.model.event import draft_event
 from bus.model.vocab import Role
 from epibus.node.node import Node, NodeConfig
-from observers.journal import make_engine
+from observers.journal_engine import make_engine
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually
 

@@ -29,7 +29,8 @@ from bus.intake.runner import ConsumerRunner
 from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import DLQ_ERROR, DLQ_REASON
-from observers.journal import Journal, JournalObserver, database_failure
+from observers.journal import Journal, JournalObserver
+from observers.journal_engine import database_failure
 from observers.mirror.backends import open_store
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import CachedEmbedder, FastEmbedder

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from bus.client import enrol
 from bus.client.client import connect
+from bus.client.fleet import ask_rebuild_journal
 from bus.identity.signing import AgentKey, node_key
 from bus.model.auth import inbox_prefix
 from bus.model.requests import ErrorReply, LookupReply, LookupRequest
@@ -34,6 +35,7 @@ from bus.subjects import (
     ENROL,
     FORGET_ERASE,
     JOURNAL_LOOKUP,
+    JOURNAL_REBUILD,
     LIST_AGENTS,
     MESH_ADVERTISE,
     MESH_ROSTER,
@@ -58,7 +60,8 @@ T = TypeVar("T")
 EXAMPLES = 220  # batches of 10 to 60 requests: a few thousand in all
 MESH_SERVICES = [MESH_STEP, MESH_ROSTER, MESH_ADVERTISE]  # no valid body is generated for these: always refused
 SERVICES = [
-    RECALL, VERIFY, REINDEX, PROVE_FORGOTTEN, FORGET_ERASE, JOURNAL_LOOKUP, ENROL, REVOKE, LIST_AGENTS, *MESH_SERVICES
+    RECALL, VERIFY, REINDEX, PROVE_FORGOTTEN, FORGET_ERASE, JOURNAL_LOOKUP, ENROL, REVOKE, LIST_AGENTS,
+    JOURNAL_REBUILD, *MESH_SERVICES
 ]  # fmt: skip
 HOSTILE_BODIES = {  # the shared hostile bodies, without the near-max_payload ones (slow, and covered elsewhere)
     s: [h.body for h in hostile_requests(s) if len(h.body) < 65536]
@@ -157,6 +160,7 @@ def valid_body(subject: str, project: str) -> bytes:
         ENROL: {"agent_id": "intruder", "public_key": AgentKey.generate("x").public_key, "projects": ["*"]},
         REVOKE: {"agent_id": "keeper"},
         LIST_AGENTS: {},
+        JOURNAL_REBUILD: {"node": "another-node"},  # valid and allowed for an admin, and names no node here
     }
     return json.dumps(bodies.get(subject, {})).encode()
 
@@ -339,6 +343,9 @@ async def valid_requests_are_answered(bed: Bed) -> None:
         assert "error" not in proof.nodes["node-f"]
         assert client.nc is not None
         listed = await enrol.list_agents(client.nc, keeper)
+        rebuilt = await ask_rebuild_journal(client.nc, keeper, "node-f", timeout_s=120)
+        assert rebuilt.rebuilt is True
+        assert rebuilt.not_restored == 1  # the forgotten claim's row: its message was erased from the stream
     assert {"fuzzer", "keeper"} <= {a["agent_id"] for a in listed}
     answered = {s: bed.node.services[s].counts.answered for s in SERVICES if s not in (ENROL, REVOKE, *MESH_SERVICES)}
     assert all(answered.values()), answered
