@@ -11,6 +11,7 @@ import typer
 
 from epibus.cli import (
     agents,
+    backup,
     certs,
     chaos,
     cluster,
@@ -90,6 +91,8 @@ app.command("chaos")(chaos.chaos)
 app.command()(ops.version)
 app.command()(ops.completion)
 app.command("nats-context")(natsctx.nats_context)
+app.command()(backup.backup)
+app.command()(backup.restore)
 
 
 @app.callback()
