@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError, InternalError, OperationalError, Prog
 from bus.broker.loops import stop_all
 from bus.broker.nats_errors import nats_call, translate_publish_error
 from bus.client.client import connect
-from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, Unavailable
+from bus.errors import ComponentFailed, Conflict, InvalidEvent, ModelMismatch, StoreDamaged, Unavailable
 from bus.host.server import NatsServer
 from bus.intake.reader import dead_letters
 from bus.intake.runner import ConsumerRunner
@@ -123,11 +123,13 @@ def test_journal_errors_are_outages_only_when_the_database_did_not_answer(error:
     assert type(database_failure(error, "write failed")) is expected
 
 
-def test_a_real_sqlite_file_that_is_not_a_database_is_a_failure_not_an_outage(tmp_path: Path) -> None:
+def test_a_real_sqlite_file_that_is_not_a_database_is_damage_named_with_its_rebuild(tmp_path: Path) -> None:
+    """Not the events' fault, so never dead-lettered: StoreDamaged is an outage the observers wait out, and its
+    one line says which file and how to rebuild it."""
     (tmp_path / "journal.db").write_bytes(b"this is not a database file, and waiting will not make it one" * 100)
     journal = Journal(f"sqlite:///{tmp_path / 'journal.db'}")
     try:
-        with pytest.raises(ComponentFailed, match="journal failed"):
+        with pytest.raises(StoreDamaged, match=r"journal damaged: .*journal\.db: file is not a database; rebuild"):
             journal.migrate()
     finally:
         journal.close()
