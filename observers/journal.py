@@ -192,11 +192,24 @@ class Journal:
                 with self.engine.connect() as conn:
                     yield conn
 
-    def reading(self, doing: str) -> contextlib.AbstractContextManager[Connection]:
+    @contextlib.contextmanager
+    def reading(self, doing: str, *, one_snapshot: bool = False) -> Iterator[Connection]:
         """A connection for the reads this package makes of the journal's tables (reads, verify) and the
         node's dashboard: database errors leave it as Unavailable or ComponentFailed, like every method's.
-        `doing` says what the read was for, in the error."""
-        return self._connect(doing)
+        `doing` says what the read was for, in the error. `one_snapshot`: every statement on it sees the same
+        committed state (a read of artifacts and then of their verifications never straddles a write)."""
+        with self._connect(doing) as conn:
+            if not one_snapshot:
+                yield conn
+                return
+            if self.dialect == "sqlite":
+                conn.exec_driver_sql("BEGIN")  # the driver begins no transaction for reads; one read transaction
+            else:
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            try:
+                yield conn
+            finally:
+                conn.rollback()
 
     def identity(self) -> str:
         """This journal's id (made by the migration). Journals sharing one database share it, and so share

@@ -89,7 +89,7 @@ class Snapshot:
 
 def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -> Snapshot:
     """Raises Unavailable or ComponentFailed."""
-    with journal.reading(f"reading the state of {project}") as conn:
+    with journal.reading(f"reading the state of {project}", one_snapshot=True) as conn:
         if as_of is None:
             rows = conn.execute(select(artifacts_table).where(artifacts_table.c.project == project))
             states = {r.artifact_id: row_to_state(r._mapping) for r in rows}

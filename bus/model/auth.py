@@ -220,13 +220,20 @@ _AGENT_DENY = [
 
 
 def agent_permissions(
-    enrolment: Enrolment, *, consumer_slots: int, suspended: bool = False, js_domain: str | None = None
+    enrolment: Enrolment,
+    *,
+    consumer_slots: int,
+    suspended: bool = False,
+    events_held: bool = False,
+    js_domain: str | None = None,
 ) -> dict[str, Any]:
     """The broker permissions of one enrolled agent, with `consumer_slots` consumers per stream it reads. A
-    `suspended` agent (over its publish budget) keeps its reads and loses publishing events and asking nodes.
+    `suspended` agent (over its publish budget) keeps its reads and loses publishing events and asking nodes;
+    while `events_held` (the node's disk is below its reserve) it may ask nodes, so reads through them go on.
     `js_domain`: on a fleet's leaf, whose server maps `$JS.API.>` to the fleet's domain before it checks
     permissions, each JetStream API subject is stated in that form too."""
-    writes = [] if suspended else [*_event_subjects(enrolment.projects), REQUESTS_WILDCARD]
+    events = [] if events_held else _event_subjects(enrolment.projects)
+    writes = [] if suspended else [*events, REQUESTS_WILDCARD]
     return {
         "publish": {
             "allow": in_domain([*writes, *_agent_api(enrolment, consumer_slots)], js_domain),
@@ -252,6 +259,7 @@ def render_authorization(
     *,
     consumer_slots: int = DEFAULT_CONSUMER_SLOTS,
     suspended: frozenset[str] = frozenset(),
+    events_held: bool = False,
     js_domain: str | None = None,
     extra_users: Sequence[dict[str, Any]] = (),
 ) -> str:
@@ -270,6 +278,7 @@ def render_authorization(
             enrolment,
             consumer_slots=consumer_slots,
             suspended=enrolment.public_key in suspended,
+            events_held=events_held,
             js_domain=js_domain,
         )
         users.append({"nkey": enrolment.public_key, "permissions": permissions})

@@ -109,6 +109,7 @@ class Enrolments:
         self.js = js
         self.consumer_slots = consumer_slots
         self.suspended: frozenset[str] = frozenset()  # keys over their publish budget (epibus/node/budget.py)
+        self.events_held = False  # the node's disk is below its reserve (epibus/node/upkeep.py)
         self.local_keys = local_keys  # auto-enrolment: agents whose keys live under the node's home
         self.node = node
         self.server = server
@@ -274,6 +275,13 @@ class Enrolments:
         agents = [e.model_dump(mode="json") for e in await self.registry.enrolments()]
         return AgentListReply(node=self.node_name, agents=agents)
 
+    async def hold_events(self, held: bool) -> None:
+        """While `held` (the node's disk is below its reserve) no agent publishes events; asking nodes, and so
+        reading through them, goes on."""
+        if held != self.events_held:
+            self.events_held = held
+            await self.apply()
+
     async def suspend(self, keys: frozenset[str]) -> None:
         """Suspend exactly these agent keys at the broker (over their publish budget); the rest publish again."""
         self.suspended = keys
@@ -301,6 +309,7 @@ class Enrolments:
                 enrolments,
                 consumer_slots=self.consumer_slots,
                 suspended=self.suspended,
+                events_held=self.events_held,
                 js_domain=self.js_domain,
                 extra_users=self.extra_users(),
             )

@@ -68,13 +68,11 @@ class BudgetWatch:
         *,
         agents: Callable[[], Awaitable[dict[str, str]]],
         apply: Callable[[frozenset[str]], Awaitable[object]],
-        hold_all: Callable[[], bool] = lambda: False,
     ) -> None:
         self.system = system
         self.budget = budget
         self.agents = agents  # public key -> agent id, read each poll (enrolments change)
         self.apply = apply
-        self.hold_all = hold_all  # True while every agent is held (the node's disk is full): not a budget matter
         self.use: dict[str, AgentUse] = {}
         self.names: dict[str, str] = {}
         self.polls = 0
@@ -146,13 +144,11 @@ class BudgetWatch:
                 self.budget.msgs_per_window,
                 self.budget.bytes_per_window,
             )
-        held = set(self.names) if self.hold_all() else set()
         for key, use in self.use.items():
-            use.suspended = key in over or key in held
-        suspended = frozenset(over | held)
-        if suspended != self._suspended:
-            await self.apply(suspended)
-            self._suspended = suspended
+            use.suspended = key in over
+        if frozenset(over) != self._suspended:
+            await self.apply(frozenset(over))
+            self._suspended = frozenset(over)
 
     async def _connections(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = []

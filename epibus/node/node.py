@@ -298,13 +298,7 @@ class Node:
     async def _watch_budgets(self, server: NatsServer, enrolments: Enrolments) -> BudgetWatch:
         """Every agent's publish budget, counted by the embedded server, read as its system account's user."""
         system = await self._system_connection()
-        return BudgetWatch(
-            system, self.config.budget, agents=enrolments.agent_keys, apply=enrolments.suspend, hold_all=self._disk_full
-        )
-
-    def _disk_full(self) -> bool:
-        """While the disk is below its reserve no agent publishes through this node (reads go on)."""
-        return self.upkeep is not None and bool(self.upkeep.full())
+        return BudgetWatch(system, self.config.budget, agents=enrolments.agent_keys, apply=enrolments.suspend)
 
     async def _system_connection(self) -> NatsClient:
         """The node's one connection as its server's system-account user (budgets, the fleet's leaf links)."""
@@ -340,7 +334,9 @@ class Node:
         loops.supervise("journal progress", self.runner.watch_progress)
         loops.supervise("outbox forwarder", self.forwarder.run)
         loops.supervise("health report", lambda: report_health(self))
-        self.upkeep = Upkeep(home, self.journal, server=self.server, mirror=self._mirror_store)
+        # Below the disk's reserve no agent publishes events through this node; reads through it go on.
+        hold = enrolments.hold_events if self.server is not None and self.authenticated else None
+        self.upkeep = Upkeep(home, self.journal, server=self.server, mirror=self._mirror_store, hold_events=hold)
         loops.supervise("disk watch", self.upkeep.watch_disk)
         loops.supervise("store checks", self.upkeep.watch_stores)
         loops.supervise("authorization", enrolments.keep_in_step)

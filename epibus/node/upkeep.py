@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bus.errors import Unavailable
 from bus.host.disk import MIB, DiskSpace, disk_space, reserve_bytes
 from bus.host.server import NatsServer
 from observers.journal import Journal
@@ -42,6 +43,7 @@ class Upkeep:
         *,
         server: NatsServer | None,
         mirror: Callable[[], tuple[VectorStore, int] | None],
+        hold_events: Callable[[bool], Awaitable[object]] | None = None,
     ) -> None:
         self.home = home
         self.journal = journal
@@ -49,6 +51,8 @@ class Upkeep:
         self.mirror = mirror  # the live mirror's store and dimension; None when off (or swapped out right now)
         self.disk: dict[str, DiskSpace] = {}
         self.checks: dict[str, StoreCheck] = {}
+        self.hold_events = hold_events  # the broker's hold on agents' events (None: this node runs no broker)
+        self.holding = False
 
     def paths(self) -> dict[str, Path]:
         found = {"home": self.home}
@@ -82,7 +86,19 @@ class Upkeep:
             for space in spaces.values():
                 if space.full:
                     log.warning("disk full: %s has %d MiB free, below the reserve", space.path, space.free_bytes // MIB)
+            await self._hold(any(space.full for space in spaces.values()))
             await asyncio.sleep(DISK_EVERY_S)
+
+    async def _hold(self, full: bool) -> None:
+        if self.hold_events is None or full == self.holding:
+            return
+        try:
+            await self.hold_events(full)
+        except Unavailable as e:  # the broker did not take it: tried again at the next measurement
+            log.warning("could not %s agents' events at the broker: %s", "hold" if full else "release", e)
+            return
+        self.holding = full
+        log.warning("agents' events %s: the disk is %s", "held" if full else "taken again", "full" if full else "free")
 
     async def check_stores(self) -> dict[str, StoreCheck]:
         """Check the journal and (when on) the mirror once; logs what is damaged."""
@@ -107,4 +123,5 @@ class Upkeep:
         return {
             "disk": {role: space.as_dict() for role, space in self.disk.items()},
             "stores": {name: vars(check) for name, check in self.checks.items()},
+            "holding_events": self.holding,
         }

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 
 from bus.errors import ConfigError, Unavailable
 from bus.host.server import NatsServer
@@ -21,7 +21,7 @@ from bus.subjects import event_subject
 from epibus.node.node import Node, NodeConfig
 from observers.journal import EventQuery, Journal
 from observers.journal_engine import make_engine
-from observers.schema import LATEST_VERSION
+from observers.schema import LATEST_VERSION, events
 from tests.conftest import finding
 from tests.support import journal_event_ids, missing_and_extra
 
@@ -106,6 +106,23 @@ def test_within_one_batch_the_first_event_in_stream_order_under_an_id_wins(
     assert row.stream_seq == 50
     assert isinstance(first.event.body, FindingBody)
     assert row.envelope["body"]["text"] == first.event.body.text
+
+
+@pytest.mark.parametrize("one_snapshot", [True, False])
+def test_a_snapshot_read_never_straddles_a_write(
+    journal: Journal, keys: dict[str, AgentKey], project: str, one_snapshot: bool
+) -> None:
+    """Two statements of one snapshot read see the same committed state, on every backend (a read of the
+    artifacts and then of their verifications must not see a verification its artifact does not show yet);
+    without it, the second statement sees the write: the test would fail if the snapshot did nothing."""
+    journal.write(deliveries(keys["alice"], project, 2))
+    with journal.reading("a snapshot read", one_snapshot=one_snapshot) as conn:
+        counted = select(func.count()).select_from(events).where(events.c.project == project)
+        before = conn.execute(counted).scalar_one()
+        journal.write(deliveries(keys["alice"], project, 3, start_seq=3))  # another connection commits
+        after = conn.execute(counted).scalar_one()
+    assert before == 2
+    assert after == (2 if one_snapshot else 5)
 
 
 def test_zero_and_empty_values_are_stored_as_values(journal: Journal, keys: dict[str, AgentKey], project: str) -> None:
