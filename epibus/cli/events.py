@@ -194,7 +194,9 @@ def replay_command(
             "(a damaged journal; the old file is kept aside).",
         ),
     ] = False,
-    node: Annotated[str | None, typer.Option("--node", help="With --rebuild: the node [default: this home's].")] = None,
+    node: Annotated[
+        str | None, typer.Option("--node", help="With --rebuild: the node (this home's if not given).")
+    ] = None,
     nats: NatsOpt = None,
     journal: JournalOpt = None,
     agent: AgentOpt = None,
