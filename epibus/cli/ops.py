@@ -73,7 +73,9 @@ def _status_rows(report: dict[str, Any]) -> list[list[Any]]:
     rows.append(["outbox", f"{report['outbox']['depth']} waiting, {report['outbox']['parked']} parked"])
     for role, space in (report.get("disk") or {}).items():
         state = "FULL" if space["full"] else "ok"
-        rows.append([f"disk ({role})", f"{state}; {space['free_bytes'] >> 20} MiB free under {space['path']}"])
+        free = space["free_bytes"]
+        shown_free = f"{free / (1 << 30):.1f} GiB" if free >= 1 << 30 else f"{free >> 20} MiB"
+        rows.append([f"disk ({role})", f"{state}; {shown_free} free under {space['path']}"])
     for name, check in (report.get("stores") or {}).items():
         found = f"DAMAGED: {check['problem']}; {check['remedy']}" if check["state"] == "damaged" else check["state"]
         rows.append([f"{name} check", found])
