@@ -49,6 +49,7 @@ CONNECT_OR_REFUSED: tuple[type[BaseException], ...] = (*CONNECT_ERRORS, nats.err
 WRONG_LAST_SEQUENCE = 10071
 STREAM_FULL = 10077  # a stream with discard new at its byte or message limit
 STORAGE_FULL = 10023  # "insufficient resources": the server's JetStream storage limit (max_file_store) is reached
+INSUFFICIENT_STORAGE = 10047  # creating a stream whose byte limit the server cannot reserve
 
 
 def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
@@ -64,9 +65,9 @@ def translate_publish_error(error: BaseException, subject: str) -> EpibusError:
     if isinstance(error, nats.js.errors.APIError) and error.err_code == STORAGE_FULL:
         return Unavailable(
             "nats",
-            f"publish to {subject}: the server's disk is full (JetStream: {error.description}); the node keeps room "
-            "for its journal and mirror: `epibus health` on it names the path and the free space; free space there "
-            "(an outboxed event is sent once there is room)",
+            f"publish to {subject}: the server's JetStream storage is full ({error.description}); `epibus health` on "
+            "its node names the disk and its free space; free space there (an outboxed event is sent once there is "
+            "room)",
         )
     if isinstance(error, NATS_UNAVAILABLE) or (isinstance(error, nats.js.errors.APIError) and error.code in (503, 408)):
         return Unavailable("nats", f"publish to {subject}: {type(error).__name__} {error}".strip())

@@ -25,7 +25,7 @@ from bus.broker.drift import (
     kv_stream_config,
     show,
 )
-from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.broker.nats_errors import INSUFFICIENT_STORAGE, JS_TIMEOUT_S, NATS_OR_API_ERROR
 from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.identity.confinement import confined_key
 from bus.model.event import MAX_EVENT_BYTES
@@ -165,9 +165,6 @@ def managed_streams(replicas: int = 1, limits: StreamLimits | None = None) -> li
         for spec in BUCKETS.values()
     ]
     return events + buckets
-
-
-INSUFFICIENT_STORAGE = 10047  # creating a stream whose byte limit the server cannot reserve
 
 
 def limits_total_mib(limits: StreamLimits | None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import sqlite3
 from collections.abc import Callable
@@ -130,7 +131,10 @@ async def snapshot_stream(nc: NatsClient, name: str, directory: Path) -> StreamC
     streams = directory / "streams"
     private_dir(streams)
     inbox = nc.new_inbox()
-    chunks: list[bytes] = []
+    target = streams / f"{name}.tar.s2"
+    # Written as it arrives (a stream may be gigabytes); owner-only from the start.
+    out = os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+    written = 0
     finished: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
 
     async def receive(msg: Msg) -> None:
@@ -139,7 +143,9 @@ async def snapshot_stream(nc: NatsClient, name: str, directory: Path) -> StreamC
             if not finished.done():
                 finished.set_result(None if status in (None, "204") else f"{status} {msg.headers}")
             return
-        chunks.append(msg.data)
+        nonlocal written
+        out.write(msg.data)
+        written += len(msg.data)
         if msg.reply:
             await nc.publish(msg.reply, b"")  # flow control: the server sends more as chunks are acked
 
@@ -159,9 +165,7 @@ async def snapshot_stream(nc: NatsClient, name: str, directory: Path) -> StreamC
             raise Unavailable("nats", f"snapshot of {name} failed: {failure}")
     finally:
         await subscription.unsubscribe()
-    data = b"".join(chunks)
-    (streams / f"{name}.tar.s2").write_bytes(data)
-    (streams / f"{name}.tar.s2").chmod(0o600)
+        out.close()
     write_private(streams / f"{name}.json", json.dumps({"config": answer["config"], "state": answer["state"]}))
     state = answer["state"]
     return StreamCopy(
@@ -170,7 +174,7 @@ async def snapshot_stream(nc: NatsClient, name: str, directory: Path) -> StreamC
         bytes=int(state.get("bytes", 0)),
         first_seq=int(state.get("first_seq", 0)),
         last_seq=int(state.get("last_seq", 0)),
-        snapshot_bytes=len(data),
+        snapshot_bytes=written,
     )
 
 
@@ -215,7 +219,6 @@ async def restore_stream(nc: NatsClient, directory: Path, copy: StreamCopy) -> i
     """Restore one stream from its snapshot; returns the messages the server reports."""
     streams = directory / "streams"
     described = json.loads((streams / f"{copy.name}.json").read_text())
-    data = (streams / f"{copy.name}.tar.s2").read_bytes()
     async with nats_call(f"restoring stream {copy.name}"):
         reply = await nc.request(
             f"$JS.API.STREAM.RESTORE.{copy.name}", json.dumps(described).encode(), timeout=JS_TIMEOUT_S
@@ -224,8 +227,9 @@ async def restore_stream(nc: NatsClient, directory: Path, copy: StreamCopy) -> i
         if "error" in answer:
             raise Unavailable("nats", f"restore of {copy.name} refused: {answer['error'].get('description')}")
         target = answer["deliver_subject"]
-        for start in range(0, len(data), CHUNK_BYTES):
-            await nc.request(target, data[start : start + CHUNK_BYTES], timeout=JS_TIMEOUT_S)
+        with (streams / f"{copy.name}.tar.s2").open("rb") as snapshot:  # a chunk at a time, as it was written
+            while chunk := snapshot.read(CHUNK_BYTES):
+                await nc.request(target, chunk, timeout=JS_TIMEOUT_S)
         done = json.loads((await nc.request(target, b"", timeout=SNAPSHOT_TIMEOUT_S)).data)
     if "error" in done:
         raise Unavailable("nats", f"restore of {copy.name} failed: {done['error'].get('description')}")
