@@ -39,6 +39,11 @@ class RebuildCounts:
     not_restored: int | None  # rows the damaged file holds that the stream could not give back; None: unreadable
 
 
+def aside_path(file: Path) -> Path:
+    """Where a journal file replaced by a rebuild is kept (never deleted): beside it, named by the time."""
+    return file.with_name(f"{file.name}.aside-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+
+
 def _remove(path: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -93,7 +98,7 @@ async def rebuild_journal(
             rest = await replay(js, sink, start_seq=first.last_seq + 1)
             events = await asyncio.to_thread(rebuilt.count)
             rebuilt.close()  # the last connection closes: SQLite folds its WAL into the file
-            aside = journal.file.with_name(f"{journal.file.name}.damaged-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+            aside = aside_path(journal.file)
             await asyncio.to_thread(journal.replace_file, fresh, aside)
     finally:
         rebuilt.close()
@@ -129,7 +134,7 @@ def set_aside(journal: Journal) -> tuple[Path, str | None]:
     except Unavailable as e:
         old_consumer = None
         log.warning("the journal's identity cannot be read (%s): its old durable consumer is left in place", e)
-    aside = journal.file.with_name(f"{journal.file.name}.damaged-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+    aside = aside_path(journal.file)
     journal.replace_file(None, aside)
     log.warning("journal %s kept aside as %s; a fresh one is filled from the stream", journal.file, aside)
     return aside, old_consumer

@@ -60,7 +60,7 @@ def backup(
     rows = [[s.name, s.messages, f"{s.first_seq}..{s.last_seq}", s.snapshot_bytes] for s in manifest.streams]
     console.print(table(f"backup in {directory}", ["stream", "messages", "sequences", "snapshot bytes"], rows))
     if manifest.journal.get("copied"):
-        console.print(shown(f"journal: {manifest.journal['events']} events copied"))
+        console.print(shown(f"journal: {manifest.journal['events']} event(s) copied"))
     else:
         console.print(shown(f"journal: not copied (PostgreSQL): {manifest.journal['do']}"), soft_wrap=True)
 

@@ -114,7 +114,7 @@ async def test_a_journal_found_damaged_at_start_names_the_flag_that_rebuilds_it(
 
     process, _ = start_node_process(home, "--rebuild-journal")
     try:
-        assert list(home.glob("journal.db.damaged-*"))  # kept aside
+        assert list(home.glob("journal.db.aside-*"))  # kept aside
         eventually_sync(lambda: len(last_json(run_epibus(home, "events", "-p", project, "--limit", "500",
                                                          "--json"))) == EVENTS, timeout_s=60)  # fmt: skip
         assert_every_claim_is_back(home, project)
