@@ -41,6 +41,7 @@ from bus.subjects import JOURNAL_LOOKUP
 from observers.journal_engine import (
     JOURNAL_REMEDY,
     database_failure,
+    database_said,
     journal_damage,
     make_engine,
     sqlite_file,
@@ -173,10 +174,8 @@ class Journal:
             if batch and isinstance(e, (DataError, IntegrityError)):
                 # The database refuses these rows, and would every time: not an outage to wait out. The runner
                 # isolates the event that causes it and dead-letters it after its deliveries.
-                raise InvalidEvent(
-                    "event", f"{self.safe_url} refuses a row of this batch: {type(e).__name__}: {e}"
-                ) from e
-            raise database_failure(e, f"{doing} on {self.safe_url} failed: {type(e).__name__}: {e}") from e
+                raise InvalidEvent("event", f"{self.safe_url} refuses a row of this batch: {database_said(e)}") from e
+            raise database_failure(e, f"{doing} on {self.safe_url} failed: {database_said(e)}") from e
 
     @contextlib.contextmanager
     def _connect(self, doing: str, *, transaction: bool = False, batch: bool = False) -> Iterator[Connection]:

@@ -86,6 +86,14 @@ def journal_damage(error: BaseException, path: Path | None) -> StoreDamaged | No
     return StoreDamaged("journal", str(path), str(orig), JOURNAL_REMEDY)
 
 
+def database_said(error: SQLAlchemyError) -> str:
+    """What the database said, without SQLAlchemy's statement and parameters: an error names the failure,
+    it does not print the query (nor the values of a row)."""
+    if isinstance(error, DBAPIError) and error.orig is not None:
+        return f"{type(error.orig).__name__}: {error.orig}"
+    return f"{type(error).__name__}: {str(error).split(chr(10))[0]}"
+
+
 def database_failure(error: SQLAlchemyError, message: str) -> Unavailable | ComponentFailed:
     """The one choke point from SQLAlchemy errors to epibus errors."""
     if isinstance(error, DBAPIError) and isinstance(error.orig, sqlite3.OperationalError):

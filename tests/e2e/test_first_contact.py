@@ -230,7 +230,8 @@ def test_an_agent_on_the_light_install_publishes_reads_recalls_tails_and_consume
         (["tail", "-p", "light", "-n", "1", "--from-start", "--agent", "dora"], event_id),
     ):
         result = light(home, tmp_path, "-m", "epibus", *args)
-        assert result.returncode == 0, (args, result.stderr)
+        if result.returncode != 0:
+            pytest.fail(f"{args} failed:\n{result.stderr}")  # the whole message: an assertion's repr is cut
         assert word in result.stdout, (args, result.stdout)
     consumed = light(home, tmp_path, "-c", CONSUME, "light")
     assert consumed.returncode == 0, consumed.stderr

@@ -30,7 +30,7 @@ from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel
 from bus.subjects import DLQ_ERROR, DLQ_REASON
 from observers.journal import Journal, JournalObserver
-from observers.journal_engine import database_failure
+from observers.journal_engine import database_failure, database_said
 from observers.mirror.backends import open_store
 from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
@@ -121,6 +121,12 @@ async def test_a_nats_call_lets_what_is_not_an_outage_through_unchanged(error: B
 )
 def test_journal_errors_are_outages_only_when_the_database_did_not_answer(error: Any, expected: type) -> None:
     assert type(database_failure(error, "write failed")) is expected
+
+
+def test_a_journal_error_says_what_the_database_said_and_never_the_statement() -> None:
+    error = OperationalError("SELECT secret FROM t WHERE a = ?", ("a value",), sqlite3.OperationalError("locked"))
+    said = database_said(error)
+    assert said == "OperationalError: locked"
 
 
 def test_a_real_sqlite_file_that_is_not_a_database_is_damage_named_with_its_rebuild(tmp_path: Path) -> None:
