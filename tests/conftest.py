@@ -17,11 +17,13 @@ from bus.client.client import EpibusClient, connect
 from bus.host.server import NatsServer
 from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal
+from tests.scheduling import longest_first
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A long or soak run is slow too, so the quick loop (`-m "not slow"`, which replaces the default marker
-    expression) never starts one."""
+    expression) never starts one. The longest modules are handed out first (tests/scheduling.py)."""
+    longest_first(items)
     for item in items:
         if item.get_closest_marker("long") or item.get_closest_marker("soak"):
             item.add_marker(pytest.mark.slow)
