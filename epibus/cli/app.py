@@ -3,9 +3,11 @@ except for the lean commands it dispatches before importing this module (`status
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -128,21 +130,26 @@ def _name(command: CommandInfo) -> str | None:
     return get_command_name(command.callback.__name__) if command.callback is not None else None
 
 
-def only_the_command_named(argv: list[str]) -> None:
-    """Keep only the top-level command or group the arguments name, when they name one exactly: typer builds
-    the parameters of every registered command on each run (about 0.2 s for all of them), and a command
-    needs only its own. Help, completion and a mistyped name keep the whole app."""
-    if len(argv) < 2 or argv[1].startswith("-") or os.environ.get(ops.COMPLETE_VAR):
-        return
-    commands = [c for c in app.registered_commands if _name(c) == argv[1]]
-    groups = [g for g in app.registered_groups if g.name == argv[1]]
-    if commands or groups:
-        app.registered_commands, app.registered_groups = commands, groups
+@contextlib.contextmanager
+def only_the_command_named(argv: list[str]) -> Iterator[None]:
+    """Within it, the app holds only the top-level command or group the arguments name, when they name one
+    exactly: typer builds the parameters of every registered command on each run (about 0.2 s for all of
+    them), and a command needs only its own. Help, completion and a mistyped name keep the whole app."""
+    every = app.registered_commands, app.registered_groups
+    if len(argv) >= 2 and not argv[1].startswith("-") and not os.environ.get(ops.COMPLETE_VAR):
+        commands = [c for c in app.registered_commands if _name(c) == argv[1]]
+        groups = [g for g in app.registered_groups if g.name == argv[1]]
+        if commands or groups:
+            app.registered_commands, app.registered_groups = commands, groups
+    try:
+        yield
+    finally:
+        app.registered_commands, app.registered_groups = every
 
 
 def main() -> None:
-    only_the_command_named(sys.argv)
     handler = logging.StreamHandler()  # stderr; a logged remote text must not reach the terminal raw
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=os.environ.get("EPIBUS_LOG_LEVEL", "WARNING").upper(), handlers=[handler])
-    app(prog_name=ops.PROG, complete_var=ops.COMPLETE_VAR)  # also under `python -m epibus`
+    with only_the_command_named(sys.argv):
+        app(prog_name=ops.PROG, complete_var=ops.COMPLETE_VAR)  # also under `python -m epibus`

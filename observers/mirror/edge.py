@@ -1,17 +1,24 @@
 """The `edge` vector store: qdrant-edge-py, Qdrant's in-process engine, in a directory under EPIBUS_HOME.
 
-The shard holds no metadata of its own, so `collection.json` beside it records the embedding model id and
-dimension; a store opened for another model raises ModelMismatch. All engine calls run on one owned thread."""
+The shards hold no metadata of their own, so `collection.json` beside them records the embedding model id and
+dimension; a store opened for another model raises ModelMismatch. Points go to a small hot shard; a full one is
+sealed in a worker process (observers.mirror.shards, .seal), so the node never builds an index itself and its
+RAM does not grow with the mirror. All engine calls run on one owned thread."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import re
-import shutil
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,9 +27,9 @@ import qdrant_edge as qe
 from bus.errors import ComponentFailed, ModelMismatch, StoreDamaged, Unavailable, error_summary
 from bus.host.disk import require_room
 from bus.host.home import private_dir, private_tree, write_private
+from bus.host.server_guard import SPAWNER, die_with_parent
+from observers.mirror.shards import Export, ShardSet
 from observers.mirror.store import (
-    INDEXED_FLOATS,
-    INDEXED_KEYWORDS,
     MIRROR_REMEDY,
     CollectionInfo,
     Filter,
@@ -35,6 +42,10 @@ from observers.mirror.store import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Points a hot shard takes before it is sealed: searched exactly, ~2 KB of RAM each while hot.
+SEAL_POINTS = int(os.environ.get("EPIBUS_MIRROR_SEAL_POINTS", "20000"))
+SEAL_RETRY_S = 30.0  # after a worker failed, the next seal waits this long (the hot shards keep serving)
 # Engine messages that mean its files failed (disk full, too many files, I/O), which may pass.
 ENGINE_IO_FAILURE = re.compile(
     r"i/?o error|no space left|too many open files|resource temporarily unavailable|read-only file system", re.I
@@ -44,10 +55,6 @@ ENGINE_DAMAGE = re.compile(
     r"out of bounds|not readable|corrupt|checksum|unexpected end of file|failed to (?:deserialize|decode)", re.I
 )
 META_FILE = "collection.json"
-SHARD_DIR = "shard"
-NEW_SHARD_DIR = "shard.compacting"  # a compaction writes the live points here, then swaps it in
-OLD_SHARD_DIR = "shard.retired"  # the shard being replaced, deleted once the new one is in place
-COPY_BATCH = 200  # points per write while compacting: each write stays short
 
 
 def edge_filter(where: Filter) -> qe.Filter | None:
@@ -64,33 +71,53 @@ def edge_filter(where: Filter) -> qe.Filter | None:
     return qe.Filter(must=must or None, must_not=must_not or None)
 
 
+@dataclass
+class SealStats:
+    """How the sealing of full hot shards goes: for health, metrics and the benchmark."""
+
+    sealed: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_build_s: float | None = None
+    replayed_writes: int = 0
+
+
 class EdgeVectorStore:
     """A VectorStore on qdrant-edge. Use `await EdgeVectorStore.open(path, model_id, dimension)`."""
 
-    def __init__(self, path: Path, model_id: str, dimension: int) -> None:
+    def __init__(self, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS) -> None:
         self.path = path
         self.model_id = model_id
         self.dimension = dimension
+        self.seal_points = seal_points
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-edge")
-        self._shard: Any = None
+        self._shards: ShardSet | None = None
         self.store_id = ""
+        self.seals = SealStats()
+        self._sealing: asyncio.Task[None] | None = None
+        self._rebuilding = asyncio.Lock()  # one export at a time: a seal, or a compaction's rebuild
+        self._next_seal_at = 0.0
 
     @classmethod
-    async def open(cls, path: Path, model_id: str, dimension: int) -> EdgeVectorStore:
-        """Open or create. Raises ModelMismatch if the collection was built for another model or dimension."""
-        store = cls(path, model_id, dimension)
+    async def open(
+        cls, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS
+    ) -> EdgeVectorStore:
+        """Open or create. Raises ModelMismatch if the collection was built for another model or dimension.
+        Shards frozen when the store last closed are sealed again, in the background."""
+        store = cls(path, model_id, dimension, seal_points=seal_points)
         try:
             await store._call(store._open)
         except BaseException:
             await store.close()  # a refused open leaves nothing locked
             raise
+        store._start_sealing()
         return store
 
     @property
-    def shard(self) -> Any:
-        if self._shard is None:
+    def shards(self) -> ShardSet:
+        if self._shards is None:
             raise Unavailable("qdrant-edge", f"{self.path}: store is closed")
-        return self._shard
+        return self._shards
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -98,11 +125,11 @@ class EdgeVectorStore:
     def _open(self) -> None:
         private_dir(self.path)
         try:
-            self._open_shard()
+            self._open_shards()
         finally:
             private_tree(self.path)  # the engine creates its files through the umask (0644 under the usual 022)
 
-    def _open_shard(self) -> None:
+    def _open_shards(self) -> None:
         meta_path = self.path / META_FILE
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
@@ -111,28 +138,17 @@ class EdgeVectorStore:
                     f"{meta['model_id']} ({meta['dimension']}-d)", f"{self.model_id} ({self.dimension}-d)"
                 )
             self.store_id = str(meta["store_id"])
-            self._finish_compaction()
-            self._shard = self._engine(qe.EdgeShard.load, str(self.path / SHARD_DIR))
-            return
-        self._shard = self._create_shard(self.path / SHARD_DIR)
-        self.store_id = str(uuid.uuid4())
-        write_private(
-            meta_path, json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id})
-        )
-
-    def _create_shard(self, path: Path) -> Any:
-        config = qe.EdgeConfig(
-            vectors=qe.EdgeVectorParams(size=self.dimension, distance=qe.Distance.Cosine),
-            # indexing_threshold is in KB of vectors: HNSW is built by optimize() once a segment outgrows it.
-            optimizers=qe.EdgeOptimizersConfig(indexing_threshold=20_000),
-            hnsw_config=qe.HnswIndexConfig(m=16, ef_construct=100, full_scan_threshold=10_000),
-        )
-        shard = self._engine(qe.EdgeShard.create, str(path), config)
-        for key in INDEXED_KEYWORDS:
-            self._engine(shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Keyword))
-        for key in INDEXED_FLOATS:
-            self._engine(shard.update, qe.UpdateOperation.create_field_index(key, qe.PayloadSchemaType.Float))
-        return shard
+        else:
+            self.store_id = str(uuid.uuid4())
+        shards = ShardSet(self.path, self.dimension, self._engine)
+        require_room(self.path, "mirror")
+        shards.open()
+        self._shards = shards
+        if not meta_path.exists():
+            write_private(
+                meta_path,
+                json.dumps({"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id}),
+            )
 
     def _engine(self, fn: Any, *args: Any) -> Any:
         """The one choke point: the engine raises bare Exception subclasses for every failure. Only the
@@ -168,102 +184,139 @@ class EdgeVectorStore:
             qe.Point(str(p.id), list(p.vector), {**p.payload, "model_id": self.model_id, "dimension": self.dimension})
             for p in points
         ]
-        await self._call(self._write, self.shard.update, qe.UpdateOperation.upsert_points(batch))
+        await self._call(self._write, self.shards.upsert, batch)
+        if await self._call(self.shards.hot_count) >= self.seal_points:
+            await self._call(self._write, self.shards.freeze)
+            self._start_sealing()
 
     async def delete(self, ids: Sequence[uuid.UUID]) -> None:
         if ids:
-            await self._call(self._write, self.shard.update, qe.UpdateOperation.delete_points([str(i) for i in ids]))
+            await self._call(self._write, self.shards.delete, [str(i) for i in ids])
 
     async def retrieve(self, ids: Sequence[uuid.UUID]) -> list[Point]:
         if not ids:
             return []
-        records = await self._call(self._engine, self.shard.retrieve, [str(i) for i in ids], True, True)
+        records = await self._call(self.shards.retrieve, [str(i) for i in ids])
         return [Point(uuid.UUID(str(r.id)), list(r.vector), dict(r.payload)) for r in records]
 
     async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
         require_dimension(self.model_id, self.dimension, [vector])
-        request = qe.QueryRequest(
-            query=qe.Query.Nearest(list(vector)), filter=edge_filter(where), limit=limit, with_payload=True
-        )
-        found = await self._call(self._engine, self.shard.query, request)
+        found = await self._call(self.shards.query, list(vector), edge_filter(where), limit)
         return [Hit(uuid.UUID(str(r.id)), float(r.score), dict(r.payload)) for r in found]
 
     async def set_payload(self, where: Filter, payload: Mapping[str, Any]) -> None:
         flt = edge_filter(where)
         if flt is None:
             raise ValueError("set_payload needs a filter; refusing to rewrite every point")
-        await self._call(self._write, self.shard.update, qe.UpdateOperation.set_payload_by_filter(flt, dict(payload)))
+        await self._call(self._write, self.shards.set_payload, flt, payload)
 
     async def describe(self) -> CollectionInfo:
-        count = await self._call(self._engine, self.shard.count, qe.CountRequest(exact=True))
-        return CollectionInfo(self.model_id, self.dimension, int(count), self.store_id)
+        return CollectionInfo(self.model_id, self.dimension, await self._call(self.shards.count), self.store_id)
 
     async def point_ids(self, where: Filter | None = None) -> list[uuid.UUID]:
         """Every point id (matching `where`), for reconciliation."""
-        return list(await self._call(self._scroll_ids, where))
-
-    def _scroll_ids(self, where: Filter | None) -> list[uuid.UUID]:
-        found: list[uuid.UUID] = []
-        offset = None
         flt = edge_filter(where) if where is not None else None
-        while True:
-            request = qe.ScrollRequest(offset=offset, limit=1024, filter=flt, with_payload=False, with_vector=False)
-            records, offset = self._engine(self.shard.scroll, request)
-            found += [uuid.UUID(str(r.id)) for r in records]
-            if offset is None:
-                return found
+        return [uuid.UUID(i) for i in await self._call(lambda: list(self.shards.scroll_ids(flt)))]
+
+    async def shard_layout(self) -> list[dict[str, Any]]:
+        """Each shard: its name, whether it is sealed, its points."""
+        return list(await self._call(self.shards.describe_shards))
+
+    # -- sealing: the index is built in a worker process, never in the node's ------------------------------------
+
+    def _start_sealing(self) -> None:
+        """Seal the frozen shards in the background (one task, owned by the store and ended by close)."""
+        if self._shards is None or not self._shards.frozen():
+            return
+        if self._sealing is not None and not self._sealing.done():
+            return
+        self._sealing = asyncio.get_running_loop().create_task(self._seal_frozen(), name=f"seal {self.path}")
+
+    async def _seal_frozen(self) -> None:
+        while self._shards is not None and (frozen := self._shards.frozen()):
+            await asyncio.sleep(max(0.0, self._next_seal_at - time.monotonic()))
+            try:
+                async with self._rebuilding:
+                    await self._rebuild(frozen[0])
+            except (Unavailable, ComponentFailed, StoreDamaged, OSError) as e:
+                # The frozen shard keeps serving (searched exactly): nothing is lost, the seal is tried again.
+                self.seals.failures += 1
+                self.seals.last_error = error_summary(e)
+                self._next_seal_at = time.monotonic() + SEAL_RETRY_S
+                log.error("sealing a shard of %s failed: %s; trying again in %.0f s", self.path, e, SEAL_RETRY_S)
+                return
+
+    async def _rebuild(self, name: str) -> None:
+        """Export the shard, build its sealed copy in a worker, swap it in. Hold `_rebuilding`."""
+        export: Export = await self._call(self.shards.start_export, name)
+        try:
+            while not await self._call(self._write, self.shards.export_step, export):
+                pass
+            self.seals.last_build_s = await self._run_worker(export)
+            self.seals.replayed_writes += await self._call(self._write, self.shards.swap_in, export)
+            self.seals.sealed += 1
+        except BaseException:
+            if self._shards is not None and name in self._shards.exports:
+                await self._call(self._shards.abandon, export)
+            raise
+
+    async def _run_worker(self, export: Export) -> float:
+        """Run `observers.mirror.seal` on the exported points; it dies with this process. Returns seconds."""
+        started = time.perf_counter()
+        command = [sys.executable, "-m", "observers.mirror.seal", str(export.folder), str(export.target)]
+        process = SPAWNER.run(
+            lambda: subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent(),
+            )
+        )
+        try:
+            _, stderr = await asyncio.to_thread(process.communicate)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        if process.returncode != 0:
+            said = stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {process.returncode}"]
+            raise ComponentFailed("mirror seal", f"building {export.target.name} failed: {said[0][:300]}")
+        return round(time.perf_counter() - started, 2)
 
     async def optimize(self) -> bool:
-        """Build HNSW over grown segments. Holds the GIL for seconds on large collections: call it off the
-        hot path (reindex, a quiet moment), not per batch."""
-        return bool(await self._call(self._write, self.shard.optimize))
+        """Seal what is waiting now (a reindex calls it before swapping its store in). True if anything was."""
+        if self._sealing is not None:
+            await self._sealing
+        sealed_before = self.seals.sealed
+        async with self._rebuilding:
+            if await self._call(self.shards.hot_count):
+                await self._call(self._write, self.shards.freeze)
+            for name in list(self.shards.frozen()):
+                await self._rebuild(name)
+        return self.seals.sealed > sealed_before
 
     async def compact(self) -> int:
-        """Rewrite the shard with only its live points and delete the old files, so a deleted point leaves
-        no bytes behind: qdrant-edge keeps a deleted point's payload and vector in its segment pages and its
-        write-ahead log (a preallocated file that is not rewritten), and neither flush() nor optimize()
-        removes them. Costs a copy of every point; meant for forget, not for every delete. Returns the
-        number of points kept. Raises Unavailable; an interrupted compaction is finished or undone on open."""
-        return int(await self._call(self._compact))
-
-    def _compact(self) -> int:
-        fresh = self.path / NEW_SHARD_DIR
-        if fresh.exists():
-            shutil.rmtree(fresh)  # a compaction that never swapped in: its copy is incomplete
-        target = self._create_shard(fresh)
-        kept = 0
-        offset = None
-        while True:
-            request = qe.ScrollRequest(offset=offset, limit=COPY_BATCH, with_payload=True, with_vector=True)
-            records, offset = self._engine(self.shard.scroll, request)
-            batch = [qe.Point(r.id, list(r.vector), dict(r.payload)) for r in records]
-            if batch:
-                self._engine(target.update, qe.UpdateOperation.upsert_points(batch))
-                kept += len(batch)
-            if offset is None:
-                break
-        self._engine(target.flush)
-        self._engine(target.close)
-        self._engine(self.shard.close)
-        self._shard = None
-        (self.path / SHARD_DIR).rename(self.path / OLD_SHARD_DIR)
-        fresh.rename(self.path / SHARD_DIR)
-        self._finish_compaction()
-        self._shard = self._write(qe.EdgeShard.load, str(self.path / SHARD_DIR))
-        return kept
-
-    def _finish_compaction(self) -> None:
-        """After a crash mid-compaction: a retired shard with no live one goes back in place; a retired
-        shard beside a live one is deleted."""
-        live, old = self.path / SHARD_DIR, self.path / OLD_SHARD_DIR
-        if old.exists() and not live.exists():
-            old.rename(live)
-        elif old.exists():
-            shutil.rmtree(old)
+        """Rewrite every shard a delete may have left bytes in, so a deleted point leaves none behind:
+        qdrant-edge keeps a deleted point's payload and vector in its segment pages and its write-ahead log, and
+        neither flush() nor optimize() removes them. Unsealed shards are copied in this process; a sealed shard
+        a delete touched is built again by a worker. Meant for forget, not for every delete. Returns the number
+        of points in the store. An interrupted compaction leaves the old shards listed, and whole."""
+        async with self._rebuilding:
+            await self._call(self._write, self.shards.compact_unsealed)
+            for name in self.shards.scrubbed():
+                await self._rebuild(name)
+        return int(await self._call(self.shards.count))
 
     async def close(self) -> None:
-        if self._shard is not None:
-            await self._call(self._engine, self._shard.flush)
-            await self._call(self._write, self._shard.close)  # closing rewrites segment files
-            self._shard = None
+        if self._sealing is not None:
+            self._sealing.cancel()  # the frozen shard stays listed and is sealed after the next open
+            await asyncio.wait([self._sealing])
+            if not self._sealing.cancelled() and (error := self._sealing.exception()) is not None:
+                log.error("sealing a shard of %s had failed: %s", self.path, error_summary(error))
+            self._sealing = None
+        if self._shards is not None:
+            await self._call(self._engine, self._shards.flush)
+            await self._call(self._write, self._shards.close)  # closing rewrites segment files
+            self._shards = None
         self._executor.shutdown(wait=True)

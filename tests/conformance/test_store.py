@@ -1,5 +1,6 @@
-"""One vector-store suite, every backend: each case runs on qdrant-edge, qdrant-client's
-local mode (on disk and in memory) and, where a Docker engine answers, a real Qdrant server."""
+"""One vector-store suite, every backend: each case runs on qdrant-edge (one hot shard, and shards sealed
+every three points), qdrant-client's local mode (on disk and in memory) and, where a Docker engine answers, a
+real Qdrant server."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from bus.errors import ConfigError, ModelMismatch, Unavailable
 from bus.model.ids import new_event_id, point_id
 from observers.mirror.backends import open_store
+from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.store import Filter, Point, VectorStore
 
 DIM = 8
@@ -30,7 +32,7 @@ def docker_engine_answers() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
 
 
-@pytest.fixture(params=["edge", "server-local", "server-docker"])
+@pytest.fixture(params=["edge", "edge-sealed", "server-local", "server-docker"])
 async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[VectorStore, Reopen]]:
     """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
     kind = request.param
@@ -45,11 +47,14 @@ async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> As
             stack.callback(container.stop)  # stopped last, after the store is closed, and if the setup fails
             location: str = f"http://{container.get_container_host_ip()}:{container.exposed_rest_port}"
             backend = "server"
-        elif kind == "edge":
+        elif kind.startswith("edge"):
             location, backend = str(tmp_path / "edge"), "edge"
         else:
             location, backend = str(tmp_path / "local"), "server"
-        store = await open_store(backend, location, MODEL, DIM)
+        if kind == "edge-sealed":  # every few points a shard is sealed by a worker while the case goes on
+            store: VectorStore = await EdgeVectorStore.open(Path(location), MODEL, DIM, seal_points=3)
+        else:
+            store = await open_store(backend, location, MODEL, DIM)
 
         async def reopen(model_id: str, dimension: int) -> VectorStore:
             await store.close()

@@ -124,7 +124,7 @@ async def test_every_directory_and_file_of_a_running_node_with_its_server_and_mi
             missing = EXPECTED_WHILE_RUNNING - files.keys()
             assert not missing, f"not written, so not checked: {sorted(missing)}"
             assert any(path.startswith("nats/jetstream/") for path in files), sorted(files)
-            assert any(path.startswith("mirror/shard/") for path in files), sorted(files)
+            assert any(path.startswith("mirror/hot-") for path in files), sorted(files)
             assert f"nats/nats-server_{node.server.pid}.ports" in files, sorted(files)
             assert not offenders(dirs, files), f"not owner-only while running: {offenders(dirs, files)}"
 

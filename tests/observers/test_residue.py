@@ -7,9 +7,12 @@ import json
 import uuid
 from pathlib import Path
 
+import qdrant_edge as qe
+
 from bus.model.forget import ForgetProof, ForgetReport, content_fingerprints, free_texts
 from bus.model.kinds import FindingBody, VerifiedBody
 from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.seal import create_shard
 from observers.mirror.store import Point
 from observers.residue import CHUNK_BYTES, scan_files
 
@@ -144,9 +147,30 @@ async def test_a_compaction_interrupted_before_the_swap_is_undone_on_open(tmp_pa
     point = Point(uuid.uuid4(), [0.1, 0.2, 0.3, 0.4], {"project": "p"})
     await store.upsert([point])
     await store.close()
-    (path / "shard").rename(path / "shard.retired")  # the crash came between the two renames
+    create_shard(path / "hot-99", 4, False).close()  # the copy a compaction was writing when it was killed
     store = await EdgeVectorStore.open(path, "test/model-4d", 4)
     try:
         assert [p.id for p in await store.retrieve([point.id])] == [point.id]
+        assert not (path / "hot-99").exists()
+    finally:
+        await store.close()
+
+
+async def test_a_compaction_of_the_one_shard_layout_cut_short_is_undone_on_open(tmp_path: Path) -> None:
+    """A mirror written before shards were sealed, killed between its compaction's two renames."""
+    path = tmp_path / "mirror"
+    path.mkdir()
+    legacy = create_shard(path / "shard.retired", 4, False)
+    point = Point(uuid.uuid4(), [0.1, 0.2, 0.3, 0.4], {"project": "p"})
+    legacy.update(qe.UpdateOperation.upsert_points([qe.Point(str(point.id), list(point.vector), dict(point.payload))]))
+    legacy.flush()
+    legacy.close()
+    create_shard(path / "shard.compacting", 4, False).close()
+    (path / "collection.json").write_text(json.dumps({"model_id": "test/model-4d", "dimension": 4, "store_id": "s"}))
+    store = await EdgeVectorStore.open(path, "test/model-4d", 4)
+    try:
+        assert [p.id for p in await store.retrieve([point.id])] == [point.id]
+        assert not (path / "shard.retired").exists()
+        assert not (path / "shard.compacting").exists()
     finally:
         await store.close()

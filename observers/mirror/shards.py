@@ -1,0 +1,328 @@
+"""The shards of an edge mirror, listed in `shards.json`: one hot shard that takes new points (searched exactly,
+at most `seal_points` of them), frozen shards waiting for their sealed copy, and sealed shards built in a worker
+process for reading (`observers.mirror.seal`). A point lives in exactly one shard; every write and read goes to
+each shard that may hold it. Nothing here is thread-safe: the store calls it on its one engine thread.
+
+Sealing, step by step, so that a process killed at any line loses nothing: freeze (a new hot shard takes new
+points; the manifest lists both), export the frozen shard's points to files while recording every later write
+to it, build the sealed copy in a worker, load it, replay the recorded writes, then one manifest write swaps it
+in and the frozen shard's files go. A directory the manifest does not list is unfinished and is deleted on open."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import qdrant_edge as qe
+
+from bus.host.home import write_private
+from observers.mirror.seal import SEALED_MARK, create_shard, write_points
+
+MANIFEST = "shards.json"
+EXPORTS = "exports"  # points on their way to a worker; nothing here survives a restart
+LEGACY_SHARD = "shard"  # a mirror written before sealing had one shard: it becomes the first hot shard
+# Where that layout's compaction wrote its copy, and kept the shard it replaced until the swap was done.
+LEGACY_COPY, LEGACY_RETIRED = "shard.compacting", "shard.retired"
+EXPORT_BATCH = 500  # points per engine call while exporting: the engine thread stays free for queries
+# Sealed shards are searched through int8 copies, then the best candidates are rescored on the originals.
+SEALED_SEARCH = qe.SearchParams(quantization=qe.QuantizationSearchParams(rescore=True, oversampling=2.0))
+
+Engine = Callable[..., Any]  # the store's error-translating call: engine(fn, *args)
+
+
+@dataclass
+class Shard:
+    name: str
+    sealed: bool
+    engine: Any
+    scrub: bool = False  # a delete removed a point here since it was last rebuilt: compaction rebuilds it
+
+
+@dataclass
+class Export:
+    """A frozen (or to-be-rebuilt) shard's points being copied out, and the writes it took since."""
+
+    name: str
+    folder: Path
+    target: Path
+    writes: list[tuple[str, Any]] = field(default_factory=list)
+    offset: Any = None
+    ids: list[str] = field(default_factory=list)
+    vectors: list[list[float]] = field(default_factory=list)
+    payloads: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ShardSet:
+    def __init__(self, path: Path, dimension: int, engine: Engine) -> None:
+        self.path = path
+        self.dimension = dimension
+        self.engine = engine
+        self.shards: list[Shard] = []
+        self.next_number = 1
+        self.exports: dict[str, Export] = {}
+
+    # -- the manifest ------------------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        manifest = self.path / MANIFEST
+        if manifest.exists():
+            recorded = json.loads(manifest.read_text())
+            listed = [(s["name"], bool(s["sealed"]), bool(s.get("scrub", False))) for s in recorded["shards"]]
+            self.next_number = int(recorded["next"])
+        elif (self.path / LEGACY_SHARD).exists() or (self.path / LEGACY_RETIRED).exists():
+            self._finish_legacy_compaction()
+            listed = [(LEGACY_SHARD, False, False)]
+        else:
+            listed = []
+        self._delete_unlisted({name for name, _, _ in listed})
+        if (self.path / EXPORTS).exists():
+            shutil.rmtree(self.path / EXPORTS)
+        for name, sealed, scrub in listed:
+            self.shards.append(Shard(name, sealed, self.engine(qe.EdgeShard.load, str(self.path / name)), scrub))
+        if not self.shards or self.shards[-1].sealed:
+            self._add_hot()
+        self._save()
+
+    def _finish_legacy_compaction(self) -> None:
+        """A compaction of the one-shard layout cut short: its unfinished copy goes; a retired shard with no live
+        one goes back in place, and beside a live one it is deleted."""
+        live, old, copy = (self.path / name for name in (LEGACY_SHARD, LEGACY_RETIRED, LEGACY_COPY))
+        if copy.exists():
+            shutil.rmtree(copy)
+        if old.exists() and not live.exists():
+            old.rename(live)
+        elif old.exists():
+            shutil.rmtree(old)
+
+    def _delete_unlisted(self, listed: set[str]) -> None:
+        for child in self.path.iterdir():
+            if child.is_dir() and child.name not in listed and child.name.startswith(("hot-", "sealed-", "build-")):
+                shutil.rmtree(child)
+
+    def _save(self) -> None:
+        shards = [{"name": s.name, "sealed": s.sealed, "scrub": s.scrub} for s in self.shards]
+        write_private(self.path / MANIFEST, json.dumps({"shards": shards, "next": self.next_number}))
+
+    def _new_name(self, prefix: str) -> str:
+        name = f"{prefix}-{self.next_number}"
+        self.next_number += 1
+        return name
+
+    def _add_hot(self) -> None:
+        name = self._new_name("hot")
+        self.shards.append(Shard(name, False, self.engine(create_shard, self.path / name, self.dimension, False)))
+
+    @property
+    def hot(self) -> Shard:
+        return self.shards[-1]
+
+    def frozen(self) -> list[str]:
+        """Shards that take no new points and wait for their sealed copy, oldest first."""
+        return [s.name for s in self.shards[:-1] if not s.sealed]
+
+    def _shard(self, name: str) -> Shard:
+        return next(s for s in self.shards if s.name == name)
+
+    # -- writes: each reaches the shard that holds the point, and is recorded for a shard being exported ----------
+
+    def _record(self, shard: Shard, write: tuple[str, Any]) -> None:
+        if shard.name in self.exports:
+            self.exports[shard.name].writes.append(write)
+
+    def _holders(self, ids: Sequence[str]) -> dict[str, Shard]:
+        """Which shard (other than the hot one) holds each of these point ids."""
+        found: dict[str, Shard] = {}
+        for shard in self.shards[:-1]:
+            wanted = [i for i in ids if i not in found]
+            if not wanted:
+                break
+            for record in self.engine(shard.engine.retrieve, wanted, False, False):
+                found[str(record.id)] = shard
+        return found
+
+    def upsert(self, points: Sequence[qe.Point]) -> None:
+        """A point already in an older shard is overwritten there (re-embedding never duplicates it)."""
+        holders = self._holders([str(p.id) for p in points])
+        by_shard: dict[str, list[qe.Point]] = {}
+        for point in points:
+            by_shard.setdefault(holders[str(point.id)].name if str(point.id) in holders else self.hot.name, []).append(
+                point
+            )
+        for name, batch in by_shard.items():
+            shard = self._shard(name)
+            self.engine(shard.engine.update, qe.UpdateOperation.upsert_points(batch))
+            self._record(shard, ("upsert", batch))
+
+    def delete(self, ids: Sequence[str]) -> None:
+        holders = self._holders(ids)
+        scrubbed = False
+        for shard in self.shards:
+            self.engine(shard.engine.update, qe.UpdateOperation.delete_points(list(ids)))
+            self._record(shard, ("delete", list(ids)))
+            if shard.sealed and not shard.scrub and any(h is shard for h in holders.values()):
+                shard.scrub = scrubbed = True
+        if scrubbed:
+            self._save()
+
+    def set_payload(self, where: qe.Filter, payload: Mapping[str, Any]) -> None:
+        for shard in self.shards:
+            self.engine(shard.engine.update, qe.UpdateOperation.set_payload_by_filter(where, dict(payload)))
+            self._record(shard, ("set_payload", (where, dict(payload))))
+
+    # -- reads -------------------------------------------------------------------------------------------------
+
+    def retrieve(self, ids: Sequence[str]) -> list[Any]:
+        found: dict[str, Any] = {}
+        for shard in self.shards:
+            wanted = [i for i in ids if i not in found]
+            if not wanted:
+                break
+            for record in self.engine(shard.engine.retrieve, wanted, True, True):
+                found[str(record.id)] = record
+        return [found[i] for i in ids if i in found]
+
+    def query(self, vector: list[float], where: qe.Filter | None, limit: int) -> list[Any]:
+        """Every shard's best `limit`, merged by score."""
+        hits: list[Any] = []
+        for shard in self.shards:
+            request = qe.QueryRequest(
+                query=qe.Query.Nearest(vector),
+                filter=where,
+                limit=limit,
+                with_payload=True,
+                params=SEALED_SEARCH if shard.sealed else None,
+            )
+            hits += self.engine(shard.engine.query, request)
+        hits.sort(key=lambda hit: -float(hit.score))
+        return hits[:limit]
+
+    def count(self) -> int:
+        return sum(self._count(s) for s in self.shards)
+
+    def hot_count(self) -> int:
+        return self._count(self.hot)
+
+    def scroll_ids(self, where: qe.Filter | None) -> Iterator[str]:
+        for shard in self.shards:
+            offset = None
+            while True:
+                request = qe.ScrollRequest(offset=offset, limit=1024, filter=where, with_payload=False)
+                records, offset = self.engine(shard.engine.scroll, request)
+                yield from (str(r.id) for r in records)
+                if offset is None:
+                    break
+
+    def describe_shards(self) -> list[dict[str, Any]]:
+        return [{"name": s.name, "sealed": s.sealed, "points": self._count(s)} for s in self.shards]
+
+    def _count(self, shard: Shard) -> int:
+        return int(self.engine(shard.engine.count, qe.CountRequest(exact=True)))
+
+    # -- sealing and rebuilding --------------------------------------------------------------------------------
+
+    def freeze(self) -> str:
+        """The hot shard stops taking points; a new one takes them. Returns the frozen shard's name."""
+        frozen = self.hot.name
+        self._add_hot()
+        self._save()
+        return frozen
+
+    def start_export(self, name: str) -> Export:
+        """Begin copying a shard's points out; from now on its writes are recorded for the sealed copy."""
+        folder = self.path / EXPORTS / f"points-{name}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        export = Export(name, folder, self.path / self._new_name("build"))
+        self.exports[name] = export
+        return export
+
+    def export_step(self, export: Export) -> bool:
+        """Copy the next batch; True once every point is out (and the files are written)."""
+        request = qe.ScrollRequest(offset=export.offset, limit=EXPORT_BATCH, with_payload=True, with_vector=True)
+        records, export.offset = self.engine(self._shard(export.name).engine.scroll, request)
+        for record in records:
+            export.ids.append(str(record.id))
+            export.vectors.append(list(record.vector))
+            export.payloads.append(dict(record.payload))
+        if export.offset is not None:
+            return False
+        write_points(export.folder, export.ids, export.vectors, export.payloads)
+        export.ids, export.vectors, export.payloads = [], [], []
+        return True
+
+    def swap_in(self, export: Export) -> int:
+        """Load the built copy, replay the writes its shard took meanwhile, and list it in the old one's place.
+        Returns the number of writes replayed."""
+        if not (export.target / SEALED_MARK).exists():
+            raise RuntimeError(f"{export.target} was not finished by its worker")
+        sealed_name = self._new_name("sealed")
+        final = self.path / sealed_name
+        export.target.rename(final)
+        engine = self.engine(qe.EdgeShard.load, str(final))
+        for kind, args in export.writes:
+            if kind == "upsert":
+                self.engine(engine.update, qe.UpdateOperation.upsert_points(args))
+            elif kind == "delete":
+                self.engine(engine.update, qe.UpdateOperation.delete_points(args))
+            else:
+                self.engine(engine.update, qe.UpdateOperation.set_payload_by_filter(args[0], args[1]))
+        self.engine(engine.flush)
+        index = next(i for i, s in enumerate(self.shards) if s.name == export.name)
+        old = self.shards[index]
+        self.shards[index] = Shard(sealed_name, True, engine)
+        self._save()  # the swap: from here the sealed copy is the shard, on every open
+        del self.exports[export.name]
+        self.engine(old.engine.close)
+        shutil.rmtree(self.path / old.name)
+        shutil.rmtree(export.folder)
+        return len(export.writes)
+
+    def abandon(self, export: Export) -> None:
+        """An export whose worker failed: its shard stays as it is (and is searched), its files go."""
+        self.exports.pop(export.name, None)
+        for made in (export.target, export.folder):
+            if made.exists():
+                shutil.rmtree(made)
+
+    def scrubbed(self) -> list[str]:
+        """For compaction: the sealed shards a delete touched since they were built."""
+        return [s.name for s in self.shards if s.sealed and s.scrub]
+
+    def compact_unsealed(self) -> int:
+        """Rewrite each unsealed shard with only its live points, in this process (at most `seal_points` each):
+        a deleted point's bytes stay in a shard's pages and WAL until it is rewritten. Returns points kept."""
+        kept = 0
+        for index, shard in enumerate(self.shards):
+            if shard.sealed:
+                continue
+            name = self._new_name("hot")
+            fresh = self.engine(create_shard, self.path / name, self.dimension, False)
+            offset = None
+            while True:
+                request = qe.ScrollRequest(offset=offset, limit=EXPORT_BATCH, with_payload=True, with_vector=True)
+                records, offset = self.engine(shard.engine.scroll, request)
+                batch = [qe.Point(r.id, list(r.vector), dict(r.payload)) for r in records]
+                if batch:
+                    self.engine(fresh.update, qe.UpdateOperation.upsert_points(batch))
+                    kept += len(batch)
+                if offset is None:
+                    break
+            self.engine(fresh.flush)
+            self.shards[index] = Shard(name, False, fresh)
+            self._save()  # the swap; the old files go after it
+            self.engine(shard.engine.close)
+            shutil.rmtree(self.path / shard.name)
+        return kept
+
+    def flush(self) -> None:
+        for shard in self.shards:
+            self.engine(shard.engine.flush)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            self.engine(shard.engine.close)
+        self.shards = []

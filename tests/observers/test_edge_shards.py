@@ -1,0 +1,224 @@
+"""The edge mirror's shards: a full hot shard is sealed by a worker process while the store keeps answering;
+a write made during a seal reaches the sealed copy; search over sealed shards finds what exact search finds; a
+process killed mid-seal, an old single-shard mirror and a forget's compaction all leave every point where it
+belongs, and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import psutil
+import qdrant_edge as qe
+
+from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.seal import create_shard
+from observers.mirror.shards import EXPORTS, LEGACY_SHARD, MANIFEST
+from observers.mirror.store import Filter, Point
+from tests.support import eventually
+
+DIM = 16
+MODEL = "test/model-16d"
+
+
+def unit_vectors(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(6, DIM))
+    v = centers[rng.integers(0, 6, n)] + 0.4 * rng.normal(size=(n, DIM))
+    unit: np.ndarray = (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    return unit
+
+
+def points(vectors: np.ndarray, *, start: int = 0) -> list[Point]:
+    return [
+        Point(
+            uuid.UUID(int=start + i + 1),
+            [float(x) for x in vector],
+            {"project": f"p{(start + i) % 3}", "trust": "unverified", "kind": "finding", "text": f"claim {start + i}"},
+        )
+        for i, vector in enumerate(vectors)
+    ]
+
+
+async def test_full_hot_shards_are_sealed_and_search_finds_what_exact_search_finds(tmp_path: Path) -> None:
+    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=50)
+    try:
+        vectors = unit_vectors(230, seed=1)
+        made = points(vectors)
+        for start in range(0, len(made), 25):
+            await store.upsert(made[start : start + 25])
+        await store.optimize()
+        layout = await store.shard_layout()
+        assert [s["sealed"] for s in layout[:-1]] == [True] * (len(layout) - 1)
+        assert len(layout) >= 5
+        assert sum(s["points"] for s in layout) == 230 == (await store.describe()).count
+        assert {p.id for p in await store.retrieve([p.id for p in made])} == {p.id for p in made}
+        in_p1 = np.array([i for i in range(230) if i % 3 == 1])
+        for query in unit_vectors(20, seed=2):
+            hits = await store.search([float(x) for x in query], Filter(equals={"project": "p1"}), limit=5)
+            exact = in_p1[np.argsort(-(vectors[in_p1] @ query))[:5]]
+            assert [h.id for h in hits] == [uuid.UUID(int=int(i) + 1) for i in exact]
+    finally:
+        await store.close()
+
+
+async def test_a_write_made_while_a_shard_is_sealed_reaches_the_sealed_copy(tmp_path: Path) -> None:
+    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=40)
+    try:
+        made = points(unit_vectors(40, seed=3))
+        await store.upsert(made)  # the hot shard is full: frozen, and its seal starts
+        await eventually(lambda: store.shards.exports, interval_s=0.002)  # its points are being copied out
+        await store.set_payload(Filter(equals={"text": "claim 1"}), {"trust": "contradicted"})
+        await store.delete([made[2].id])
+        moved = [float(x) for x in unit_vectors(1, seed=4)[0]]
+        await store.upsert([Point(made[3].id, moved, made[3].payload)])
+        await store.optimize()
+        assert store.seals.replayed_writes == 3
+        assert [s["sealed"] for s in await store.shard_layout()] == [True, False]
+        kept = {p.id: p for p in await store.retrieve([p.id for p in made])}
+        assert kept[made[1].id].payload["trust"] == "contradicted"
+        assert made[2].id not in kept
+        assert np.allclose(kept[made[3].id].vector, moved, atol=1e-6)
+        assert (await store.describe()).count == 39
+    finally:
+        await store.close()
+
+
+async def test_reembedding_a_sealed_point_overwrites_it_where_it_lives(tmp_path: Path) -> None:
+    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=20)
+    try:
+        made = points(unit_vectors(30, seed=5))
+        await store.upsert(made)
+        await store.optimize()
+        again = points(unit_vectors(30, seed=6))  # the same ids, new vectors
+        await store.upsert(again)
+        assert (await store.describe()).count == 30
+        kept = {p.id: p for p in await store.retrieve([p.id for p in again])}
+        assert all(np.allclose(kept[p.id].vector, p.vector, atol=1e-6) for p in again)
+    finally:
+        await store.close()
+
+
+KILLED_MID_SEAL = """
+import asyncio, os, signal, sys, uuid
+from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.store import Point
+
+async def main() -> None:
+    store = await EdgeVectorStore.open(__import__("pathlib").Path(sys.argv[1]), "test/model-16d", 16, seal_points=30)
+    await store.upsert([Point(uuid.UUID(int=i + 1), [1.0] + [i / 60] * 15, {"project": "p"}) for i in range(60)])
+    while store._sealing is not None and not store._sealing.done() and not list(store.path.glob("build-*")):
+        await asyncio.sleep(0.01)
+    print("sealing", flush=True)
+    await asyncio.sleep(0.3)  # the worker is building
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_process_killed_mid_seal_leaves_every_point_and_no_worker(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    killed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", KILLED_MID_SEAL, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert "sealing" in killed.stdout
+    for _ in range(100):  # the worker gets the parent-death signal
+        workers = [p for p in psutil.process_iter(["cmdline"]) if str(path) in " ".join(p.info["cmdline"] or [])]
+        if not workers:
+            break
+        await asyncio.sleep(0.05)
+    assert workers == []
+    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=30)
+    try:
+        assert (await store.describe()).count == 60
+        await store.optimize()
+        assert {p.id for p in await store.retrieve([uuid.UUID(int=i + 1) for i in range(60)])} == {
+            uuid.UUID(int=i + 1) for i in range(60)
+        }
+        listed = {s["name"] for s in json.loads((path / MANIFEST).read_text())["shards"]}
+        on_disk = {p.name for p in path.iterdir() if p.is_dir()} - {EXPORTS}
+        assert on_disk == listed  # no unfinished build, no frozen shard left beside its sealed copy
+        assert list((path / EXPORTS).iterdir()) == []
+    finally:
+        await store.close()
+
+
+async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_ones(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    path.mkdir()
+    legacy = create_shard(path / LEGACY_SHARD, DIM, sealed=False)
+    old = points(unit_vectors(12, seed=7))
+    legacy.update(qe.UpdateOperation.upsert_points([qe.Point(str(p.id), list(p.vector), dict(p.payload)) for p in old]))
+    legacy.flush()
+    legacy.close()
+    (path / "collection.json").write_text(json.dumps({"model_id": MODEL, "dimension": DIM, "store_id": "old"}))
+    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=20)
+    try:
+        assert (await store.describe()).count == 12
+        await store.upsert(points(unit_vectors(12, seed=8), start=100))
+        await store.optimize()
+        assert (await store.describe()).count == 24
+        assert not (path / LEGACY_SHARD).exists()  # sealed, and listed under its new name
+        hits = await store.search(old[0].vector, Filter(equals={"project": old[0].payload["project"]}), limit=1)
+        assert [h.id for h in hits] == [old[0].id]
+    finally:
+        await store.close()
+
+
+async def test_compaction_leaves_no_byte_of_a_deleted_point_in_any_shard(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=20)
+    marker = "a-secret-that-must-go-" + uuid.uuid4().hex
+    try:
+        made = points(unit_vectors(50, seed=9))
+        made[5] = Point(made[5].id, made[5].vector, {**made[5].payload, "text": marker})
+        made[45] = Point(made[45].id, made[45].vector, {**made[45].payload, "text": marker + "-hot"})
+        await store.upsert(made[:40])
+        await store.optimize()
+        await store.upsert(made[40:])  # these stay in the hot shard
+        assert [s["sealed"] for s in await store.shard_layout()] == [True, False]
+        await store.delete([made[5].id, made[45].id])
+        assert await store.compact() == 48
+        assert await store.retrieve([made[5].id, made[45].id]) == []
+    finally:
+        await store.close()
+    holding = [f for f in path.rglob("*") if f.is_file() and marker.encode() in f.read_bytes()]
+    assert holding == []
+
+
+async def test_the_store_answers_while_a_worker_seals(tmp_path: Path) -> None:
+    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=30)
+    try:
+        made = points(unit_vectors(30, seed=10))
+        await store.upsert(made)
+        answered = 0
+        while store._sealing is not None and not store._sealing.done():
+            hits = await store.search(made[0].vector, Filter(equals={"project": "p0"}), limit=1)
+            assert [h.id for h in hits] == [made[0].id]
+            answered += 1
+            await asyncio.sleep(0.01)
+        assert answered > 0
+        assert store.seals.sealed == 1
+    finally:
+        await store.close()
+
+
+def test_the_worker_is_our_own_interpreter_and_module() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "observers.mirror.seal"], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert done.returncode == 1
+    assert "usage: python -m observers.mirror.seal POINTS_DIR TARGET_DIR" in done.stderr
