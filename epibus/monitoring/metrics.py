@@ -31,6 +31,7 @@ from bus.services.responder import ServiceCounts
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject
 from epibus.node.supervise import service_failures
 from mesh.protocol import awaits_acknowledgement
+from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import FastEmbedder
 
 if TYPE_CHECKING:
@@ -358,7 +359,22 @@ def _storage_families(node: NodeView) -> list[Metric]:
         reserve.add_metric([], next(iter(upkeep.disk.values())).reserve_bytes)
     for name, check in upkeep.checks.items():
         damaged.add_metric([name], float(check.damaged))
-    return [free, reserve, full, damaged]
+    return [free, reserve, full, damaged, *_shard_families(node)]
+
+
+def _shard_families(node: NodeView) -> list[Metric]:
+    """The edge mirror's shards by state, and the seals its worker processes made and failed."""
+    shards = GaugeMetricFamily("epibus_mirror_shards", "The edge mirror's shards by state.", labels=["state"])
+    seals = CounterMetricFamily("epibus_mirror_seals", "Full hot shards sealed by a worker process.")
+    failed = CounterMetricFamily("epibus_mirror_seal_failures", "Seals whose worker failed (tried again later).")
+    store = node.store
+    if not isinstance(store, EdgeVectorStore):
+        return []
+    for state, n in store.shard_states().items():
+        shards.add_metric([state], n)
+    seals.add_metric([], store.seals.sealed)
+    failed.add_metric([], store.seals.failures)
+    return [shards, seals, failed]
 
 
 def _mesh_families(node: NodeView) -> list[Metric]:

@@ -218,6 +218,12 @@ class EdgeVectorStore:
         flt = edge_filter(where) if where is not None else None
         return [uuid.UUID(i) for i in await self._call(lambda: list(self.shards.scroll_ids(flt)))]
 
+    def shard_states(self) -> dict[str, int]:
+        """How many shards are hot, frozen (waiting for their seal) and sealed, from memory (no engine call)."""
+        listed = list(self._shards.shards) if self._shards is not None else []
+        frozen = sum(1 for s in listed[:-1] if not s.sealed)
+        return {"hot": 1 if listed else 0, "frozen": frozen, "sealed": sum(1 for s in listed if s.sealed)}
+
     async def shard_layout(self) -> list[dict[str, Any]]:
         """Each shard: its name, whether it is sealed, its points."""
         return list(await self._call(self.shards.describe_shards))
@@ -284,10 +290,14 @@ class EdgeVectorStore:
             raise ComponentFailed("mirror seal", f"building {export.target.name} failed: {said[0][:300]}")
         return round(time.perf_counter() - started, 2)
 
+    async def settle(self) -> None:
+        """Wait for the seals under way (a failed one is counted in `seals`, not raised)."""
+        if self._sealing is not None:
+            await asyncio.wait([self._sealing])
+
     async def optimize(self) -> bool:
         """Seal what is waiting now (a reindex calls it before swapping its store in). True if anything was."""
-        if self._sealing is not None:
-            await self._sealing
+        await self.settle()
         sealed_before = self.seals.sealed
         async with self._rebuilding:
             if await self._call(self.shards.hot_count):

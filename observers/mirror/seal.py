@@ -62,10 +62,10 @@ def create_shard(path: Path, dimension: int, sealed: bool) -> Any:
     return shard
 
 
-def write_points(folder: Path, ids: list[str], vectors: list[list[float]], payloads: list[dict[str, Any]]) -> None:
-    """What the worker reads: the points of a shard being sealed."""
+def write_points(folder: Path, ids: list[str], vectors: np.ndarray, payloads: list[dict[str, Any]]) -> None:
+    """What the worker reads: the points of a shard being sealed (vectors: float32, one row a point)."""
     folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "vectors.npy", np.asarray(vectors, dtype=np.float32))
+    np.save(folder / "vectors.npy", vectors)
     with (folder / "points.jsonl").open("w") as out:
         for point_id, payload in zip(ids, payloads, strict=True):
             out.write(json.dumps({"id": point_id, "payload": payload}) + "\n")

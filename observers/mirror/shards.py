@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import qdrant_edge as qe
 
 from bus.host.home import write_private
@@ -52,7 +53,7 @@ class Export:
     writes: list[tuple[str, Any]] = field(default_factory=list)
     offset: Any = None
     ids: list[str] = field(default_factory=list)
-    vectors: list[list[float]] = field(default_factory=list)
+    vectors: list[np.ndarray] = field(default_factory=list)  # one float32 block per batch
     payloads: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -244,13 +245,14 @@ class ShardSet:
         """Copy the next batch; True once every point is out (and the files are written)."""
         request = qe.ScrollRequest(offset=export.offset, limit=EXPORT_BATCH, with_payload=True, with_vector=True)
         records, export.offset = self.engine(self._shard(export.name).engine.scroll, request)
-        for record in records:
-            export.ids.append(str(record.id))
-            export.vectors.append(list(record.vector))
-            export.payloads.append(dict(record.payload))
+        export.ids += [str(record.id) for record in records]
+        export.payloads += [dict(record.payload) for record in records]
+        if records:
+            export.vectors.append(np.asarray([record.vector for record in records], dtype=np.float32))
         if export.offset is not None:
             return False
-        write_points(export.folder, export.ids, export.vectors, export.payloads)
+        vectors = np.concatenate(export.vectors) if export.vectors else np.zeros((0, self.dimension), np.float32)
+        write_points(export.folder, export.ids, vectors, export.payloads)
         export.ids, export.vectors, export.payloads = [], [], []
         return True
 

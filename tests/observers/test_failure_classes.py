@@ -174,7 +174,7 @@ async def test_the_edge_engine_refusing_a_call_is_a_failure_and_its_files_failin
     assert isinstance(store, EdgeVectorStore)
     try:
         with pytest.raises(ComponentFailed, match="TypeError"):
-            store._engine(store._shard.retrieve, "not a list of ids", None, None)  # the engine's own refusal
+            store._engine(store.shards.hot.engine.retrieve, "not a list of ids", None, None)  # the engine's own refusal
 
         def disk_full() -> None:
             raise OSError(28, "No space left on device")
