@@ -239,11 +239,15 @@ class EdgeVectorStore:
         self._sealing = asyncio.get_running_loop().create_task(self._seal_frozen(), name=f"seal {self.path}")
 
     async def _seal_frozen(self) -> None:
-        while self._shards is not None and (frozen := self._shards.frozen()):
+        """Seal frozen shards, oldest first, then merge sealed shards of one size tier."""
+        while self._shards is not None:
+            waiting = self._shards.frozen()[:1] or await self._call(self._shards.to_merge, self.seal_points)
+            if not waiting:
+                return
             await asyncio.sleep(max(0.0, self._next_seal_at - time.monotonic()))
             try:
                 async with self._rebuilding:
-                    await self._rebuild(frozen[0])
+                    await self._rebuild(waiting)
             except (Unavailable, ComponentFailed, StoreDamaged, OSError) as e:
                 # The frozen shard keeps serving (searched exactly): nothing is lost, the seal is tried again.
                 self.seals.failures += 1
@@ -252,9 +256,9 @@ class EdgeVectorStore:
                 log.error("sealing a shard of %s failed: %s; trying again in %.0f s", self.path, e, SEAL_RETRY_S)
                 return
 
-    async def _rebuild(self, name: str) -> None:
-        """Export the shard, build its sealed copy in a worker, swap it in. Hold `_rebuilding`."""
-        export: Export = await self._call(self.shards.start_export, name)
+    async def _rebuild(self, names: list[str]) -> None:
+        """Export the shards, build their sealed copy in a worker, swap it in. Hold `_rebuilding`."""
+        export: Export = await self._call(self.shards.start_export, names)
         try:
             while not await self._call(self._write, self.shards.export_step, export):
                 pass
@@ -262,7 +266,7 @@ class EdgeVectorStore:
             self.seals.replayed_writes += await self._call(self._write, self.shards.swap_in, export)
             self.seals.sealed += 1
         except BaseException:
-            if self._shards is not None and name in self._shards.exports:
+            if self._shards is not None and names[0] in self._shards.exports:
                 await self._call(self._shards.abandon, export)
             raise
 
@@ -303,7 +307,7 @@ class EdgeVectorStore:
             if await self._call(self.shards.hot_count):
                 await self._call(self._write, self.shards.freeze)
             for name in list(self.shards.frozen()):
-                await self._rebuild(name)
+                await self._rebuild([name])
         return self.seals.sealed > sealed_before
 
     async def compact(self) -> int:
@@ -315,7 +319,7 @@ class EdgeVectorStore:
         async with self._rebuilding:
             await self._call(self._write, self.shards.compact_unsealed)
             for name in self.shards.scrubbed():
-                await self._rebuild(name)
+                await self._rebuild([name])
         return int(await self._call(self.shards.count))
 
     async def close(self) -> None:

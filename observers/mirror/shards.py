@@ -11,6 +11,7 @@ in and the frozen shard's files go. A directory the manifest does not list is un
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ EXPORTS = "exports"  # points on their way to a worker; nothing here survives a 
 LEGACY_SHARD = "shard"  # a mirror written before sealing had one shard: it becomes the first hot shard
 # Where that layout's compaction wrote its copy, and kept the shard it replaced until the swap was done.
 LEGACY_COPY, LEGACY_RETIRED = "shard.compacting", "shard.retired"
+MERGE_FAN = 4  # sealed shards of one tier merged into one
+MERGE_TIERS = 2  # at most two merges deep: a sealed shard holds up to 16 hot shards' points (320k by default)
 EXPORT_BATCH = 500  # points per engine call while exporting: the engine thread stays free for queries
 # Sealed shards are searched through int8 copies, then the best candidates are rescored on the originals.
 SEALED_SEARCH = qe.SearchParams(quantization=qe.QuantizationSearchParams(rescore=True, oversampling=2.0))
@@ -45,12 +48,14 @@ class Shard:
 
 @dataclass
 class Export:
-    """A frozen (or to-be-rebuilt) shard's points being copied out, and the writes it took since."""
+    """Shards' points being copied out for one sealed shard (one frozen shard, or sealed ones to merge), and
+    the writes those shards took since the copy began."""
 
-    name: str
+    names: list[str]
     folder: Path
     target: Path
     writes: list[tuple[str, Any]] = field(default_factory=list)
+    position: int = 0  # which of `names` is being copied
     offset: Any = None
     ids: list[str] = field(default_factory=list)
     vectors: list[np.ndarray] = field(default_factory=list)  # one float32 block per batch
@@ -64,7 +69,7 @@ class ShardSet:
         self.engine = engine
         self.shards: list[Shard] = []
         self.next_number = 1
-        self.exports: dict[str, Export] = {}
+        self.exports: dict[str, Export] = {}  # by the name of each shard being copied
 
     # -- the manifest ------------------------------------------------------------------------------------------
 
@@ -232,24 +237,26 @@ class ShardSet:
         self._save()
         return frozen
 
-    def start_export(self, name: str) -> Export:
-        """Begin copying a shard's points out; from now on its writes are recorded for the sealed copy."""
-        folder = self.path / EXPORTS / f"points-{name}"
-        if folder.exists():
-            shutil.rmtree(folder)
-        export = Export(name, folder, self.path / self._new_name("build"))
-        self.exports[name] = export
+    def start_export(self, names: Sequence[str]) -> Export:
+        """Begin copying these shards' points out; from now on their writes are recorded for the sealed copy."""
+        target = self._new_name("build")
+        folder = self.path / EXPORTS / f"points-{target}"
+        export = Export(list(names), folder, self.path / target)
+        for name in names:
+            self.exports[name] = export
         return export
 
     def export_step(self, export: Export) -> bool:
         """Copy the next batch; True once every point is out (and the files are written)."""
         request = qe.ScrollRequest(offset=export.offset, limit=EXPORT_BATCH, with_payload=True, with_vector=True)
-        records, export.offset = self.engine(self._shard(export.name).engine.scroll, request)
+        records, export.offset = self.engine(self._shard(export.names[export.position]).engine.scroll, request)
         export.ids += [str(record.id) for record in records]
         export.payloads += [dict(record.payload) for record in records]
         if records:
             export.vectors.append(np.asarray([record.vector for record in records], dtype=np.float32))
-        if export.offset is not None:
+        if export.offset is None:
+            export.position += 1
+        if export.position < len(export.names):
             return False
         vectors = np.concatenate(export.vectors) if export.vectors else np.zeros((0, self.dimension), np.float32)
         write_points(export.folder, export.ids, vectors, export.payloads)
@@ -257,8 +264,8 @@ class ShardSet:
         return True
 
     def swap_in(self, export: Export) -> int:
-        """Load the built copy, replay the writes its shard took meanwhile, and list it in the old one's place.
-        Returns the number of writes replayed."""
+        """Load the built copy, replay the writes its shards took meanwhile, and list it in the first one's place
+        (the others leave the list). Returns the number of writes replayed."""
         if not (export.target / SEALED_MARK).exists():
             raise RuntimeError(f"{export.target} was not finished by its worker")
         sealed_name = self._new_name("sealed")
@@ -273,22 +280,41 @@ class ShardSet:
             else:
                 self.engine(engine.update, qe.UpdateOperation.set_payload_by_filter(args[0], args[1]))
         self.engine(engine.flush)
-        index = next(i for i, s in enumerate(self.shards) if s.name == export.name)
-        old = self.shards[index]
-        self.shards[index] = Shard(sealed_name, True, engine)
+        old = [s for s in self.shards if s.name in export.names]
+        first = self.shards.index(old[0])
+        self.shards = [*self.shards[:first], Shard(sealed_name, True, engine)] + [
+            s for s in self.shards[first + 1 :] if s.name not in export.names
+        ]
         self._save()  # the swap: from here the sealed copy is the shard, on every open
-        del self.exports[export.name]
-        self.engine(old.engine.close)
-        shutil.rmtree(self.path / old.name)
+        for shard in old:
+            del self.exports[shard.name]
+            self.engine(shard.engine.close)
+            shutil.rmtree(self.path / shard.name)
         shutil.rmtree(export.folder)
         return len(export.writes)
 
     def abandon(self, export: Export) -> None:
-        """An export whose worker failed: its shard stays as it is (and is searched), its files go."""
-        self.exports.pop(export.name, None)
+        """An export whose worker failed: its shards stay as they are (and are searched), its files go."""
+        for name in export.names:
+            self.exports.pop(name, None)
         for made in (export.target, export.folder):
             if made.exists():
                 shutil.rmtree(made)
+
+    def to_merge(self, seal_points: int) -> list[str]:
+        """Sealed shards of one size tier, MERGE_FAN of them, to build into one: shard sizes grow by MERGE_FAN
+        a tier (20k, 80k, 320k points at the default, and no further: a worker builds a shard in memory), so a
+        million points are a dozen shards, and each shard costs the node a fixed set of mapped files and one
+        search a query."""
+        tiers: dict[int, list[str]] = {}
+        for shard in self.shards:
+            if shard.sealed and shard.name not in self.exports:
+                tier = max(0, int(math.log(max(self._count(shard), 1) / seal_points, MERGE_FAN) + 1e-9))
+                tiers.setdefault(tier, []).append(shard.name)
+        for tier in sorted(t for t in tiers if t < MERGE_TIERS):
+            if len(tiers[tier]) >= MERGE_FAN:
+                return tiers[tier][:MERGE_FAN]
+        return []
 
     def scrubbed(self) -> list[str]:
         """For compaction: the sealed shards a delete touched since they were built."""

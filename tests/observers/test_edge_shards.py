@@ -47,7 +47,9 @@ def points(vectors: np.ndarray, *, start: int = 0) -> list[Point]:
     ]
 
 
-async def test_full_hot_shards_are_sealed_and_search_finds_what_exact_search_finds(tmp_path: Path) -> None:
+async def test_full_hot_shards_are_sealed_merged_by_four_and_search_finds_what_exact_search_finds(
+    tmp_path: Path,
+) -> None:
     store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=50)
     try:
         vectors = unit_vectors(230, seed=1)
@@ -57,7 +59,8 @@ async def test_full_hot_shards_are_sealed_and_search_finds_what_exact_search_fin
         await store.optimize()
         layout = await store.shard_layout()
         assert [s["sealed"] for s in layout[:-1]] == [True] * (len(layout) - 1)
-        assert len(layout) >= 5
+        assert [s["points"] for s in layout] == [200, 30, 0]  # four sealed shards of 50 became one
+        assert store.seals.sealed == 6  # five hot shards sealed, one merge
         assert sum(s["points"] for s in layout) == 230 == (await store.describe()).count
         assert {p.id for p in await store.retrieve([p.id for p in made])} == {p.id for p in made}
         in_p1 = np.array([i for i in range(230) if i % 3 == 1])
