@@ -21,15 +21,14 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.js.api import StorageType, StreamConfig
 
-from bench import mesh_handshake, mirror, publish
+from bench import mesh_handshake, mirror, publish, sealed
 from bench.harness import Line, Sizes, fresh_server, latency, percentile, throughput, wait_for_count
 from bus.broker.streams import ensure_streams
 from bus.client.client import EpibusClient, connect
 from bus.subjects import STREAM, events_filter
 from epibus.node.node import Node, NodeConfig
-from observers.mirror.backends import open_store
-from observers.mirror.store import Point
-from observers.recall import recall, safe_filter
+from observers.mirror.edge import SEAL_POINTS
+from observers.recall import recall
 
 BATCH = 256
 # FastStream's default PubAck timeout (0.5 s) fails a gather of thousands of publishes on a busy 2-core machine
@@ -299,7 +298,7 @@ async def row_recall(root: Path, sizes: Sizes) -> list[Line]:
                 local.append((time.perf_counter() - t) * 1000)
             if not answer.hits or not result.hits:
                 raise RuntimeError("benchmark invalid: a recall found nothing in an indexed project")
-    safe_p50, safe_p99 = await safe_recall(root / "store", sizes.safe_points, sizes.safe_queries)
+    safe = await sealed.run(root / "store", sizes.safe_points, sizes.safe_queries, SEAL_POINTS)
     n = sizes.recall_events
     return [
         latency(
@@ -320,16 +319,25 @@ async def row_recall(root: Path, sizes: Sizes) -> list[Line]:
         ),
         latency(
             "recall",
-            f"safe recall in the store, p99, {sizes.safe_points} points (no HNSW)",
-            safe_p99,
-            "—",
-            None,
+            f"safe recall in the store, p99, {sizes.safe_points} points in sealed shards "
+            f"(recall@10 {safe['recall_at_10']} of exact)",
+            safe["p99_ms"],
+            "exact search (numpy, same filter), p99",
+            safe["exact_p99_ms"],
             limit_ms=10,
-            details={"p50_ms": safe_p50},
+            details=safe,
         ),
         latency(
             "recall",
-            f"longest event-loop gap in the node's process while its mirror indexes {n} events (no HNSW build)",
+            f"longest event-loop gap while {sizes.safe_points} points are written and sealed",
+            safe["worst_loop_gap_ms"],
+            "—",
+            None,
+            limit_ms=100,
+        ),
+        latency(
+            "recall",
+            f"longest event-loop gap in the node's process while its mirror indexes {n} events",
             worst_gap_ms,
             "—",
             None,
@@ -346,40 +354,6 @@ async def loop_gaps(stop: asyncio.Event, tick_s: float = 0.01) -> float:
         await asyncio.sleep(tick_s)
         worst = max(worst, time.perf_counter() - start - tick_s)
     return worst * 1000
-
-
-async def safe_recall(root: Path, points: int, queries: int) -> tuple[float, float]:
-    """The safe door's filtered top-k on the node's store kind at `points` random unit vectors."""
-    vectors = mirror.unit_vectors(points, 384, seed=points)
-    probes = mirror.unit_vectors(queries, 384, seed=1)
-    store = await open_store("edge", root, "bench/random", 384)
-    try:
-        for offset in range(0, points, 1000):
-            await store.upsert(
-                [
-                    Point(
-                        uuid.uuid4(),
-                        vectors[i],
-                        {
-                            "project": f"p{i % 4}",
-                            "kind": "finding",
-                            "lifecycle": "active" if i % 7 else "resolved",
-                            "trust": ("verified", "unverified", "contradicted")[i % 3],
-                            "resolution": None,
-                        },
-                    )
-                    for i in range(offset, min(points, offset + 1000))
-                ]
-            )
-        where = safe_filter("p1", kinds=None, include_resolved=False)
-        waits = []
-        for probe in probes:
-            t = time.perf_counter()
-            await store.search(probe, where, limit=10)
-            waits.append((time.perf_counter() - t) * 1000)
-    finally:
-        await store.close()
-    return percentile(waits, 0.5), percentile(waits, 0.99)
 
 
 # (6) a state change at a small and at a large project -----------------------------------------------------------
