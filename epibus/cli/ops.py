@@ -70,6 +70,10 @@ def _status_rows(report: dict[str, Any]) -> list[list[Any]]:
     if mirror is not None:
         model = f", {mirror['model']} ({mirror['dimension']}-d)" if mirror.get("model") else ""
         rows.append(["mirror", f"{mirror['backend']}{model}"])
+        if mirror.get("shards"):
+            shards, seals = mirror["shards"], mirror["seals"]
+            failed = f"; {seals['failures']} seal(s) failed, last: {seals['last_error']}" if seals["failures"] else ""
+            rows.append(["mirror shards", f"{shards['sealed']} sealed, {shards['frozen']} sealing, 1 hot{failed}"])
     rows.append(["outbox", f"{report['outbox']['depth']} waiting, {report['outbox']['parked']} parked"])
     for role, space in (report.get("disk") or {}).items():
         state = "FULL" if space["full"] else "ok"

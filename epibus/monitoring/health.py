@@ -146,13 +146,20 @@ def node_health(node: NodeView) -> dict[str, Any]:
 
 
 def _mirror(node: NodeView) -> dict[str, Any]:
-    """The mirror's backend and the embedding model it was built for (`epibus status` shows them)."""
+    """The mirror's backend, the embedding model it was built for and, on the edge backend, its shards by state
+    and how their seals went (`epibus status` shows them)."""
     embedder = node.embedder
-    return {
+    shown: dict[str, Any] = {
         "backend": node.config.mirror,
         "model": embedder.model_id if embedder is not None else None,
         "dimension": embedder.dimension if embedder is not None else None,
     }
+    store: Any = node.store  # the edge backend (not imported here: the CLI reads this module) seals shards
+    seals = getattr(store, "seals", None)
+    if seals is not None:
+        shown["shards"] = store.shard_states()
+        shown["seals"] = {"sealed": seals.sealed, "failures": seals.failures, "last_error": seals.last_error}
+    return shown
 
 
 async def report_health(node: NodeView) -> None:
