@@ -282,7 +282,7 @@ async def row_recall(root: Path, sizes: Sizes) -> list[Line]:
             ids = await publish_findings(client, project, sizes.recall_events)
             # Watched from when the client is done (it builds and signs on this loop too) until all is indexed.
             indexing = asyncio.Event()
-            gaps = asyncio.create_task(loop_gaps(indexing))
+            gaps = asyncio.create_task(sealed.loop_gaps(indexing))
             try:
                 await client.wait_indexed(ids, timeout_s=120 + sizes.recall_events / 50)
             finally:
@@ -344,16 +344,6 @@ async def row_recall(root: Path, sizes: Sizes) -> list[Line]:
             limit_ms=100,
         ),
     ]
-
-
-async def loop_gaps(stop: asyncio.Event, tick_s: float = 0.01) -> float:
-    """The longest time the event loop (shared by the node, its mirror and the client) was late, in ms."""
-    worst = 0.0
-    while not stop.is_set():
-        start = time.perf_counter()
-        await asyncio.sleep(tick_s)
-        worst = max(worst, time.perf_counter() - start - tick_s)
-    return worst * 1000
 
 
 # (6) a state change at a small and at a large project -----------------------------------------------------------

@@ -64,6 +64,7 @@ def safe_mask(n: int) -> np.ndarray:
 
 
 async def loop_gaps(stop: asyncio.Event, tick_s: float = 0.01) -> float:
+    """The longest time the event loop was late until `stop` is set, in ms."""
     worst = 0.0
     while not stop.is_set():
         start = time.perf_counter()

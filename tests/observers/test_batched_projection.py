@@ -155,7 +155,7 @@ def check_batched_equals_single(
 sizes = st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=QUIET)
+@settings(max_examples=40, deadline=None, suppress_health_check=QUIET)
 @given(
     history=histories,
     agent=st.integers(min_value=0, max_value=len(AGENTS) - 1),
@@ -173,7 +173,7 @@ def test_sqlite_batched_projection_equals_one_event_at_a_time(
     check_batched_equals_single(shared_nats_server, tmp_path_factory.mktemp("j"), "sqlite", history, agent, text, sizes)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=QUIET)
+@settings(max_examples=8, deadline=None, suppress_health_check=QUIET)
 @given(
     history=histories,
     agent=st.integers(min_value=0, max_value=len(AGENTS) - 1),

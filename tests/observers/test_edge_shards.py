@@ -6,12 +6,14 @@ belongs, and nothing else."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,15 @@ def unit_vectors(n: int, seed: int) -> np.ndarray:
     return unit
 
 
+@contextlib.asynccontextmanager
+async def opened(path: Path, *, seal_points: int) -> AsyncIterator[EdgeVectorStore]:
+    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=seal_points)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 def points(vectors: np.ndarray, *, start: int = 0) -> list[Point]:
     return [
         Point(
@@ -50,8 +61,7 @@ def points(vectors: np.ndarray, *, start: int = 0) -> list[Point]:
 async def test_full_hot_shards_are_sealed_merged_by_four_and_search_finds_what_exact_search_finds(
     tmp_path: Path,
 ) -> None:
-    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=50)
-    try:
+    async with opened(tmp_path / "m", seal_points=50) as store:
         vectors = unit_vectors(230, seed=1)
         made = points(vectors)
         for start in range(0, len(made), 25):
@@ -68,13 +78,10 @@ async def test_full_hot_shards_are_sealed_merged_by_four_and_search_finds_what_e
             hits = await store.search([float(x) for x in query], Filter(equals={"project": "p1"}), limit=5)
             exact = in_p1[np.argsort(-(vectors[in_p1] @ query))[:5]]
             assert [h.id for h in hits] == [uuid.UUID(int=int(i) + 1) for i in exact]
-    finally:
-        await store.close()
 
 
 async def test_a_write_made_while_a_shard_is_sealed_reaches_the_sealed_copy(tmp_path: Path) -> None:
-    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=40)
-    try:
+    async with opened(tmp_path / "m", seal_points=40) as store:
         made = points(unit_vectors(40, seed=3))
         await store.upsert(made)  # the hot shard is full: frozen, and its seal starts
         await eventually(lambda: store.shards.exports, interval_s=0.002)  # its points are being copied out
@@ -90,13 +97,10 @@ async def test_a_write_made_while_a_shard_is_sealed_reaches_the_sealed_copy(tmp_
         assert made[2].id not in kept
         assert np.allclose(kept[made[3].id].vector, moved, atol=1e-6)
         assert (await store.describe()).count == 39
-    finally:
-        await store.close()
 
 
 async def test_reembedding_a_sealed_point_overwrites_it_where_it_lives(tmp_path: Path) -> None:
-    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=20)
-    try:
+    async with opened(tmp_path / "m", seal_points=20) as store:
         made = points(unit_vectors(30, seed=5))
         await store.upsert(made)
         await store.optimize()
@@ -105,8 +109,6 @@ async def test_reembedding_a_sealed_point_overwrites_it_where_it_lives(tmp_path:
         assert (await store.describe()).count == 30
         kept = {p.id: p for p in await store.retrieve([p.id for p in again])}
         assert all(np.allclose(kept[p.id].vector, p.vector, atol=1e-6) for p in again)
-    finally:
-        await store.close()
 
 
 KILLED_MID_SEAL = """
@@ -144,8 +146,7 @@ async def test_a_process_killed_mid_seal_leaves_every_point_and_no_worker(tmp_pa
             break
         await asyncio.sleep(0.05)
     assert workers == []
-    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=30)
-    try:
+    async with opened(path, seal_points=30) as store:
         assert (await store.describe()).count == 60
         await store.optimize()
         assert {p.id for p in await store.retrieve([uuid.UUID(int=i + 1) for i in range(60)])} == {
@@ -155,8 +156,6 @@ async def test_a_process_killed_mid_seal_leaves_every_point_and_no_worker(tmp_pa
         on_disk = {p.name for p in path.iterdir() if p.is_dir()} - {EXPORTS}
         assert on_disk == listed  # no unfinished build, no frozen shard left beside its sealed copy
         assert list((path / EXPORTS).iterdir()) == []
-    finally:
-        await store.close()
 
 
 async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_ones(tmp_path: Path) -> None:
@@ -168,8 +167,7 @@ async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_on
     legacy.flush()
     legacy.close()
     (path / "collection.json").write_text(json.dumps({"model_id": MODEL, "dimension": DIM, "store_id": "old"}))
-    store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=20)
-    try:
+    async with opened(path, seal_points=20) as store:
         assert (await store.describe()).count == 12
         await store.upsert(points(unit_vectors(12, seed=8), start=100))
         await store.optimize()
@@ -177,8 +175,6 @@ async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_on
         assert not (path / LEGACY_SHARD).exists()  # sealed, and listed under its new name
         hits = await store.search(old[0].vector, Filter(equals={"project": old[0].payload["project"]}), limit=1)
         assert [h.id for h in hits] == [old[0].id]
-    finally:
-        await store.close()
 
 
 async def test_compaction_leaves_no_byte_of_a_deleted_point_in_any_shard(tmp_path: Path) -> None:
@@ -203,8 +199,7 @@ async def test_compaction_leaves_no_byte_of_a_deleted_point_in_any_shard(tmp_pat
 
 
 async def test_the_store_answers_while_a_worker_seals(tmp_path: Path) -> None:
-    store = await EdgeVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=30)
-    try:
+    async with opened(tmp_path / "m", seal_points=30) as store:
         made = points(unit_vectors(30, seed=10))
         await store.upsert(made)
         answered = 0
@@ -215,8 +210,6 @@ async def test_the_store_answers_while_a_worker_seals(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         assert answered > 0
         assert store.seals.sealed == 1
-    finally:
-        await store.close()
 
 
 def test_the_worker_is_our_own_interpreter_and_module() -> None:
