@@ -1,6 +1,8 @@
 """The order xdist hands out the suite's modules: the longest first, so no long module starts last and becomes
-the run's tail (with `--dist loadscope` a module, or a test class, is one unit of work, handed out in collection
-order). The seconds come from a recorded run; refresh them after a change that moves a module's time:
+the run's tail. With `--dist loadscope` a module, or a test class, is one unit of work; `--no-loadscope-reorder`
+keeps them in collection order (by default xdist puts the scopes with the most tests first, which sent the
+differential test's two one-test halves, 75-100 s each, last). The seconds come from a recorded run; refresh
+them after a change that moves a module's time:
 
     python -m pytest --junitxml=/tmp/suite.xml && python -m tests.scheduling /tmp/suite.xml"""
 
