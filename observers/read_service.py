@@ -8,9 +8,10 @@ import asyncio
 from typing import Any
 
 from pydantic import JsonValue
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from bus.enrolment.service_rules import current_asker, journal_read_rule
-from bus.errors import AmbiguousId, ConfigError, NotFound
+from bus.errors import AmbiguousId, ConfigError, NotFound, StoreDamaged, Unavailable
 from bus.model.ids import id_prefix, only_match
 from bus.model.requests import JournalReadReply, JournalReadRequest, LookupFailure
 from bus.services.responder import Service
@@ -81,12 +82,34 @@ def _artifact(journal: Journal, project: str | None, value: str | None) -> str |
     return only_match(value, "artifact_id", found, what="artifact", where=where, hint=hint)
 
 
+READ_ATTEMPTS = 3  # a journal that did not answer (locked, an I/O error, a dropped connection) is asked again
+
+
+def _passing(error: BaseException) -> bool:
+    """An outage that may pass; damage does not (it is named with its repair at once)."""
+    return isinstance(error, Unavailable) and not isinstance(error, StoreDamaged)
+
+
+async def read_answering(journal: Journal, request: JournalReadRequest) -> Any:
+    """`read_journal` on a thread, asked again (bounded, backing off to 0.4 s) while the journal has an outage
+    that may pass; the last Unavailable is raised."""
+    async for attempt in AsyncRetrying(
+        stop=stop_after_attempt(READ_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.1, max=0.4),
+        retry=retry_if_exception(_passing),
+        reraise=True,
+    ):
+        with attempt:
+            return await asyncio.to_thread(read_journal, journal, request)
+    raise AssertionError("unreachable: tenacity returns or re-raises")
+
+
 def journal_read_service(journal: Journal, *, node: str) -> Service[JournalReadRequest]:
     """`epibus.journal.read`: one node of the queue group answers from its journal."""
 
     async def answer(request: JournalReadRequest) -> JournalReadReply:
         try:
-            result = await asyncio.to_thread(read_journal, journal, request)
+            result = await read_answering(journal, request)
             asker = current_asker()
             if request.read == "projects" and asker is not None and asker.enrolment is not None:
                 result = [p for p in result if asker.member_of(p)]  # an agent learns only of its own projects

@@ -8,22 +8,24 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import Connection
 
 from bus.client.client import EpibusClient, connect
 from bus.client.fleet import ask_journal
-from bus.errors import Forbidden
+from bus.errors import Forbidden, StoreDamaged, Unavailable
 from bus.identity.signing import AgentKey, wire_message
 from bus.model.event import draft_event
 from bus.model.requests import JOURNAL_READS, JournalReadRequest, build_request
 from bus.model.vocab import Role
 from epibus.node.node import Node, NodeConfig
-from observers.read_service import read_journal
+from observers.journal import Journal
+from observers.read_service import READ_ATTEMPTS, read_answering, read_journal
 from tests.conftest import finding
 from tests.support import enrol_agent, eventually, journal_event_ids
 
@@ -158,3 +160,46 @@ async def test_a_backdated_event_takes_its_place_in_time_from_the_stream_on_ever
         (row,) = read_journal(journal, build_request(JournalReadRequest, read="events", project=project))
         assert datetime.fromisoformat(row["recorded_at"]) < now - timedelta(days=19)
         assert datetime.fromisoformat(row["stored_at"]) > now - timedelta(minutes=5)
+
+
+class FailingJournal(Journal):
+    """A real SQLite journal whose first `failures` reads fail with `error`, as a locked or unreadable file
+    would: the journal is not under test, the read service's answer to it is."""
+
+    def __init__(self, url: str, error: Exception, failures: int) -> None:
+        super().__init__(url)
+        self.error, self.failures, self.reads = error, failures, 0
+
+    @contextlib.contextmanager
+    def reading(self, doing: str, *, one_snapshot: bool = False) -> Iterator[Connection]:
+        self.reads += 1
+        if self.reads <= self.failures:
+            raise self.error
+        with super().reading(doing, one_snapshot=one_snapshot) as conn:
+            yield conn
+
+
+@pytest.mark.parametrize(
+    ("error", "failures", "answered", "reads"),
+    [
+        (Unavailable("journal", "database is locked"), 2, True, 3),
+        (Unavailable("journal", "disk I/O error"), READ_ATTEMPTS, False, READ_ATTEMPTS),
+        (StoreDamaged("journal", "journal.db", "malformed", "rebuild it"), 1, False, 1),
+    ],
+    ids=["passing-outage", "lasting-outage", "damage"],
+)
+async def test_a_journal_outage_is_asked_again_a_bounded_number_of_times_and_damage_never(
+    tmp_path: Path, error: Exception, failures: int, answered: bool, reads: int
+) -> None:
+    journal = FailingJournal(f"sqlite:///{tmp_path / 'journal.db'}", error, failures)
+    journal.migrate()
+    request = build_request(JournalReadRequest, read="artifacts", project="p")
+    try:
+        if answered:
+            assert await read_answering(journal, request) == []
+        else:
+            with pytest.raises(type(error)):
+                await read_answering(journal, request)
+        assert journal.reads == reads
+    finally:
+        journal.close()
