@@ -27,6 +27,7 @@ sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [
     p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
 ]
 
+from bench.harness import percentile  # noqa: E402
 from observers.mirror.edge import SEAL_POINTS, EdgeVectorStore  # noqa: E402
 from observers.mirror.store import Point  # noqa: E402
 from observers.recall import safe_filter  # noqa: E402
@@ -71,10 +72,6 @@ async def loop_gaps(stop: asyncio.Event, tick_s: float = 0.01) -> float:
         await asyncio.sleep(tick_s)
         worst = max(worst, time.perf_counter() - start - tick_s)
     return worst * 1000
-
-
-def percentile(samples: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(samples), q * 100))
 
 
 async def run(root: Path, points: int, queries: int, seal_points: int) -> dict[str, Any]:
@@ -153,15 +150,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(
-        f"{result['points']:,} points in {result['shards']} shards (sealed at {result['seal_points']:,}): safe recall "
-        f"p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms (first queries after sealing: p99 "
-        f"{result['first_p99_ms']} ms); exact numpy p50 {result['exact_p50_ms']} ms, "
-        f"p99 {result['exact_p99_ms']} ms; recall@10 {result['recall_at_10']}; longest loop gap "
-        f"{result['worst_loop_gap_ms']} ms; store RSS {result['rss_bytes_per_point']} B/point; written in "
-        f"{result['written_s']} s, sealed by {result['settled_s']} s ({result['seals']} seals, "
-        f"{result['seal_failures']} failed)"
-    )
+    r = result
+    print(f"{r['points']:,} points, sealed at {r['seal_points']:,}: shards {r['shards']}")
+    print(f"  safe recall        p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms")
+    print(f"  first after seals  p99 {r['first_p99_ms']} ms")
+    print(f"  exact (numpy)      p50 {r['exact_p50_ms']} ms, p99 {r['exact_p99_ms']} ms")
+    print(f"  recall@10          {r['recall_at_10']} of exact search's top 10")
+    print(f"  longest loop gap   {r['worst_loop_gap_ms']} ms")
+    print(f"  store RSS          {r['rss_bytes_per_point']:,} B/point")
+    print(f"  written, sealed    {r['written_s']} s, {r['settled_s']} s")
+    print(f"  seals              {r['seals']} made, {r['seal_failures']} failed")
 
 
 if __name__ == "__main__":

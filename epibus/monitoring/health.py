@@ -21,6 +21,7 @@ from epibus.node.supervise import service_failures
 
 if TYPE_CHECKING:
     from epibus.node.view import NodeView
+    from observers.mirror.edge import SealStats
 
 log = logging.getLogger(__name__)
 HEALTH_FILE = "health.json"
@@ -154,12 +155,20 @@ def _mirror(node: NodeView) -> dict[str, Any]:
         "model": embedder.model_id if embedder is not None else None,
         "dimension": embedder.dimension if embedder is not None else None,
     }
-    store: Any = node.store  # the edge backend (not imported here: the CLI reads this module) seals shards
-    seals = getattr(store, "seals", None)
-    if seals is not None:
-        shown["shards"] = store.shard_states()
+    found = sealing(node)
+    if found is not None:
+        states, seals = found
+        shown["shards"] = states
         shown["seals"] = {"sealed": seals.sealed, "failures": seals.failures, "last_error": seals.last_error}
     return shown
+
+
+def sealing(node: NodeView) -> tuple[dict[str, int], SealStats] | None:
+    """The edge mirror's shards by state and how its seals went; None for another backend or no mirror. Read
+    without importing the edge backend: the CLI imports this module, and qdrant-edge is not for every command."""
+    store: Any = node.store
+    seals = getattr(store, "seals", None)
+    return None if seals is None else (store.shard_states(), seals)
 
 
 async def report_health(node: NodeView) -> None:

@@ -29,9 +29,9 @@ from bus.intake.runner import ConsumerRunner
 from bus.model.vocab import DeadLetterReason
 from bus.services.responder import ServiceCounts
 from bus.subjects import DLQ_STREAM, DLQ_SUBJECTS, STREAM, parse_dlq_subject
+from epibus.monitoring.health import sealing
 from epibus.node.supervise import service_failures
 from mesh.protocol import awaits_acknowledgement
-from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.embed import FastEmbedder
 
 if TYPE_CHECKING:
@@ -367,13 +367,14 @@ def _shard_families(node: NodeView) -> list[Metric]:
     shards = GaugeMetricFamily("epibus_mirror_shards", "The edge mirror's shards by state.", labels=["state"])
     seals = CounterMetricFamily("epibus_mirror_seals", "Full hot shards sealed by a worker process.")
     failed = CounterMetricFamily("epibus_mirror_seal_failures", "Seals whose worker failed (tried again later).")
-    store = node.store
-    if not isinstance(store, EdgeVectorStore):
+    found = sealing(node)
+    if found is None:
         return []
-    for state, n in store.shard_states().items():
+    states, made = found
+    for state, n in states.items():
         shards.add_metric([state], n)
-    seals.add_metric([], store.seals.sealed)
-    failed.add_metric([], store.seals.failures)
+    seals.add_metric([], made.sealed)
+    failed.add_metric([], made.failures)
     return [shards, seals, failed]
 
 

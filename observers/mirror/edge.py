@@ -265,10 +265,10 @@ class EdgeVectorStore:
             self.seals.last_build_s = await self._run_worker(export)
             self.seals.replayed_writes += await self._call(self._write, self.shards.swap_in, export)
             self.seals.sealed += 1
-        except BaseException:
+        finally:
+            # A swap takes the shards out of `exports`; still there, the export failed or was cancelled.
             if self._shards is not None and names[0] in self._shards.exports:
                 await self._call(self._shards.abandon, export)
-            raise
 
     async def _run_worker(self, export: Export) -> float:
         """Run `observers.mirror.seal` on the exported points; it dies with this process. Returns seconds."""
