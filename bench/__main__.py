@@ -5,7 +5,8 @@ epibus figure next to a baseline measured in the same run; prints a table and wr
     python -m bench --from bench/results.json   # an earlier run as the README's markdown table
 
 Rows: live (publish -> journaled vs a FastStream pipeline; needs the `bench` extra), drain, publish, mirror,
-recall, state, mesh. A row that fails is reported as failed (with its error) and the exit code is 1."""
+recall (with a million-point row in --full), state, mesh, catch-up. A row that fails is reported as failed (with
+its error) and the exit code is 1."""
 
 from __future__ import annotations
 
@@ -55,8 +56,12 @@ def main() -> None:
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (the whole run takes a few minutes)")
-    size.add_argument("--full", action="store_true", help="the issue's sizes: 20k events, 100k points")
+    size.add_argument("--full", action="store_true", help="20k events, 100k and 1M points (about 35 minutes)")
     size.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the smoke test's size
+    size.add_argument(
+        "--scale", action="store_true", help="a million events through one `epibus up` node (about 40 minutes)"
+    )
+    parser.add_argument("--scale-events", type=int, default=1_000_000, help="events for --scale")
     parser.add_argument(
         "--only",
         action="append",
@@ -75,6 +80,9 @@ def main() -> None:
     if args.source is not None:
         earlier = json.loads(args.source.read_text())
         print(markdown([Line(**row) for row in earlier["rows"]], earlier["machine"], earlier["mode"]), end="")
+        return
+    if args.scale:
+        run_scale_bench(args.scale_events, args.out, as_markdown=args.markdown)
         return
     mode = "full" if args.full else "tiny" if args.tiny else "quick"
     names = [name for name in ROWS if not args.only or name in args.only]
@@ -101,6 +109,32 @@ def main() -> None:
         )
         console.print(f"written to {args.out}")
     sys.exit(1 if any(line.error is not None for line in lines) else 0)
+
+
+def run_scale_bench(events: int, out: Path, *, as_markdown: bool) -> None:
+    from rich.table import Table
+
+    from bench.scale import run_scale, scale_markdown, scale_rows
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    info = machine()
+    started = time.perf_counter()
+    with scratch() as root:
+        report = asyncio.run(run_scale(root, events, lambda what: console.print(f"[bold]scale[/bold] {what}")))
+    report["wall_s"] = round(time.perf_counter() - started)
+    target = out if out != DEFAULT_OUT else out.with_name("scale.json")
+    target.write_text(json.dumps({"machine": info, "scale": report}, indent=2, default=str) + "\n")
+    if as_markdown:
+        print(scale_markdown(report), end="")
+        return
+    table_ = Table(title=f"epibus at scale ({info['cpu_count']} CPUs, {report['wall_s']} s)")
+    for column in ("figure", "value", "target", "met"):
+        table_.add_column(column, overflow="fold")
+    for figure, value, goal, met in scale_rows(report):
+        table_.add_row(figure, value, goal, "" if met is None else "yes" if met else "no")
+    console.print(table_)
+    console.print(f"written to {target}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ class Sizes:
     state_repeats: int
     cli_repeats: int
     mesh: tuple[tuple[int, int, int], ...]  # (peers, tasks per peer, in flight per peer)
+    catch_up: int  # claims a first and then a second node catch up on
+    scale_points: int = 0  # points for the safe recall row at scale (0: no such row)
 
 
 SIZES = {
@@ -50,6 +52,7 @@ SIZES = {
         state_repeats=3,
         cli_repeats=2,
         mesh=((2, 5, 1), (8, 2, 1)),
+        catch_up=1_000,
     ),
     "full": Sizes(
         events=20_000,
@@ -63,6 +66,8 @@ SIZES = {
         state_repeats=5,
         cli_repeats=3,
         mesh=((2, 25, 1), (8, 15, 2)),
+        catch_up=5_000,
+        scale_points=1_000_000,
     ),
     # For the smoke test: seconds, not minutes; the figures mean nothing at this size.
     "tiny": Sizes(
@@ -77,6 +82,7 @@ SIZES = {
         state_repeats=1,
         cli_repeats=1,
         mesh=((2, 2, 1),),
+        catch_up=40,
     ),
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 class EpibusError(Exception):
@@ -15,6 +16,18 @@ class EpibusError(Exception):
     def __str__(self) -> str:
         # One line, always: driver messages (psycopg, nats) can span several.
         return " ".join(super().__str__().split())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross processes (the mirror's engine answers its node with them): rebuilt with their fields and
+        # message, whatever arguments their __init__ takes.
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
+
+def _rebuilt(cls: type[EpibusError], args: tuple[Any, ...], fields: dict[str, Any]) -> EpibusError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(fields)
+    return error
 
 
 class InvalidEvent(EpibusError, ValueError):

@@ -16,6 +16,12 @@ STREAM = "EPI"
 STREAM_SUBJECTS = ("epi.>",)
 DLQ_STREAM = "EPI_DLQ"
 DLQ_SUBJECTS = ("epidlq.>",)
+# Vectors a node embedded, shared so the fleet embeds each text once: `epivec.<text key>`, the newest only, read and
+# written by nodes alone (agents have no permission there: a vector is a copy of a claim's meaning).
+VECTORS_STREAM = "EPI_VEC"
+VECTORS_SUBJECTS = ("epivec.>",)
+VECTOR_MODEL_HEADER = "Epibus-Vector-Model"
+VECTOR_DIMENSION_HEADER = "Epibus-Vector-Dimension"
 AGENT_KEYS_BUCKET = "epibus_agents"
 TOMBSTONES_BUCKET = "epibus_tombstones"
 # Core NATS request subject (not stored in any stream): "which of these event ids are journaled?"
@@ -73,6 +79,18 @@ MESH_STEP = "epibus.mesh.step"
 MESH_ROSTER = "epibus.mesh.roster"
 MESH_ADVERTISE = "epibus.mesh.advertise"
 MESH_QUEUE = "epibus-mesh"
+
+# Standing questions by meaning ("watches"). The bucket holds every agent's questions, so only nodes read and
+# write it (an agent asks one: epibus.watch.*); notices live on
+# `epiwatch.<owner key>.<watch id>.<project>.<artifact id>` in stream EPI_WATCH, and an agent reads only its own
+# key's subjects, through a consumer a node opens for it.
+WATCHES_BUCKET = "epibus_watches"
+WATCH_STREAM = "EPI_WATCH"
+WATCH_SUBJECTS = ("epiwatch.>",)
+WATCH_REGISTER = "epibus.watch.register"
+WATCH_STOP = "epibus.watch.stop"
+WATCH_LIST = "epibus.watch.list"
+WATCH_QUEUE = "epibus-watch"
 
 # Node presence: each node's signed heartbeat, kept only a few seconds after its last write (a fan-out waits for
 # exactly the live nodes). Written by nodes only: the broker refuses agents' writes.
@@ -165,6 +183,13 @@ def parse_dlq_subject(subject: str) -> tuple[str, str] | None:
     if len(parts) != 3 or parts[0] != "epidlq":
         return None
     return parts[1], parts[2]
+
+
+def vector_subject(text_key: str) -> str:
+    """Where the shared vector of one text lives: its key (a sha256 of model id and text) names it."""
+    if not re.fullmatch(r"[0-9a-f]{64}", text_key):
+        raise ConfigError("text key", f"{text_key[:80]!r} is not a sha256 in hex")
+    return f"epivec.{text_key}"
 
 
 def dlq_filter(consumer: str | None = None) -> str:
@@ -329,3 +354,37 @@ SIGNATURE_HEADER = "Epibus-Signature"
 # An event's signature and signing key (an nkey user public key, 'U…') travel beside its body in these headers.
 EVENT_SIGNATURE_HEADER = "Epibus-Event-Signature"
 EVENT_KEY_HEADER = "Epibus-Event-Key"
+
+
+class NoticeAddress(NamedTuple):
+    owner_key: str
+    watch_id: str
+    project: str
+    artifact_id: str
+
+
+def watch_key(owner_key: str, watch_id: str) -> str:
+    """The watches bucket key of one watch: its owner's key first, so an owner's watches share a prefix."""
+    return f"{owner_key}.{watch_id}"
+
+
+def notice_subject(owner_key: str, watch_id: str, project: str, artifact_id: str) -> str:
+    """Where the notices of one watch about one artifact live."""
+    return f"epiwatch.{owner_key}.{watch_id}.{project}.{artifact_id}"
+
+
+def notices_filter(owner_key: str) -> str:
+    """Every notice pushed to one owner: the one filter a node opens an agent's notice consumer with."""
+    return f"epiwatch.{owner_key}.>"
+
+
+def pushed_filter(project: str, artifact_id: str) -> str:
+    """Every notice about one artifact, whoever it was pushed to (follow-ups and forget find them by it)."""
+    return f"epiwatch.*.*.{project}.{artifact_id}"
+
+
+def parse_notice_subject(subject: str) -> NoticeAddress | None:
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != "epiwatch":
+        return None
+    return NoticeAddress(*parts[1:])

@@ -3,17 +3,15 @@ that doubles as the inbox's cursor."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.errors import InvalidEvent, MalformedRecord
-from bus.intake.cursor import Cursor
+from bus.errors import MalformedRecord
+from bus.intake.cursor import Cursor, LineLog
 from mesh.agent import MeshAgent
 from mesh.protocol import TERMINAL
 from mesh.store import MeshStore, TaskEntry
@@ -195,53 +193,12 @@ def notification(entry: TaskEntry, why: str) -> Notification:
     )
 
 
-class NotificationLog:
-    """Notifications appended to a JSON-lines file, one write per line, fsynced: the file is both what the
-    agent was told and the inbox's cursor (its last complete line's revision), so a watcher killed at any
-    moment and restarted neither misses nor repeats a notification. A torn last line (a crash mid-write)
-    does not count as told and is written again."""
+class NotificationLog(LineLog):
+    """Notifications appended to a JSON-lines file: the file is both what the agent was told and the inbox's
+    cursor (its last complete line's revision). See bus.intake.cursor.LineLog."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._revision = self._last_revision()
-
-    def _last_revision(self) -> int:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return 0
-        lines = data.split(b"\n")
-        complete, torn = lines[:-1], lines[-1]
-        if torn:
-            with open(self.path, "r+b") as f:  # drop the torn tail so the next line starts clean
-                f.truncate(len(data) - len(torn))
-        for line in reversed(complete):
-            if line.strip():
-                try:
-                    revision = json.loads(line)["revision"]
-                except (ValueError, KeyError, TypeError, RecursionError) as e:
-                    problem = f"last line is not a notification: {type(e).__name__}: {e}"
-                    raise InvalidEvent(f"notification log {self.path}", problem) from e
-                if type(revision) is not int or revision < 0:  # the server refuses a negative start for good
-                    problem = f"last line's revision is {str(revision)[:40]!r}, expected a revision number (0 or more)"
-                    raise InvalidEvent(f"notification log {self.path}", problem)
-                return revision
-        return 0
-
-    def load(self) -> int:
-        return self._revision
-
-    def save(self, revision: int) -> None:
-        # The line written by append() already records the revision; revisions that concern nobody advance
-        # only the in-memory cursor, so a restart re-reads them and they concern nobody again.
-        self._revision = max(self._revision, revision)
+        super().__init__(path, "revision", what="notification")
 
     def append(self, note: Notification) -> None:
-        line = (json.dumps(note.as_json(), sort_keys=True) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self._revision = note.revision
+        self.append_line(note.as_json(), note.revision)

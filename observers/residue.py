@@ -22,6 +22,7 @@ from bus.services.responder import Service
 from bus.subjects import PROVE_FORGOTTEN
 from observers.journal import Journal
 from observers.mirror.embed import CachedEmbedder
+from observers.mirror.fleet_vectors import FleetEmbedder
 from observers.mirror.store import VectorStore
 
 CHUNK_BYTES = 1 << 20  # files are read in pieces: a mirror WAL or a stream block can be large
@@ -50,6 +51,7 @@ class NodeFiles:
     journal: Journal
     outbox: Outbox | None = None
     cache: CachedEmbedder | None = None
+    shared: FleetEmbedder | None = None  # the fleet's shared vectors, as this node reads and writes them
     store: VectorStore | None = None
     nats_store: Path | None = None  # the embedded server's store; None when the node joined a server by URL
     nats_url: str = ""
@@ -154,13 +156,15 @@ def _holds(path: Path, needles: Sequence[bytes]) -> bool:
 async def scrub(
     files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]
 ) -> dict[str, int | bool]:
-    """Erase what a forget leaves in the outbox, the embedding cache and the journal's WAL: what each held.
-    Idempotent."""
+    """Erase what a forget leaves in the outbox, the embedding cache, the fleet's shared vectors and the journal's
+    WAL: what each held. Idempotent."""
     done: dict[str, int | bool] = {}
     if files.outbox is not None:
         done["outbox_rows"] = await files.outbox.forget(project, artifact_id)
     if files.cache is not None:
         done["cached_vectors"] = await files.cache.forget(embedded_texts)
+    if files.shared is not None:
+        done["shared_vectors"] = await files.shared.erase(embedded_texts)
     done["journal_wal_reset"] = await asyncio.to_thread(files.journal.scrub)
     return done
 
@@ -190,6 +194,7 @@ async def prove_forgotten(files: NodeFiles, request: ForgetProofRequest, *, node
         mirror_points=len(points),
         scrubbed=scrubbed,
         cached_vectors=await files.cache.count_cached(texts) if files.cache else 0,
+        shared_vectors=await files.shared.count_shared(texts) if files.shared else 0,
         files=found.files,
         unreadable=found.unreadable,
         scanned=found.scanned,

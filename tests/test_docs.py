@@ -252,7 +252,11 @@ def request_headers() -> str:
     found = [
         (f"`{value}`", f"`{name}`")
         for name, value in vars(subjects).items()
-        if name.endswith("_HEADER") and isinstance(value, str) and value.startswith("Epibus-") and "Event" not in value
+        if name.endswith("_HEADER")
+        and isinstance(value, str)
+        and value.startswith("Epibus-")
+        and "Event" not in value
+        and "Vector" not in value
     ]
     return _table(("header", "bus.subjects"), found)
 

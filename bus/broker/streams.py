@@ -29,6 +29,7 @@ from bus.broker.nats_errors import INSUFFICIENT_STORAGE, JS_TIMEOUT_S, NATS_OR_A
 from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.identity.confinement import confined_key
 from bus.model.event import MAX_EVENT_BYTES
+from bus.model.watch import MAX_WATCH_DAYS, NOTICE_WINDOW_S
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_STREAM,
@@ -38,6 +39,11 @@ from bus.subjects import (
     STREAM,
     STREAM_SUBJECTS,
     TOMBSTONES_BUCKET,
+    VECTORS_STREAM,
+    VECTORS_SUBJECTS,
+    WATCH_STREAM,
+    WATCH_SUBJECTS,
+    WATCHES_BUCKET,
     kv_stream,
     kv_subject,
 )
@@ -51,6 +57,12 @@ EVENT_MAX_MSG_BYTES = MAX_EVENT_BYTES + 4096
 # The dead-letter stream holds a whole event message plus the reason headers; larger originals are cut to a
 # prefix with their digest (bus/intake/runner.py dead_letter_copy).
 DLQ_MAX_MSG_BYTES = EVENT_MAX_MSG_BYTES + 8192
+# A shared vector: float32, up to 8192 dimensions, and its headers.
+VECTOR_MAX_MSG_BYTES = 8192 * 4 + 4096
+# A watch's notice: the claim's text (at most an event's size) and the watch's words, with room for the rest.
+NOTICE_MAX_MSG_BYTES = MAX_EVENT_BYTES + 8192
+# Notices of one watch about one artifact: the match and its follow-ups ("no longer trusted").
+NOTICES_PER_ARTIFACT = 8
 
 
 GIB = 1 << 30
@@ -62,16 +74,21 @@ class StreamLimits:
     """What the streams may hold, set by the node that keeps them (`epibus up --events-max-bytes` and the
     like). The event stream refuses new events when full (discard new: memory is never dropped to make room;
     refused events stay in their publishers' outboxes); the dead-letter stream drops its oldest copies and any
-    older than `dlq_max_age_s`. `max_consumers` bounds each stream's consumers (agents' slots included)."""
+    older than `dlq_max_age_s`. `max_consumers` bounds each stream's consumers (agents' slots included). The
+    shared vectors' stream keeps at most `vectors_max_bytes` and drops its oldest vectors first: a node that finds
+    no vector embeds the text itself. The notices' stream keeps at most `notices_max_bytes`, oldest dropped first,
+    and nothing older than the notice window."""
 
     events_max_bytes: int = 8 * GIB
     events_max_msgs: int = -1
     dlq_max_bytes: int = 256 * MIB
     dlq_max_age_s: float = 30 * 86400.0
     max_consumers: int = 1024
+    vectors_max_bytes: int = 1 * GIB
+    notices_max_bytes: int = 256 * MIB
 
     def __post_init__(self) -> None:
-        for name in ("events_max_bytes", "dlq_max_bytes", "max_consumers"):
+        for name in ("events_max_bytes", "dlq_max_bytes", "max_consumers", "vectors_max_bytes", "notices_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(name.replace("_", "-"), f"{getattr(self, name)} is not a limit; at least 1")
         if self.events_max_msgs < -1 or self.events_max_msgs == 0:
@@ -86,6 +103,8 @@ class StreamLimits:
 LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
     STREAM: ("max_bytes", "max_msgs", "max_consumers", "discard"),
     DLQ_STREAM: ("max_bytes", "max_msgs", "max_consumers", "discard", "max_age"),
+    VECTORS_STREAM: ("max_bytes", "max_consumers"),
+    WATCH_STREAM: ("max_bytes", "max_consumers"),
 }
 
 
@@ -118,7 +137,20 @@ def stream_configs(replicas: int = 1, limits: StreamLimits | None = None) -> lis
     dlq = _stream_config(DLQ_STREAM, DLQ_SUBJECTS, "epibus dead letters", replicas, max_msg_bytes=DLQ_MAX_MSG_BYTES)
     dlq.discard, dlq.max_age, dlq.max_msgs = DiscardPolicy.OLD, limits.dlq_max_age_s, -1
     dlq.max_bytes, dlq.max_consumers = limits.dlq_max_bytes, limits.max_consumers
-    return [events, dlq]
+    vectors = _stream_config(
+        VECTORS_STREAM, VECTORS_SUBJECTS, "epibus shared vectors", replicas, max_msg_bytes=VECTOR_MAX_MSG_BYTES
+    )
+    # One vector per text key; when full, the oldest vectors go (they are a cache: the model can make them again).
+    vectors.discard, vectors.max_age, vectors.max_msgs, vectors.max_msgs_per_subject = DiscardPolicy.OLD, 0, -1, 1
+    vectors.max_bytes, vectors.max_consumers = limits.vectors_max_bytes, limits.max_consumers
+    notices = _stream_config(
+        WATCH_STREAM, WATCH_SUBJECTS, "epibus watch notices", replicas, max_msg_bytes=NOTICE_MAX_MSG_BYTES
+    )
+    # A notice is told once per watch and claim for as long as it is kept: several nodes push it, the server keeps one.
+    notices.discard, notices.max_age, notices.duplicate_window = DiscardPolicy.OLD, NOTICE_WINDOW_S, NOTICE_WINDOW_S
+    notices.max_msgs, notices.max_msgs_per_subject = -1, NOTICES_PER_ARTIFACT
+    notices.max_bytes, notices.max_consumers = limits.notices_max_bytes, limits.max_consumers
+    return [events, dlq, vectors, notices]
 
 
 @dataclass(frozen=True)
@@ -142,6 +174,8 @@ BUCKETS: dict[str, BucketSpec] = {
         BucketSpec(TOMBSTONES_BUCKET, 1, "epibus tombstones of retracted and rolled-back claims"),
         BucketSpec(MESH_BUCKET, 64, "epibus mesh: tasks, coordinators, capabilities", direct=True),
         BucketSpec(NODES_BUCKET, 1, "epibus nodes: each live node's signed heartbeat", ttl_s=HEARTBEAT_TTL_S),
+        # A watch lives at most MAX_WATCH_DAYS: the server drops its record by then, stopped or not.
+        BucketSpec(WATCHES_BUCKET, 1, "epibus watches: agents' standing questions", ttl_s=MAX_WATCH_DAYS * 86400.0),
     )
 }
 
@@ -168,9 +202,10 @@ def managed_streams(replicas: int = 1, limits: StreamLimits | None = None) -> li
 
 
 def limits_total_mib(limits: StreamLimits | None) -> int:
-    """The bytes the event and dead-letter streams reserve, in MiB (the buckets reserve nothing)."""
+    """The bytes the event, dead-letter, vector and notice streams reserve, in MiB (the buckets reserve nothing)."""
     chosen = limits or StreamLimits()
-    return (chosen.events_max_bytes + chosen.dlq_max_bytes) // MIB
+    reserved = chosen.events_max_bytes + chosen.dlq_max_bytes + chosen.vectors_max_bytes + chosen.notices_max_bytes
+    return reserved // MIB
 
 
 # A node checks its streams this often while it stays connected, and at every reconnect.
@@ -210,8 +245,8 @@ async def ensure_streams(
             raise ConfigError(
                 "events-max-gib",
                 f"the streams' byte limits ({limits_total_mib(limits)} MiB) are more than the server may store "
-                "(JetStream takes at most 75% of the free disk under its store): lower `epibus up --events-max-gib` "
-                "and `--dlq-max-mib`, or give the node a larger disk",
+                "(JetStream takes at most 75% of the free disk under its store): lower `epibus up --events-max-gib`, "
+                "`--dlq-max-mib`, `--vectors-max-mib` and `--notices-max-mib`, or give the node a larger disk",
             ) from e
         # An APIError here is the server not being ready (e.g. just restarted, no JetStream leader yet).
         raise Unavailable("nats", f"cannot ensure streams: {type(e).__name__} {e}") from e

@@ -29,6 +29,7 @@ from bus.client.placement import Placement
 from bus.client.prechecks import PublishChecks
 from bus.client.project_view import ProjectView, ProjectViews
 from bus.client.recall import RecallAnswer
+from bus.client.watch import Watches
 from bus.errors import ConfigError, Unavailable
 from bus.host.home import NodeFollower
 from bus.identity.signing import AgentKey
@@ -40,6 +41,7 @@ from bus.model.ids import new_event_id
 from bus.model.kinds import Body
 from bus.model.rollback import RollbackPlan
 from bus.model.vocab import EpistemicSource, ReceiptLevel
+from bus.model.watch import DEFAULT_THRESHOLD, DEFAULT_WATCH_DAYS, WatchView
 from bus.outbox.forwarder import Forwarder
 from bus.outbox.outbox import Outbox
 from bus.outbox.publish import Receipt
@@ -54,7 +56,8 @@ class EpibusClient:
     """One agent's connection to the bus. Use as `async with`; see `connect()`. The work is done by its parts:
     `connection` (connecting, enrolment, the server prepared), `signer` (events into rows), `dispatch` (the
     outbox, its forwarder, direct sends), `checks` (what is refused or flagged before publishing), `views` (the
-    project as the stream has it), `changes` (state changes) and `fleet` (signed requests to the nodes)."""
+    project as the stream has it), `changes` (state changes), `fleet` (signed requests to the nodes) and `watches`
+    (standing questions and the notices they push)."""
 
     def __init__(
         self,
@@ -101,6 +104,7 @@ class EpibusClient:
         self.pipeline = PublishPipeline(self.checks, self.dispatch, offline=offline)
         self.changes = StateChanges(self.views, self)
         self.fleet = FleetRequests(self.connection, self.views, self.changes, lambda: self.dispatch.outbox)
+        self.watches = Watches(self.connection.require_nc, lambda: self.connection.js, key, lambda: self.closed)
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -401,6 +405,21 @@ class EpibusClient:
         return await self.fleet.recall(
             query, project, k=k, kinds=kinds, include_resolved=include_resolved, as_of=as_of, timeout_s=timeout_s
         )
+
+    async def watch(
+        self,
+        about: str,
+        project: str | Sequence[str],
+        *,
+        kinds: Sequence[str] | None = None,
+        threshold: float = DEFAULT_THRESHOLD,
+        days: float = DEFAULT_WATCH_DAYS,
+        audit: bool = False,
+    ) -> WatchView:
+        """Keep a standing question: every claim recorded from now on in the project(s) whose meaning is close to
+        `about` is pushed to this agent (read them with `watches.notices()`). See Watches.register."""
+        projects = [project] if isinstance(project, str) else list(project)
+        return await self.watches.register(about, projects, kinds=kinds, threshold=threshold, days=days, audit=audit)
 
     async def audit_recall(
         self, query: str, project: str, *, k: int = 10, kinds: list[str] | None = None, timeout_s: float = 3.0

@@ -38,12 +38,15 @@ from bus.model.requests import (
     VerifyRequest,
 )
 from bus.model.vocab import Role
+from bus.model.watch import WatchRegisterRequest
 from bus.subjects import (
     POLICY_PROJECT,
     SIGNATURE_HEADER,
     SIGNED_AT_HEADER,
     SIGNER_HEADER,
     SIGNER_KEY_HEADER,
+    WATCH_STREAM,
+    notices_filter,
     readable_project,
 )
 
@@ -213,6 +216,11 @@ def consumer_rule(asker: Asker, request: ConsumerOpenRequest) -> None:
     fleet's own records, which every enrolled agent reads); across projects only for an agent of every project."""
     if request.owner_key != asker.public_key:
         raise asker.refuse("owner_key must be the signing key: an agent opens consumers for itself only")
+    if request.stream == WATCH_STREAM:
+        own = notices_filter(asker.public_key)
+        if request.filter_subject != own:
+            raise asker.refuse(f"filter_subject must be {own}: an agent reads the notices pushed to it only")
+        return
     try:
         project = readable_project(request.stream, request.filter_subject)
     except ConfigError as e:
@@ -239,6 +247,19 @@ def journal_read_rule(asker: Asker, request: JournalReadRequest) -> None:
         _member(asker, request.project)
     if request.read == "audit" and not asker.has_role(*AUDIT_ROLES):
         raise asker.refuse("the audit read (every state, with the verification log) is for reviewers and admins")
+
+
+def watch_register_rule(asker: Asker, request: WatchRegisterRequest) -> None:
+    """Keep a standing question: a member of every project it names; an audit watch (claims in every state):
+    reviewers and admins, as the audit door of recall."""
+    for project in request.projects:
+        _member(asker, project)
+    if request.audit and not asker.has_role(*AUDIT_ROLES):
+        raise asker.refuse("an audit watch (claims in every state) is for reviewers and admins")
+
+
+def watch_own_rule(asker: Asker, request: BaseModel) -> None:
+    """List or stop watches: any enrolled agent; the node answers with the signer's own watches only."""
 
 
 def _member(asker: Asker, project: str) -> None:

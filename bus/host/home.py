@@ -192,7 +192,10 @@ def owner_only(path: Path) -> int | None:
     mode = stat.S_IMODE(info.st_mode)
     if stat.S_ISLNK(info.st_mode) or not mode & 0o077:
         return None
-    os.chmod(path, mode & 0o700)
+    try:
+        os.chmod(path, mode & 0o700)
+    except FileNotFoundError:
+        return None  # removed between the two calls (a worker renaming its temporary file)
     return mode
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from bus.errors import ConfigError
 from bus.host.home import write_private
 
 PORTS_FILE = "ports.json"
+LOWEST_CHOSEN_PORT = 10000
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,40 @@ def port_taken(host: str, port: int) -> bool:
                 return True
             raise ConfigError("port", f"cannot bind {host}:{port} ({e}); choose another port") from e
     return False
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports nothing listens on, for servers whose ports must be known before they start (a cluster's
+    routes). Chosen below the kernel's ephemeral range: a port from bind(0) lies inside it, where any outgoing
+    connection of a busy machine may take it before the server listens. Raises ConfigError if none is free."""
+    low, high = LOWEST_CHOSEN_PORT, _ephemeral_low() - 1
+    if high - low < 16 * n:  # a kernel that lends out nearly every port: take what bind(0) gives
+        return _bound_ports(n, host)
+    chosen: list[int] = []
+    for port in random.sample(range(low, high + 1), min(high - low + 1, 64 * n)):
+        if not port_taken(host, port):
+            chosen.append(port)
+            if len(chosen) == n:
+                return chosen
+    raise ConfigError("port", f"no {n} free ports on {host} between {low} and {high}; stop idle servers")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
+def _bound_ports(n: int, host: str) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:  # all bound at once, so none repeats
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def port_holder(port: int) -> str | None:

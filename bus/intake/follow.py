@@ -125,15 +125,18 @@ class StreamFollower(ResumingSubscription):
             max_backoff_s=MAX_BACKOFF_S,
             consequence="resuming after the last sequence handed out",
         )
-        while True:
-            for msg in await poller.next(self._poll):
-                seq = msg.metadata.sequence.stream
-                if seq <= self.last_seq:
-                    self.stats.skipped_seen += 1
-                    continue
-                self.last_seq = seq
-                self.stats.delivered += 1
-                yield msg
+        try:
+            while True:
+                for msg in await poller.next(self._poll):
+                    seq = msg.metadata.sequence.stream
+                    if seq <= self.last_seq:
+                        self.stats.skipped_seen += 1
+                        continue
+                    self.last_seq = seq
+                    self.stats.delivered += 1
+                    yield msg
+        finally:  # closed (aclosing) or cancelled: an agent's consumer slot is free at once, not when it idles out
+            await self._drop_subscription()
 
     async def _recover(self, error: BaseException, failures_in_a_row: int) -> None:
         self.stats.errors += 1

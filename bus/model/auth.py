@@ -32,6 +32,9 @@ from bus.subjects import (
     STREAM,
     SYSTEM_WILDCARD,
     TOMBSTONES_BUCKET,
+    WATCH_STREAM,
+    WATCH_SUBJECTS,
+    WATCHES_BUCKET,
     agent_consumer_name,
     capabilities_key,
     in_js_domain,
@@ -168,7 +171,7 @@ def _agent_api(enrolment: Enrolment, consumer_slots: int) -> list[str]:
     mesh = kv_stream(MESH_BUCKET)
     own_consumers = [
         js_api(call, stream, agent_consumer_name(enrolment.public_key, slot))
-        for stream in (STREAM, mesh)
+        for stream in (STREAM, mesh, WATCH_STREAM)  # on EPI_WATCH a node opens them on the agent's own notices only
         for slot in range(consumer_slots)
         for call in ("CONSUMER.MSG.NEXT", "CONSUMER.INFO", "CONSUMER.DELETE")
     ]
@@ -214,6 +217,8 @@ _AGENT_DENY = [
     kv_subject(NODES_BUCKET, ">"),  # node heartbeats: an agent announcing itself would be waited for
     kv_subject(MESH_BUCKET, ">"),  # task records, rosters, capabilities: an agent asks a node (epibus.mesh.*) to write
     project_subjects(POLICY_PROJECT),  # enrolment records: published by nodes only
+    kv_subject(WATCHES_BUCKET, ">"),  # every agent's standing questions: an agent asks a node (epibus.watch.*)
+    *WATCH_SUBJECTS,  # notices: pushed by nodes only
     *DLQ_SUBJECTS,
     SYSTEM_WILDCARD,
 ]

@@ -67,7 +67,8 @@ class ForgetReport:
 class ForgetProof:
     """What reading every store back showed. `nodes[name]` has, for that node: journal_rows,
     journal_content_left, projection_rows, mirror_points (read back by id), cached_vectors (embeddings of
-    the content still cached); files (every file that still holds a fingerprint of the content), unreadable
+    the content still cached), shared_vectors (still on the fleet's vectors stream); files (every file that
+    still holds a fingerprint of the content), unreadable
     (files the scan could not read), unscrubbable (store -> why its bytes cannot be checked or erased from
     there) and scrubbed (what this round erased)."""
 
@@ -90,7 +91,10 @@ class ForgetProof:
         answer = self.nodes[node]
         if "error" in answer or "files" not in answer:  # a node that did not scan proves nothing on bytes
             return False
-        left = ("journal_content_left", "projection_rows", "mirror_points", "cached_vectors", "files", "unreadable")
+        left = (
+            "journal_content_left", "projection_rows", "mirror_points", "cached_vectors", "shared_vectors", "files",
+            "unreadable",
+        )  # fmt: skip
         return not any(answer.get(key) for key in left)
 
     def node_clean(self, node: str) -> bool:

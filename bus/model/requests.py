@@ -249,6 +249,7 @@ class ForgetProofReply(Message):
     mirror_points: Count
     scrubbed: dict[str, int | bool]
     cached_vectors: Count
+    shared_vectors: Count = 0  # vectors of the content still on the fleet's shared vectors stream
     files: list[str]
     unreadable: list[str]
     scanned: Count
@@ -380,11 +381,12 @@ MAX_CONSUMER_IDLE_S = 60.0
 
 
 class ConsumerOpenRequest(Message):
-    """Open a pull consumer for `owner_key` (the signing agent) on `stream`, filtered to one of its projects:
-    from `start_seq`, or the newest message of each subject (`last_per_subject`). Nothing to ack."""
+    """Open a pull consumer for `owner_key` (the signing agent) on `stream`, filtered to one of its projects (on
+    EPI_WATCH: to the notices pushed to it): from `start_seq`, or the newest message of each subject
+    (`last_per_subject`). Nothing to ack."""
 
     owner_key: PublicKey
-    stream: Literal["EPI", "KV_epibus_mesh"]
+    stream: Literal["EPI", "KV_epibus_mesh", "EPI_WATCH"]
     filter_subject: Annotated[str, StringConstraints(min_length=1, max_length=300, pattern=r"^[^\s]+$")]
     start_seq: Annotated[int, Field(ge=1)] | None = None
     last_per_subject: bool = False

@@ -14,11 +14,15 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from bus.broker.streams import DUPLICATE_WINDOW_S
 from bus.outbox.outbox_file import OutboxFile, OutboxRow
 from bus.outbox.outbox_schema import PARKED, PARKED_SQL, TABLE, WAITING_SQL
 
 ORPHAN_AFTER_S = 30.0  # a row its adder has not sent by then may be sent by any forwarder
-KEEP_SENT_S = 600.0  # sent rows stay this long so any process sharing the outbox can read their receipt
+# A sent row keeps only its receipt (its payload is dropped), for as long as JetStream's duplicate window, so any
+# process sharing the outbox can read it; at most MAX_SENT_ROWS of them, the newest.
+KEEP_SENT_S = DUPLICATE_WINDOW_S
+MAX_SENT_ROWS = 50_000
 
 
 class Outbox:
@@ -122,11 +126,16 @@ def _complete(conn: sqlite3.Connection, acks: dict[str, tuple[int, bool]]) -> No
     with conn:
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
-            f"UPDATE {TABLE} SET sent_at = ?, stream_seq = ?, duplicate = ?, lease_owner = NULL, lease_until = 0"
-            " WHERE event_id = ?",
+            f"UPDATE {TABLE} SET sent_at = ?, stream_seq = ?, duplicate = ?, lease_owner = NULL, lease_until = 0,"
+            " payload = x'', signature = NULL WHERE event_id = ?",
             [(now, seq, int(duplicate), event_id) for event_id, (seq, duplicate) in acks.items()],
         )
         conn.execute(f"DELETE FROM {TABLE} WHERE sent_at < ?", (now - KEEP_SENT_S,))
+        conn.execute(
+            f"DELETE FROM {TABLE} WHERE sent_at IS NOT NULL AND seq <= (SELECT seq FROM {TABLE}"
+            " WHERE sent_at IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (MAX_SENT_ROWS,),
+        )
 
 
 def _sent(conn: sqlite3.Connection, event_ids: list[str]) -> list[tuple[str, int, int]]:

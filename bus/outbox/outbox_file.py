@@ -158,12 +158,14 @@ class OutboxFile:
         now = time.time()
         with self.conn:  # one transaction, one fsync
             self.conn.execute("BEGIN IMMEDIATE")
-            # A pending or parked event stays as it is; one already sent is sent again (JetStream says duplicate).
+            # A pending or parked event stays as it is; one already sent is sent again (JetStream says duplicate),
+            # with the bytes given now: a sent row keeps none.
             self.conn.executemany(
                 f"INSERT INTO {TABLE} (event_id, subject, payload, signature, signer_key, created_at, origin)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(event_id) DO UPDATE SET sent_at = NULL, stream_seq = NULL, duplicate = NULL,"
-                " lease_owner = NULL, lease_until = 0 WHERE sent_at IS NOT NULL",
+                " lease_owner = NULL, lease_until = 0, subject = excluded.subject, payload = excluded.payload,"
+                " signature = excluded.signature, signer_key = excluded.signer_key WHERE sent_at IS NOT NULL",
                 [(r.event_id, r.subject, r.payload, r.signature, r.signer_key, now, origin) for r, origin in rows],
             )
 

@@ -251,6 +251,7 @@ class Service(Generic[Req]):
     handle: Handler[Req, BaseModel]
     rule: Rule[Req]
     queue: str = ""
+    always: bool = False  # apply the rule on a node without authentication too (its signer is needed)
 
 
 async def serve_services(
@@ -267,7 +268,7 @@ async def serve_services(
             service.reply_model,
             service.handle,
             node=node,
-            authorize=guard.authorizer(service.rule),
+            authorize=guard.authorizer(service.rule, always=service.always),
             queue=service.queue,
         )
     return responders

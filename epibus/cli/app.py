@@ -31,6 +31,7 @@ from epibus.cli import (
     mesh_agents,
     mesh_roster,
     mesh_views,
+    mirror_cmd,
     natsctx,
     ops,
     reads,
@@ -41,6 +42,7 @@ from epibus.cli import (
     streams,
     up,
     verify,
+    watch,
 )
 from epibus.cli.display import SafeFormatter
 from epibus.cli.group import EpibusGroup
@@ -62,7 +64,9 @@ app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
 app.add_typer(streams.streams_app, name="streams")
 app.add_typer(cluster.cluster_app, name="cluster")
+app.add_typer(mirror_cmd.mirror_app, name="mirror")
 app.add_typer(fleet.fleet_app, name="fleet")
+app.add_typer(watch.watch_app, name="watch")
 # mesh commands: reading in mesh_views, the roster in mesh_roster, coordinate and advertise in mesh_agents
 app.add_typer(mesh.mesh_app, name="mesh")
 assert mesh_views.show is not None

@@ -70,8 +70,9 @@ def _proof_rows(proof: ForgetProof) -> list[list[str]]:
         rows.append(
             [f"{node} journal", journal, _yes(not answer["journal_content_left"] and not answer["projection_rows"])]
         )
-        mirror = f"points {answer['mirror_points']}, cached vectors {answer.get('cached_vectors', 0)}"
-        rows.append([f"{node} mirror", mirror, _yes(not answer["mirror_points"] and not answer.get("cached_vectors"))])
+        vectors = answer.get("cached_vectors", 0), answer.get("shared_vectors", 0)
+        mirror = f"points {answer['mirror_points']}, cached vectors {vectors[0]}, shared {vectors[1]}"
+        rows.append([f"{node} mirror", mirror, _yes(not answer["mirror_points"] and not any(vectors))])
         held = [*answer.get("files", []), *answer.get("unreadable", [])]
         scanned = f"{answer.get('scanned', 0)} files scanned, " + (
             "held by: " + ", ".join(held) if held else "none holds it"

@@ -1,4 +1,5 @@
-"""`epibus stats`: the streams' figures, the dead letters by reason and the mesh's open tasks, from the server."""
+"""`epibus stats`: the streams' figures, the dead letters by reason and the mesh's open tasks, from the server;
+and what each store of the local home costs on disk, per event."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from bus.errors import NotFound
-from bus.host.home import epibus_home, outbox_path
+from bus.host.home import epibus_home, outbox_path, resolve_journal_url
 from bus.intake.reader import stream_figures
 from bus.outbox.outbox import Outbox
 from bus.subjects import DLQ_STREAM, STREAM
@@ -23,6 +24,7 @@ from epibus.cli.common import (
     table,
 )
 from epibus.monitoring.health import read_health
+from epibus.ops.disk_use import store_sizes
 
 # Loaded by the commands that use them, not at the top: the node (dashboard, metrics server, mirror), SQLAlchemy
 # and the mesh store would otherwise cost every CLI start, `epibus --help` included.
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
 
 @handles_errors
 def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
-    """Stream and consumer figures: messages, bytes, pending, redelivered, DLQ depth, outbox depth."""
+    """Stream and consumer figures: messages, bytes, pending, redelivered, DLQ depth, outbox depth; and each
+    local store's bytes on disk (journal, mirror, nats, outbox, embedding cache, models) per event."""
     figures = run(_stats(Target(nats, home, agent)))
     if as_json:
         emit_json({"ok": True, **figures})
@@ -59,6 +62,28 @@ def stats(nats: NatsOpt = None, agent: AgentOpt = None, home: HomeOpt = None, as
         )
     rows += _budget_rows(figures.get("budgets"))
     console.print(table("epibus stats", ["figure", "value"], rows))
+    events = figures["disk_events"]
+    console.print(
+        table(
+            f"disk of this home ({events:,} events)",
+            ["store", "MiB", "bytes/event"],
+            _disk_rows(figures["disk"], events),
+        )
+    )
+
+
+def _disk_rows(disk: list[dict[str, Any]], events: int) -> list[list[str]]:
+    rows = [
+        [d["store"], _mib(d["bytes"]), "-" if d["bytes_per_event"] is None else f"{d['bytes_per_event']:,.0f}"]
+        for d in disk
+    ]
+    total = sum(d["bytes"] for d in disk)
+    rows.append(["total", _mib(total), f"{total / events:,.0f}" if events else "-"])
+    return rows
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
 
 
 def _budget_rows(budgets: dict[str, Any] | None) -> list[list[Any]]:
@@ -97,7 +122,11 @@ async def _stats(target: Target) -> dict[str, Any]:
             depth, parked = await outbox.depth(), len(await outbox.parked())
         finally:
             await outbox.close()
+    events = int((streams.get(STREAM) or {}).get("messages") or 0)
+    disk = store_sizes(home, resolve_journal_url(None, home))
     return {
+        "disk": [{**vars(d), "bytes_per_event": d.per_event(events)} for d in disk],
+        "disk_events": events,
         "server_version": version,
         "streams": streams,
         "outbox_depth": depth,

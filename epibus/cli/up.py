@@ -188,6 +188,14 @@ def up(
     dlq_max_age_days: Annotated[
         float, typer.Option("--dlq-max-age-days", min=0.001, help="How long a dead letter is kept.")
     ] = 30.0,
+    vectors_max_mib: Annotated[
+        float,
+        typer.Option("--vectors-max-mib", min=0.001, help="The shared vectors' stream size (oldest dropped first)."),
+    ] = 1024.0,
+    notices_max_mib: Annotated[
+        float,
+        typer.Option("--notices-max-mib", min=0.001, help="The watch notices' stream size (oldest dropped first)."),
+    ] = 256.0,
     max_consumers: Annotated[
         int, typer.Option("--max-consumers", min=1, help="Consumers per stream, every node's and agent's.")
     ] = 1024,
@@ -252,6 +260,8 @@ def up(
             dlq_max_bytes=int(dlq_max_mib * MIB),
             dlq_max_age_s=dlq_max_age_days * 86400.0,
             max_consumers=max_consumers,
+            vectors_max_bytes=int(vectors_max_mib * MIB),
+            notices_max_bytes=int(notices_max_mib * MIB),
         ),
         agent_consumers=agent_consumers,
         budget=PublishBudget(msgs_per_window=budget_msgs, bytes_per_window=int(budget_mib * MIB)),
@@ -274,6 +284,7 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     async with Node(config) as node:
+        node.freeze_heap()
         assert node.info is not None
         version = node.nc.connected_server_version if node.nc else None
         release = f"{version.major}.{version.minor}.{version.patch}" if version else None

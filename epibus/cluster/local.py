@@ -16,7 +16,6 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from bus.errors import ConfigError, Unavailable
 from bus.host.home import PRIVATE_FILE, node_name, private_dir, write_private
-from bus.host.ports import port_taken
+from bus.host.ports import free_ports, port_taken
 from bus.host.processes import alive
 from bus.host.routes import ClusterRoutes, make_route_secret, read_route_secret, require_ipv4
 from bus.host.server_guard import SPAWNER, die_with_parent
@@ -100,19 +99,6 @@ def cluster_root(home: Path) -> Path:
     return home / CLUSTER_DIR
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def read_cluster(home: Path) -> dict[str, Any] | None:
     """The cluster file under home, None before the first `epibus cluster up`. Raises ConfigError."""
     path = cluster_root(home) / CLUSTER_FILE
@@ -146,7 +132,7 @@ def plan_members(home: Path, size: int, *, standalone: bool = False) -> list[Mem
         if len(members) != size:
             raise ConfigError("SIZE", f"the cluster under {root} has {len(members)} nodes, not {size}; start it so")
         return members
-    ports = _free_ports(3 * size)
+    ports = free_ports(3 * size)
     return [
         Member(f"node-{i + 1}", str(root / f"node-{i + 1}"), ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
         for i in range(size)

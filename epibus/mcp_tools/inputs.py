@@ -10,6 +10,14 @@ from pydantic import Field, JsonValue, StringConstraints, create_model
 from bus.model.fields import AgentId, ArtifactId, ProjectSlug, ShortText, Text
 from bus.model.kinds import Evidence, artifact_kind_names, kind_names, require_kind
 from bus.model.vocab import EpistemicSource, ResolutionKind
+from bus.model.watch import (
+    DEFAULT_THRESHOLD,
+    DEFAULT_WATCH_DAYS,
+    MAX_ABOUT_CHARS,
+    MAX_WATCH_DAYS,
+    MAX_WATCH_PROJECTS,
+    WATCH_ID_PATTERN,
+)
 from bus.subjects import KIND_PATTERN
 from epibus.mcp_tools.schema import Capability, Limit, MessageId, Query, RepoPath, TaskId, ToolInput, When
 from mesh.task import MAX_PAYLOAD_KEYS, CommitSha
@@ -203,3 +211,24 @@ class CompleteInput(TaskInput):
     )
     note: Text | None = Field(default=None, description="A result note.")
     evidence: list[Evidence] = Field(default_factory=list, max_length=50)
+
+
+class WatchInput(ToolInput):
+    about: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ABOUT_CHARS, pattern=r"\S")] = Field(
+        description="What to be told of, in words."
+    )
+    projects: list[ProjectSlug] = Field(min_length=1, max_length=MAX_WATCH_PROJECTS, description="Projects to watch.")
+    kinds: list[ArtifactKindName] | None = Field(default=None, max_length=20, description="Only these kinds.")
+    threshold: float = Field(default=DEFAULT_THRESHOLD, gt=0, le=1, description="How close a claim must be (cosine).")
+    days: float = Field(default=DEFAULT_WATCH_DAYS, gt=0, le=MAX_WATCH_DAYS, description="How long it stands.")
+    audit: bool = Field(default=False, description="Claims in every state (reviewers and admins).")
+
+
+class WatchStopInput(ToolInput):
+    watch_id: Annotated[str, StringConstraints(pattern=WATCH_ID_PATTERN)] = Field(description="The watch to stop.")
+
+
+class NoticesInput(ToolInput):
+    after_seq: int = Field(default=0, ge=0, description="Notices after this sequence: the last `seq` you were given.")
+    limit: int = Field(default=20, ge=1, le=200, description="How many notices at most.")
+    wait_s: float = Field(default=0.0, ge=0, le=30, description="Seconds to wait when none is there yet.")

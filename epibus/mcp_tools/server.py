@@ -26,14 +26,16 @@ from epibus.mcp_tools.guard import parse_arguments
 from epibus.mcp_tools.mesh_tools import mesh_tools
 from epibus.mcp_tools.session import AgentSession
 from epibus.mcp_tools.tools import ToolSpec, knowledge_tools
+from epibus.mcp_tools.watch_tools import watch_tools
 from epibus.monitoring.http_serving import listen, netloc
 
 log = logging.getLogger(__name__)
 INSTRUCTIONS = (
     "epibus is the shared memory of a fleet of agents. Publish what you find, do not know, got wrong, decided, "
     "assumed or abandoned (publish_* tools); recall before you start (briefing, recall); vouch for or refute "
-    "others' claims (verify, contradict); coordinate work (propose, inbox, start, complete, acknowledge). Every "
-    "call acts as this server's agent and is signed with its key."
+    "others' claims (verify, contradict); coordinate work (propose, inbox, start, complete, acknowledge); be "
+    "told of what others record that concerns you (watch, then notices). Every call acts as this server's agent "
+    "and is signed with its key."
 )
 
 
@@ -50,7 +52,7 @@ class EpibusMcp:
 
     def __init__(self, session: AgentSession, tools: list[ToolSpec] | None = None) -> None:
         self.session = session
-        specs = tools if tools is not None else [*knowledge_tools(), *mesh_tools()]
+        specs = tools if tools is not None else [*knowledge_tools(), *mesh_tools(), *watch_tools()]
         self.tools = {spec.name: spec for spec in specs}
         self._listed = [spec.tool() for spec in specs]
         self.stats = CallStats()

@@ -160,6 +160,7 @@ def _mirror(node: NodeView) -> dict[str, Any]:
         states, seals = found
         shown["shards"] = states
         shown["seals"] = {"sealed": seals.sealed, "failures": seals.failures, "last_error": seals.last_error}
+        shown["engine_restarts"] = getattr(node.store, "restarts", 0)
     return shown
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
@@ -14,6 +15,7 @@ from nats.js import JetStreamContext
 from bus.broker.loops import cancel_and_wait, run_together
 from bus.broker.nats_errors import NATS_OR_API_ERROR
 from bus.errors import ConfigError
+from bus.identity.signing import AgentKey
 from bus.intake.runner import ConsumerRunner
 from bus.subjects import STREAM
 from epibus.node.failpoints import UnavailableWhenArmed, observed
@@ -21,9 +23,12 @@ from epibus.node.supervise import Loops, supervised
 from observers.journal import Journal
 from observers.mirror.backends import open_store
 from observers.mirror.embed import CachedEmbedder, FastEmbedder
+from observers.mirror.fleet_vectors import FleetEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, ReindexCounts, rebuild
 from observers.mirror.store import VectorStore
+from observers.watch.pusher import WatchPusher
+from observers.watch.registry import WatchRegistry
 
 log = logging.getLogger(__name__)
 MIRROR_BATCH = 64
@@ -31,11 +36,13 @@ MIRROR_BATCH = 64
 
 class NodeMirror:
     """The mirror as it stands: `store`, `observer` and `runner` are replaced together when a reindex swaps a
-    rebuilt collection in; the embedder stays."""
+    rebuilt collection in; the embedder and the watches (`watches` keeps them, `pusher` tells their owners of
+    each claim the observer indexes) stay."""
 
     def __init__(
         self, nc: NatsClient, js: JetStreamContext, journal: Journal, embedder: CachedEmbedder, store: VectorStore,
         observer: MirrorObserver, runner: ConsumerRunner, *, kind: str, home: Path, node: str,
+        watches: WatchRegistry, pusher: WatchPusher,
     ) -> None:  # fmt: skip
         self.nc = nc
         self.js = js
@@ -47,12 +54,16 @@ class NodeMirror:
         self.kind = kind
         self.home = home
         self.node = node
+        self.watches = watches
+        self.pusher = pusher
         self._loops: Loops | None = None
         self._task: asyncio.Task[None] | None = None
         self._reindexing = asyncio.Lock()
 
     def start(self, loops: Loops) -> None:
         """Run the observer and its progress watch in the node's loops (again after each reindex)."""
+        if self._loops is None:
+            loops.supervise("watches", self.watches.follow)
         self._loops = loops
         self._task = loops.start("mirror", self._run(self.runner))
 
@@ -85,8 +96,9 @@ class NodeMirror:
                 await cancel_and_wait([self._task])
             self.store = await rebuilt.swap()
             self.observer = MirrorObserver(
-                self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.node
-            )
+                self.store, self.embedder, name=rebuilt.consumer_name, journal=self.journal, node=self.node,
+                listener=self.pusher,
+            )  # fmt: skip
             counted, handled = self.runner.tally, self.runner.stats.handled  # metrics and status keep counting on
             self.runner = ConsumerRunner(
                 self.nc, self.observer, batch_size=MIRROR_BATCH, start_seq=rebuilt.last_seq + 1, tally=counted
@@ -103,9 +115,12 @@ class NodeMirror:
 
 async def open_mirror(
     nc: NatsClient, js: JetStreamContext, journal: Journal, stack: contextlib.AsyncExitStack, *, kind: str,
-    qdrant_url: str | None, home: Path, node: str, failpoints: bool,
+    qdrant_url: str | None, home: Path, node: str, failpoints: bool, key: AgentKey,
+    is_node_key: Callable[[str], Awaitable[bool]], replicas: int, closed: Callable[[], bool],
 ) -> NodeMirror:  # fmt: skip
-    """The embedding model loads now: a model that cannot load is a start-up error, not a silent outage."""
+    """The embedding model loads now: a model that cannot load is a start-up error, not a silent outage. Texts go
+    to the local cache first, then to the fleet's shared vectors (signed by `key`; other nodes' vectors taken
+    when `is_node_key` vouches for their signer), then to the model."""
     if kind == "edge":
         location: str | Path = home / "mirror"
     elif qdrant_url:
@@ -114,7 +129,7 @@ async def open_mirror(
         raise ConfigError("mirror", "'server' needs QDRANT_URL (or --qdrant-url)")
     model = await FastEmbedder(home).load()
     stack.callback(model.close)
-    embedder = CachedEmbedder(model, home / "embed-cache.db")
+    embedder = CachedEmbedder(FleetEmbedder(model, lambda: js, key, is_node_key), home / "embed-cache.db")
     stack.callback(embedder.close)
     opened = await open_store(kind, location, embedder.model_id, embedder.dimension)
     store = UnavailableWhenArmed(opened, home) if failpoints else opened
@@ -125,7 +140,13 @@ async def open_mirror(
 
     stack.push_async_callback(close_store)
     info = await store.describe()
-    observer = MirrorObserver(store, embedder, name=f"mirror-{info.store_id[:8]}", journal=journal, node=node)
+    watches = WatchRegistry(lambda: js, embedder, node=node, replicas=replicas, closed=closed)
+    pusher = WatchPusher(lambda: js, watches.book, node=node)
+    name = f"mirror-{info.store_id[:8]}"
+    observer = MirrorObserver(store, embedder, name=name, journal=journal, node=node, listener=pusher)
     runner = ConsumerRunner(nc, observed(observer, home, honour=failpoints), batch_size=MIRROR_BATCH)
-    live = NodeMirror(nc, js, journal, embedder, store, observer, runner, kind=kind, home=home, node=node)
+    live = NodeMirror(
+        nc, js, journal, embedder, store, observer, runner, kind=kind, home=home, node=node, watches=watches,
+        pusher=pusher,
+    )  # fmt: skip
     return live

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 from datetime import UTC, datetime
@@ -68,6 +69,7 @@ from mesh.service import MeshService
 from observers.journal import Journal, JournalObserver
 from observers.journal_rebuild import START_REMEDY, rebuild_service, set_aside
 from observers.mirror.embed import CachedEmbedder
+from observers.mirror.fleet_vectors import FleetEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, ReindexCounts
 from observers.mirror.service import MirrorServices
@@ -75,6 +77,8 @@ from observers.mirror.store import VectorStore
 from observers.read_service import journal_read_service
 from observers.residue import NodeFiles, forget_proof_service
 from observers.verify import verify_service
+from observers.watch.pusher import WatchPusher
+from observers.watch.registry import WatchRegistry
 
 __all__ = ["CLUSTER_START_S", "MESH_KINDS", "Node", "NodeConfig", "service_failures", "supervised"]
 
@@ -111,6 +115,7 @@ class Node:
         self.name = config.name or ""  # settled at start (node_name)
         self.key = AgentKey.generate("node")  # replaced at start by the key kept in home (node_key)
         self.enrolments: Enrolments | None = None
+        self._froze_heap = False
         self.dashboard: Dashboard | None = None
         self.status: StatusWriter | None = None
         self.metrics: MetricsServer | None = None
@@ -157,6 +162,10 @@ class Node:
     @property
     def mirror_runner(self) -> ConsumerRunner | None:
         return self.live_mirror.runner if self.live_mirror else None
+
+    @property
+    def watches(self) -> tuple[WatchRegistry, WatchPusher] | None:
+        return (self.live_mirror.watches, self.live_mirror.pusher) if self.live_mirror else None
 
     # What the node's health reports, kept by the parts that know it.
     @property
@@ -259,6 +268,7 @@ class Node:
         connection = self.connection
         self.forwarder = Forwarder(outbox, connection.jetstream_if_connected, before_send=connection.ensure_streams)
         if config.mirror != "off":
+            assert self.enrolments is not None  # started before the stores: the mirror asks it whose vectors to take
             self.live_mirror = await open_mirror(
                 nc,
                 js,
@@ -269,6 +279,10 @@ class Node:
                 home=config.home,
                 node=self.name,
                 failpoints=config.failpoints,
+                key=self.key,
+                is_node_key=self.enrolments.registry.is_node_key,
+                replicas=config.replicas,
+                closed=self.connection.closed,
             )
 
     async def _serve_requests(
@@ -292,6 +306,7 @@ class Node:
             TombstoneRegistry(js).service(node=self.name),
             enrolments.view_service(),
             *self.mirror_services.services(),
+            *(self.live_mirror.watches.services() if self.live_mirror is not None else []),
         ]
         self.services |= await serve_services(nc, requests, node=self.name, guard=enrolments.guard)
 
@@ -423,6 +438,19 @@ class Node:
             await cancel_and_wait([self._recovery])
         await self._stop_services()
         self.connection.stopping = True
+        if self._froze_heap:
+            gc.unfreeze()
+            self._froze_heap = False
+
+    def freeze_heap(self) -> None:
+        """For a process that exists to run this node (`epibus up`): what the node built to start (modules,
+        schemas, validators) lives as long as it does, and out of the collector's reach a full collection no
+        longer walks it, nor pauses the event loop for 80-170 ms while the mirror indexes (the longest gap while
+        5,000 events were indexed: 191 -> 53 ms). Garbage is collected first, so none is frozen; close() hands
+        everything back to the collector."""
+        gc.collect()
+        gc.freeze()
+        self._froze_heap = True
 
     async def run_forever(self) -> None:
         await asyncio.Event().wait()
@@ -435,6 +463,7 @@ def node_files(node: Node, journal: Journal) -> NodeFiles:
         journal,
         outbox=node.forwarder.outbox if node.forwarder else None,
         cache=node.embedder,
+        shared=node.embedder.inner if node.embedder and isinstance(node.embedder.inner, FleetEmbedder) else None,
         store=node.store,
         nats_store=node.server.store_dir if node.server else None,
         nats_url=node.nats_url,

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from observers.journal import Journal
     from observers.mirror.embed import CachedEmbedder
     from observers.mirror.store import VectorStore
+    from observers.watch.pusher import WatchPusher
+    from observers.watch.registry import WatchRegistry
 
 
 class NodeView(Protocol):
@@ -49,6 +51,8 @@ class NodeView(Protocol):
     def store(self) -> VectorStore | None: ...
     @property
     def embedder(self) -> CachedEmbedder | None: ...
+    @property
+    def watches(self) -> tuple[WatchRegistry, WatchPusher] | None: ...
     @property
     def forwarder(self) -> Forwarder | None: ...
     @property

@@ -29,7 +29,7 @@ from bus.host.home import epibus_home, explicit_nats_url, read_node_info, resolv
 from bus.host.server import MIN_SERVER_VERSION
 from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.services.enrolments import local_agent_keys
-from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, stream_info_subject
+from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, STREAM, VECTORS_STREAM, WATCH_STREAM, stream_info_subject
 from epibus.fleet.doctor import certificate_checks, fleet_role, member_checks
 from epibus.monitoring.health import read_health
 from epibus.node.process import connect_key
@@ -198,6 +198,8 @@ _LIMIT_FIX = {
     STREAM: "when full it refuses new events: raise `epibus up --events-max-gib/--events-max-msgs`, or forget "
     "and erase what is no longer needed",
     DLQ_STREAM: "its oldest dead letters are dropped first: read them (`epibus dlq list`) or raise --dlq-max-mib",
+    VECTORS_STREAM: "its oldest vectors are dropped first (nodes embed those texts again): raise --vectors-max-mib",
+    WATCH_STREAM: "its oldest notices are dropped first (a watcher offline since misses them): raise --notices-max-mib",
 }
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from bus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from observers.mirror.edge import EdgeVectorStore
+    from observers.mirror.edge_process import EdgeProcessVectorStore
     from observers.mirror.server import ServerVectorStore
 
 STORES = ("edge", "server")
@@ -17,13 +17,14 @@ STORES = ("edge", "server")
 
 async def open_store(
     kind: str, location: str | Path, model_id: str, dimension: int
-) -> EdgeVectorStore | ServerVectorStore:
-    """`edge`: a directory; `server`: a Qdrant URL, a local-mode path or ":memory:". Raises ConfigError for
-    an unknown kind, ModelMismatch for a collection built for another model, Unavailable if it did not answer."""
+) -> EdgeProcessVectorStore | ServerVectorStore:
+    """`edge`: a directory, run by an engine process of its own; `server`: a Qdrant URL, a local-mode path or
+    ":memory:". Raises ConfigError for an unknown kind, ModelMismatch for a collection built for another model,
+    Unavailable if it did not answer."""
     if kind == "edge":
-        from observers.mirror.edge import EdgeVectorStore
+        from observers.mirror.edge_process import EdgeProcessVectorStore
 
-        return await EdgeVectorStore.open(Path(location), model_id, dimension)
+        return await EdgeProcessVectorStore.open(Path(location), model_id, dimension)
     if kind == "server":
         from observers.mirror.server import ServerVectorStore
 

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # Points a hot shard takes before it is sealed: searched exactly, ~2 KB of RAM each while hot.
 SEAL_POINTS = int(os.environ.get("EPIBUS_MIRROR_SEAL_POINTS", "20000"))
 SEAL_RETRY_S = 30.0  # after a worker failed, the next seal waits this long (the hot shards keep serving)
+# Frozen shards (full, waiting for their seal, their vectors in RAM) at which a writer waits for the seals: a
+# writer faster than sealing (a node catching up on shared vectors) would otherwise fill the RAM with them.
+MAX_FROZEN = 2
 # Engine messages that mean its files failed (disk full, too many files, I/O), which may pass.
 ENGINE_IO_FAILURE = re.compile(
     r"i/?o error|no space left|too many open files|resource temporarily unavailable|read-only file system", re.I
@@ -80,6 +83,7 @@ class SealStats:
     last_error: str | None = None
     last_build_s: float | None = None
     replayed_writes: int = 0
+    writes_held_s: float = 0.0  # time writers waited for the seals to catch up (MAX_FROZEN)
 
 
 class EdgeVectorStore:
@@ -110,6 +114,10 @@ class EdgeVectorStore:
         except BaseException:
             await store.close()  # a refused open leaves nothing locked
             raise
+        unsealed = await store._call(store.shards.hot_count)
+        if unsealed > store.seal_points:  # a mirror from before sealing: its one shard is moved now, not left in RAM
+            log.warning("%s: sealing the %d points of a shard from before sealed shards", path, unsealed)
+            await store._call(store._write, store.shards.freeze)
         store._start_sealing()
         return store
 
@@ -127,7 +135,10 @@ class EdgeVectorStore:
         try:
             self._open_shards()
         finally:
-            private_tree(self.path)  # the engine creates its files through the umask (0644 under the usual 022)
+            # qdrant-edge creates its files through the umask: a node's engine process runs with 077, and a store
+            # opened elsewhere (a tool, a test) is tightened here and when it closes, never walked on every write:
+            # at a million points the tree holds thousands of files.
+            private_tree(self.path)
 
     def _open_shards(self) -> None:
         meta_path = self.path / META_FILE
@@ -168,13 +179,10 @@ class EdgeVectorStore:
             raise ComponentFailed("qdrant-edge", f"{self.path}: {error_summary(e)}") from e
 
     def _write(self, fn: Any, *args: Any) -> Any:
-        """An engine call that may create files (segments, index pages, WAL), which are then made owner-only.
-        Never below the disk reserve: the engine writes through mmap, and a page the disk cannot back is SIGBUS."""
+        """An engine call that may create files. Never below the disk reserve: the engine writes through mmap,
+        and a page the disk cannot back is SIGBUS."""
         require_room(self.path, "mirror")
-        try:
-            return self._engine(fn, *args)
-        finally:
-            private_tree(self.path)
+        return self._engine(fn, *args)
 
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
@@ -188,6 +196,28 @@ class EdgeVectorStore:
         if await self._call(self.shards.hot_count) >= self.seal_points:
             await self._call(self._write, self.shards.freeze)
             self._start_sealing()
+            await self._keep_up()
+
+    async def _keep_up(self) -> None:
+        """Hold the writer while MAX_FROZEN shards wait for their seals, or while one does and a merge is due
+        (merges run when no shard waits for its seal: without the hold a fast writer would starve them and the
+        shards a query asks would grow without bound). A seal that failed holds nothing (it is retried in 30 s
+        and reported): the frozen shards keep serving, from RAM."""
+        started = time.perf_counter()
+        while self._shards is not None and self._sealing is not None and not self._sealing.done():
+            frozen = len(self._shards.frozen())
+            if frozen < MAX_FROZEN and not (frozen and await self._call(self._shards.to_merge, self.seal_points)):
+                break
+            await asyncio.wait([self._sealing], timeout=0.2)
+        self.seals.writes_held_s += time.perf_counter() - started
+
+    async def upsert_packed(
+        self, ids: Sequence[uuid.UUID], vectors: Any, payloads: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """`upsert` of points sent as one float32 array (rows in the order of `ids`): how the engine takes them."""
+        await self.upsert(
+            [Point(i, row.tolist(), payload) for i, row, payload in zip(ids, vectors, payloads, strict=True)]
+        )
 
     async def delete(self, ids: Sequence[uuid.UUID]) -> None:
         if ids:
@@ -202,7 +232,7 @@ class EdgeVectorStore:
     async def search(self, vector: Vector, where: Filter, *, limit: int) -> list[Hit]:
         require_dimension(self.model_id, self.dimension, [vector])
         found = await self._call(self.shards.query, list(vector), edge_filter(where), limit)
-        return [Hit(uuid.UUID(str(r.id)), float(r.score), dict(r.payload)) for r in found]
+        return [Hit(uuid.UUID(point), score, dict(payload)) for point, score, payload in found]
 
     async def set_payload(self, where: Filter, payload: Mapping[str, Any]) -> None:
         flt = edge_filter(where)
@@ -310,6 +340,13 @@ class EdgeVectorStore:
                 await self._rebuild([name])
         return self.seals.sealed > sealed_before
 
+    async def migrate(self) -> int:
+        """Move every point searched from RAM (a mirror from before sealed shards held them all in one shard)
+        into sealed shards now, rather than as the seals get to it. Returns how many points moved."""
+        unsealed = int(await self._call(self.shards.unsealed_count))
+        await self.optimize()
+        return unsealed
+
     async def compact(self) -> int:
         """Rewrite every shard a delete may have left bytes in, so a deleted point leaves none behind:
         qdrant-edge keeps a deleted point's payload and vector in its segment pages and its write-ahead log, and
@@ -333,4 +370,5 @@ class EdgeVectorStore:
             await self._call(self._engine, self._shards.flush)
             await self._call(self._write, self._shards.close)  # closing rewrites segment files
             self._shards = None
+            await self._call(private_tree, self.path)
         self._executor.shutdown(wait=True)

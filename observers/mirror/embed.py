@@ -167,14 +167,26 @@ def text_key(model_id: str, text: str) -> str:
     return hashlib.sha256(f"{model_id}\n{text}".encode()).hexdigest()
 
 
-class CachedEmbedder:
-    """An Embedder with a persistent content-hash cache: an identical text is embedded once per model."""
+# The cache pays where a text comes again (a claim published twice, a redelivery, a restart's replay): those
+# come soon after the first. A vector kept for good would be a second copy of the mirror (1.6 KB a text).
+DEFAULT_CACHE_TEXTS = 50_000
 
-    def __init__(self, inner: Embedder, path: Path, *, busy_timeout_s: float = 30.0) -> None:
+
+class CachedEmbedder:
+    """An Embedder with a persistent content-hash cache: an identical text is embedded once per model, while
+    it is among the last `max_texts` texts stored (older ones are evicted first, and counted)."""
+
+    def __init__(
+        self, inner: Embedder, path: Path, *, busy_timeout_s: float = 30.0, max_texts: int = DEFAULT_CACHE_TEXTS
+    ) -> None:
+        if max_texts < 1:
+            raise ConfigError("embedding cache", f"max_texts={max_texts} must be at least 1")
         self.inner = inner
         self.path = path
+        self.max_texts = max_texts
         self.hits = 0
         self.misses = 0
+        self.evicted = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-embed-cache")
         private_sqlite(path)
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout_s)
@@ -209,6 +221,11 @@ class CachedEmbedder:
                 "INSERT OR REPLACE INTO vectors (key, dim, vector) VALUES (?, ?, ?)",
                 [(key, len(v), struct.pack(f"<{len(v)}f", *v)) for key, v in items],
             )
+            # rowids grow with each insert (a replaced text gets a new one): the oldest stored go first
+            evicted = self._conn.execute(
+                "DELETE FROM vectors WHERE rowid <= (SELECT max(rowid) FROM vectors) - ?", (self.max_texts,)
+            ).rowcount
+        self.evicted += max(evicted, 0)
 
     async def _file(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one read or write of the cache file. Locked, full or failing to read or write is an outage (the

@@ -19,6 +19,7 @@ from bus.model.erasure import erased_digests, with_erased
 from bus.model.ids import point_id
 from bus.model.state import REFUSED, ArtifactState, IdUse, decide, event_references, id_use
 from observers.mirror.embed import Embedder
+from observers.mirror.listener import IndexedClaim, MirrorListener
 from observers.mirror.store import Filter, Point, VectorStore
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class MirrorObserver:
         journal: KeptEvents,
         node: str = "local",
         journal_wait_s: float = 20.0,  # under the runner's ack wait (30 s), so a wait never causes a redelivery
+        listener: MirrorListener | None = None,
     ) -> None:
         self.store = store
         self.embedder = embedder
@@ -87,6 +89,7 @@ class MirrorObserver:
         self.node = node
         self.journal = journal
         self.journal_wait_s = journal_wait_s
+        self.listener = listener  # told of each batch once it is written (watches)
         self.indexed = 0
         self.transitions = 0
         self.illegal = 0
@@ -167,18 +170,24 @@ class MirrorObserver:
         """Forgotten artifacts' points go first (a privacy delete: the content leaves the mirror, not just the
         safe door). Claims are indexed with the state they have at the end of the batch, so a change that
         arrives in the same batch as its claim is never lost."""
+        if forgotten and self.listener is not None:  # first: a mirror without the points has forgotten it all
+            await self.listener.forgotten(sorted(forgotten))
         for project, artifact_id in sorted(forgotten):
             where = Filter(equals={"project": project, "artifact_id": artifact_id})
             await self.store.delete(await self.store.point_ids(where))
             self.transitions += 1
         claims: list[tuple[Delivery, ArtifactState]] = []
+        moved: list[ArtifactState] = []
         for key, state in changed.items():
             if key in created:
                 claims.append((created[key], state))
                 continue
             where = Filter(equals={"project": key[0], "artifact_id": key[1]})
             await self.store.set_payload(where, {k: v for k, v in state_payload(state).items() if k in STATE_FIELDS})
+            moved.append(state)
             self.transitions += 1
+        if moved and self.listener is not None:
+            await self.listener.changed(moved)
         await self._index_claims(claims)
 
     async def _prefetch(self, batch: Sequence[Delivery]) -> dict[tuple[str, str], ArtifactState | None]:
@@ -206,6 +215,13 @@ class MirrorObserver:
         ]
         await self.store.upsert(points)
         self.indexed += len(points)
+        if self.listener is not None:
+            await self.listener.indexed(
+                [
+                    IndexedClaim(str(d.event.event_id), state, d.event.recorded_at, vector, d.stream_seq, d.authority)
+                    for (d, state), vector in zip(claims, vectors, strict=True)
+                ]
+            )
 
 
 def claim_payload(state: ArtifactState, delivery: Delivery, node: str) -> dict[str, Any]:

@@ -90,15 +90,15 @@ async def _rebuild_edge(
     node: str,
     progress: Progress | None,
 ) -> Rebuilt:
-    from observers.mirror.edge import EdgeVectorStore
+    from observers.mirror.edge_process import EdgeProcessVectorStore
 
     fresh_path, live_path = home / "mirror.new", home / "mirror"
     if fresh_path.exists():
         shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
-    fresh = await EdgeVectorStore.open(fresh_path, embedder.model_id, embedder.dimension)
+    fresh = await EdgeProcessVectorStore.open(fresh_path, embedder.model_id, embedder.dimension)
     name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress)
     if points >= HNSW_AT_POINTS:
-        await fresh.optimize()  # off the hot path: qdrant-edge holds the GIL for seconds while it builds HNSW
+        await fresh.optimize()  # the engine process seals what is waiting, so the swapped-in store starts sealed
     await fresh.close()
 
     async def swap() -> VectorStore:
@@ -106,7 +106,7 @@ async def _rebuild_edge(
         backup = home / f"mirror.old-{datetime.now(UTC):%Y%m%dT%H%M%S}"
         live_path.rename(backup)
         fresh_path.rename(live_path)
-        store = await EdgeVectorStore.open(live_path, embedder.model_id, embedder.dimension)
+        store = await EdgeProcessVectorStore.open(live_path, embedder.model_id, embedder.dimension)
         await asyncio.to_thread(shutil.rmtree, backup)
         return store
 

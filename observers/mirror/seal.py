@@ -13,6 +13,7 @@ target without that file is unfinished and is deleted by whoever finds it."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,4 +97,5 @@ def build(points: Path, target: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         raise SystemExit("usage: python -m observers.mirror.seal POINTS_DIR TARGET_DIR")
+    os.umask(0o077)  # the shard's files are owner-only from the start, like the rest of the home
     print(json.dumps(build(Path(sys.argv[1]), Path(sys.argv[2]))))

@@ -16,7 +16,7 @@ import httpx
 from qdrant_client import QdrantClient, models
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 
-from bus.errors import ComponentFailed, ModelMismatch, Unavailable, error_summary
+from bus.errors import ComponentFailed, ConfigError, ModelMismatch, Unavailable, error_summary
 from observers.mirror.store import (
     INDEXED_FLOATS,
     INDEXED_KEYWORDS,
@@ -31,6 +31,17 @@ from observers.mirror.store import (
 )
 
 DEFAULT_COLLECTION = "epibus"
+# The layout epibus creates: original vectors on disk, int8 copies in RAM (searched, then the best candidates
+# rescored on the originals), payload on disk with the filtered keys indexed, the HNSW graph on disk. A
+# collection from before it kept everything in RAM and records no layout: a node refuses it until
+# `epibus mirror migrate` copies it over (no store runs half one layout, half the other).
+LAYOUT = "int8-ondisk-1"
+OLD_LAYOUT = "in-ram"
+QUANTIZATION = models.ScalarQuantization(
+    scalar=models.ScalarQuantizationConfig(type=models.ScalarType.INT8, quantile=0.99, always_ram=True)
+)
+RESCORED = models.SearchParams(quantization=models.QuantizationSearchParams(rescore=True, oversampling=3.0))
+MIGRATE_BATCH = 256
 GRPC_OUTAGES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
@@ -69,8 +80,18 @@ class ServerVectorStore:
     """A VectorStore on qdrant-client. `location` is a URL (http://…:6333, or grpc with prefer_grpc), a local
     path, or ":memory:". Use `await ServerVectorStore.open(...)`."""
 
-    def __init__(self, location: str, model_id: str, dimension: int, *, collection: str = DEFAULT_COLLECTION) -> None:
+    def __init__(
+        self,
+        location: str,
+        model_id: str,
+        dimension: int,
+        *,
+        collection: str = DEFAULT_COLLECTION,
+        old_layout_ok: bool = False,
+    ) -> None:
         self.location = location
+        self.old_layout_ok = old_layout_ok  # only `migrate` opens a collection of the old layout
+        self.layout = LAYOUT
         self.model_id = model_id
         self.dimension = dimension
         self.collection = collection
@@ -82,11 +103,18 @@ class ServerVectorStore:
 
     @classmethod
     async def open(
-        cls, location: str, model_id: str, dimension: int, *, collection: str = DEFAULT_COLLECTION
+        cls,
+        location: str,
+        model_id: str,
+        dimension: int,
+        *,
+        collection: str = DEFAULT_COLLECTION,
+        old_layout_ok: bool = False,
     ) -> ServerVectorStore:
-        """Open or create the collection. Raises ModelMismatch for a collection of another model,
-        Unavailable when the server does not answer."""
-        store = cls(location, model_id, dimension, collection=collection)
+        """Open or create the collection. Raises ModelMismatch for a collection of another model, ConfigError
+        for one of the old layout (unless `old_layout_ok`, for `migrate`), Unavailable when the server does
+        not answer."""
+        store = cls(location, model_id, dimension, collection=collection, old_layout_ok=old_layout_ok)
         try:
             await store._call(store._open)
         except BaseException:
@@ -98,7 +126,7 @@ class ServerVectorStore:
         def guarded() -> Any:
             try:
                 return fn(*args, **kwargs)
-            except (ModelMismatch, Unavailable):
+            except (ModelMismatch, Unavailable, ConfigError):
                 raise
             except Exception as e:
                 raise self._translate(e) from e
@@ -129,6 +157,10 @@ class ServerVectorStore:
         return ComponentFailed("qdrant", f"{where}: {error_summary(error)}")
 
     @property
+    def _remote(self) -> bool:
+        return self.location.startswith(("http://", "https://", "grpc://"))
+
+    @property
     def client(self) -> QdrantClient:
         if self._client is None:
             raise Unavailable("qdrant", "store is closed")
@@ -155,6 +187,13 @@ class ServerVectorStore:
                 raise ModelMismatch(f"{found[0]} ({found[1]}-d)", f"{self.model_id} ({self.dimension}-d)")
             self.store_id = str(meta.get("store_id", self.collection))
             self.real_collection = aliases.get(self.collection, self.collection)
+            self.layout = str(meta.get("layout", OLD_LAYOUT))
+            if self.layout != LAYOUT and not self.old_layout_ok:
+                raise ConfigError(
+                    "mirror",
+                    f"Qdrant collection {self.real_collection} has the {self.layout!r} layout (vectors and payload "
+                    f"in RAM); run `epibus mirror migrate` to copy it to the {LAYOUT!r} layout (every point kept)",
+                )
             return
         self.real_collection = self._create_real()
         self.client.update_collection_aliases(
@@ -166,15 +205,21 @@ class ServerVectorStore:
         )
 
     def _create_real(self) -> str:
-        """A new real collection for this model, named after its store id."""
+        """A new real collection for this model, of the current layout, named after its store id."""
         self.store_id = str(uuid.uuid4())
+        self.layout = LAYOUT
         name = f"{DEFAULT_COLLECTION}-{self.store_id[:8]}"
         self.client.create_collection(
             name,
-            vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
-            metadata={"model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id},
-        )
-        if self.location.startswith(("http://", "https://", "grpc://")):  # local mode scans; a server indexes
+            vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE, on_disk=True),
+            quantization_config=QUANTIZATION,
+            on_disk_payload=True,
+            hnsw_config=models.HnswConfigDiff(m=16, ef_construct=100, on_disk=True),
+            metadata={
+                "model_id": self.model_id, "dimension": self.dimension, "store_id": self.store_id, "layout": LAYOUT,
+            },
+        )  # fmt: skip
+        if self._remote:  # local mode scans; a server indexes
             for key in INDEXED_KEYWORDS:
                 self.client.create_payload_index(name, key, field_schema=models.PayloadSchemaType.KEYWORD)
             for key in INDEXED_FLOATS:
@@ -203,6 +248,39 @@ class ServerVectorStore:
         )
         self.real_collection, self.store_id = rebuilt.real_collection, rebuilt.store_id
         await self._call(self.client.delete_collection, old)
+
+    async def migrate(self) -> int:
+        """Copy every point (id, vector, payload) of an old-layout collection into a new one of the current
+        layout, check that it holds the same ids, and swap it in; the old one is dropped. A collection already
+        of the current layout is left as it is. Returns the points copied. Raises ComponentFailed if the copy
+        lost a point (the old collection is then kept), Unavailable."""
+        if self.layout == LAYOUT:
+            return 0
+        fresh = await self.sibling()
+        copied = int(await self._call(self._copy_into, fresh.real_collection))
+        before, after = set(await self.point_ids()), set(await fresh.point_ids())
+        if before != after:
+            await self._call(self.client.delete_collection, fresh.real_collection)
+            raise ComponentFailed(
+                "mirror migrate",
+                f"the copy of {self.real_collection} lacks {len(before - after)} point(s); the old one is kept",
+            )
+        await self.swap_in(fresh)
+        self.layout = LAYOUT
+        return copied
+
+    def _copy_into(self, target: str) -> int:
+        copied, offset = 0, None
+        while True:
+            records, offset = self.client.scroll(
+                self.collection, limit=MIGRATE_BATCH, offset=offset, with_payload=True, with_vectors=True
+            )
+            if records:
+                batch = [models.PointStruct(id=r.id, vector=_plain(r.vector), payload=r.payload) for r in records]
+                self.client.upsert(target, batch, wait=True)
+                copied += len(records)
+            if offset is None:
+                return copied
 
     async def upsert(self, points: Sequence[Point]) -> None:
         if not points:
@@ -240,6 +318,7 @@ class ServerVectorStore:
             query_filter=server_filter(where),
             limit=limit,
             with_payload=True,
+            search_params=RESCORED if self._remote else None,  # local mode searches exactly, and says so
         )
         return [Hit(uuid.UUID(str(r.id)), float(r.score), dict(r.payload or {})) for r in response.points]
 
@@ -280,3 +359,10 @@ class ServerVectorStore:
             await self._call(self._client.close)
             self._client = None
         self._executor.shutdown(wait=True)
+
+
+def _plain(vector: Any) -> list[float]:
+    """The one unnamed dense vector epibus writes; anything else is not an epibus point."""
+    if not isinstance(vector, list) or not all(isinstance(x, float | int) for x in vector):
+        raise ComponentFailed("mirror migrate", f"a point holds {type(vector).__name__}, not one dense vector")
+    return [float(x) for x in vector]

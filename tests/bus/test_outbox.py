@@ -94,6 +94,31 @@ async def test_publishing_a_sent_event_again_sends_it_again(outbox: Outbox) -> N
     assert [r.event_id for r in await outbox.claim(10, lease_s=60)] == ["e0"]
 
 
+async def test_a_sent_event_sent_again_carries_the_bytes_given_again(outbox: Outbox) -> None:
+    await outbox.add(rows(1))
+    await outbox.claim(10, lease_s=60)
+    await outbox.complete({"e0": (7, False)})
+    assert stored(outbox.path) == [("e0", b"")]  # a sent row keeps its receipt, not the event
+    await outbox.add(rows(1))
+    assert [r.payload for r in await outbox.claim(10, lease_s=60)] == [b"payload 0"]
+
+
+async def test_sent_rows_stay_bounded_under_repeated_publishing(
+    outbox: Outbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("bus.outbox.outbox.MAX_SENT_ROWS", 50)
+    for wave in range(6):
+        batch = rows(40, prefix=f"w{wave}-")
+        await outbox.add(batch)
+        claimed = await outbox.claim(100, lease_s=60)
+        await outbox.complete({r.event_id: (i, False) for i, r in enumerate(claimed)})
+    kept = stored(outbox.path)
+    assert len(kept) == 50  # the newest 50 receipts
+    assert {payload for _, payload in kept} == {b""}
+    assert kept[-1][0] == "w5-39"  # the newest receipts are the ones kept
+    assert await outbox.sent(["w5-39"]) == {"w5-39": (39, False)}
+
+
 async def test_a_pending_event_added_again_keeps_its_place_and_a_parked_one_stays_parked(outbox: Outbox) -> None:
     await outbox.add(rows(2))
     await outbox.claim(10, lease_s=60)

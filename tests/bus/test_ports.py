@@ -8,7 +8,7 @@ import socket
 import threading
 from pathlib import Path
 
-from bus.host.ports import port_holder
+from bus.host.ports import LOWEST_CHOSEN_PORT, free_ports, port_holder, port_taken
 
 
 def test_the_holder_of_a_port_is_found_while_it_opens_and_closes_files(tmp_path: Path) -> None:
@@ -42,3 +42,17 @@ def test_a_port_nobody_listens_on_has_no_holder() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # bound, never listening: no holder to name
     assert port_holder(port) is None
+
+
+def test_chosen_ports_lie_below_the_ephemeral_range_and_each_can_be_listened_on() -> None:
+    """A cluster's ports are chosen before its servers start: outside the range the kernel lends to outgoing
+    connections, so none is taken by a client's socket in between."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(9)
+    assert len(set(ports)) == 9
+    assert all(LOWEST_CHOSEN_PORT <= port < ephemeral_low for port in ports)
+    for port in ports:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            assert port_taken("127.0.0.1", port)

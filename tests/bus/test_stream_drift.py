@@ -31,6 +31,8 @@ from bus.broker.streams import (
     DRIFT_CHECK_EVERY_S,
     EVENT_MAX_MSG_BYTES,
     MIB,
+    NOTICE_MAX_MSG_BYTES,
+    VECTOR_MAX_MSG_BYTES,
     StreamLimits,
     ensure_streams,
     managed_streams,
@@ -41,7 +43,15 @@ from bus.client.client import connect
 from bus.errors import ConfigError, StreamDrift, Unavailable
 from bus.host.home import read_node_info
 from bus.host.server import NatsServer
-from bus.subjects import AGENT_KEYS_BUCKET, DLQ_STREAM, MESH_BUCKET, MESH_STREAM, STREAM
+from bus.subjects import (
+    AGENT_KEYS_BUCKET,
+    DLQ_STREAM,
+    MESH_BUCKET,
+    MESH_STREAM,
+    STREAM,
+    VECTORS_STREAM,
+    WATCH_STREAM,
+)
 from epibus.monitoring.health import problems, read_health
 from epibus.node.node import Node, NodeConfig
 from tests.e2e.test_cli import as_json, epibus, error_json
@@ -184,7 +194,7 @@ async def test_streams_and_buckets_as_epibus_makes_them_show_no_drift(nats_serve
         assert await ensure_streams(js) == {}
         assert await ensure_streams(js, replicas=1) == {}
         names = [(await js.stream_info(stream.name)).config.name for stream in managed_streams()]
-    assert names == [STREAM, DLQ_STREAM, *(f"KV_{bucket}" for bucket in BUCKETS)]
+    assert names == [STREAM, DLQ_STREAM, VECTORS_STREAM, WATCH_STREAM, *(f"KV_{bucket}" for bucket in BUCKETS)]
 
 
 # The limits a node sets from its configuration (`epibus up --events-max-gib` and the like), never drift.
@@ -258,12 +268,18 @@ async def test_an_older_epibus_stream_without_a_size_limit_gets_the_limit_withou
         for config in stream_configs():
             await js.add_stream(dataclasses.replace(config, max_msg_size=-1))  # as epibus made them before the limit
         changed = await ensure_streams(js)
-        sizes = {name: (await js.stream_info(name)).config.max_msg_size for name in (STREAM, DLQ_STREAM)}
-    assert {name: [tuple(d) for d in diffs] for name, diffs in changed.items()} == {
-        STREAM: [("max_msg_size", -1, EVENT_MAX_MSG_BYTES)],
-        DLQ_STREAM: [("max_msg_size", -1, DLQ_MAX_MSG_BYTES)],
+        names = (STREAM, DLQ_STREAM, VECTORS_STREAM, WATCH_STREAM)
+        sizes = {name: (await js.stream_info(name)).config.max_msg_size for name in names}
+    wanted = {
+        STREAM: EVENT_MAX_MSG_BYTES,
+        DLQ_STREAM: DLQ_MAX_MSG_BYTES,
+        VECTORS_STREAM: VECTOR_MAX_MSG_BYTES,
+        WATCH_STREAM: NOTICE_MAX_MSG_BYTES,
     }
-    assert sizes == {STREAM: EVENT_MAX_MSG_BYTES, DLQ_STREAM: DLQ_MAX_MSG_BYTES}
+    assert {name: [tuple(d) for d in diffs] for name, diffs in changed.items()} == {
+        name: [("max_msg_size", -1, size)] for name, size in wanted.items()
+    }
+    assert sizes == wanted
 
 
 async def test_a_size_limit_is_not_added_while_another_setting_drifted(nats_server: NatsServer) -> None:

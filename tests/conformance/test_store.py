@@ -1,6 +1,7 @@
 """One vector-store suite, every backend: each case runs on qdrant-edge (one hot shard, and shards sealed
-every three points), qdrant-client's local mode (on disk and in memory) and, where a Docker engine answers, a
-real Qdrant server."""
+every three points), qdrant-client's local mode (a collection of the current layout, and one of the old layout
+with vectors and payload in RAM, as a store opens it for `epibus mirror migrate`) and, where a Docker engine
+answers, a real Qdrant server."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 from bus.errors import ConfigError, ModelMismatch, Unavailable
 from bus.model.ids import new_event_id, point_id
 from observers.mirror.backends import open_store
-from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.edge_process import EdgeProcessVectorStore
+from observers.mirror.server import DEFAULT_COLLECTION, LAYOUT, ServerVectorStore
 from observers.mirror.store import Filter, Point, VectorStore
 
 DIM = 8
@@ -32,7 +34,24 @@ def docker_engine_answers() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
 
 
-@pytest.fixture(params=["edge", "edge-sealed", "server-local", "server-docker"])
+def create_old_layout(path: Path, model_id: str, dimension: int) -> None:
+    """An empty collection as epibus created it before the int8 layout: vectors in RAM, no layout recorded."""
+    from qdrant_client import QdrantClient, models
+
+    client = QdrantClient(path=str(path))
+    try:
+        client.create_collection(
+            "epibus-old",
+            vectors_config=models.VectorParams(size=dimension, distance=models.Distance.COSINE),
+            metadata={"model_id": model_id, "dimension": dimension, "store_id": "old-store"},
+        )
+        alias = models.CreateAlias(collection_name="epibus-old", alias_name=DEFAULT_COLLECTION)
+        client.update_collection_aliases(change_aliases_operations=[models.CreateAliasOperation(create_alias=alias)])
+    finally:
+        client.close()
+
+
+@pytest.fixture(params=["edge", "edge-sealed", "server-local", "server-local-old", "server-docker"])
 async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[VectorStore, Reopen]]:
     """(store, reopen) where reopen(model_id, dim) opens the same collection again (None if not possible)."""
     kind = request.param
@@ -52,12 +71,17 @@ async def store_and_reopen(request: pytest.FixtureRequest, tmp_path: Path) -> As
         else:
             location, backend = str(tmp_path / "local"), "server"
         if kind == "edge-sealed":  # every few points a shard is sealed by a worker while the case goes on
-            store: VectorStore = await EdgeVectorStore.open(Path(location), MODEL, DIM, seal_points=3)
+            store: VectorStore = await EdgeProcessVectorStore.open(Path(location), MODEL, DIM, seal_points=3)
+        elif kind == "server-local-old":
+            create_old_layout(Path(location), MODEL, DIM)
+            store = await ServerVectorStore.open(location, MODEL, DIM, old_layout_ok=True)
         else:
             store = await open_store(backend, location, MODEL, DIM)
 
         async def reopen(model_id: str, dimension: int) -> VectorStore:
             await store.close()
+            if kind == "server-local-old":
+                return await ServerVectorStore.open(location, model_id, dimension, old_layout_ok=True)
             return await open_store(backend, location, model_id, dimension)
 
         yield store, reopen
@@ -199,3 +223,31 @@ async def test_outage_is_not_an_empty_result(
 async def test_an_unknown_backend_lists_the_allowed_ones(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="allowed: edge, server"):
         await open_store("faiss", tmp_path, MODEL, DIM)
+
+
+async def test_migrating_keeps_every_point_its_payload_and_its_id(
+    store_and_reopen: tuple[VectorStore, Reopen],
+) -> None:
+    store, _ = store_and_reopen
+    assert isinstance(store, EdgeProcessVectorStore | ServerVectorStore)
+    made = dict(point(40 + i, subject=f"s{i}", impact=i / 10) for i in range(7))
+    await store.upsert(list(made.values()))
+    if isinstance(store, ServerVectorStore):  # the old layout is copied whole; the current one is left as it is
+        expected = 0 if store.layout == LAYOUT else 7
+        assert await store.migrate() == expected
+        assert store.layout == LAYOUT
+    else:  # an edge mirror seals the points it searched from RAM: none is left unsealed
+        unsealed = sum(s["points"] for s in await store.shard_layout() if not s["sealed"])
+        assert await store.migrate() == unsealed
+        assert sum(s["points"] for s in await store.shard_layout() if not s["sealed"]) == 0
+    assert await store.migrate() == 0  # nothing is left to move
+    found = {p.id: p for p in await store.retrieve([point_id(e) for e in made])}
+    assert sorted(found) == sorted(point_id(e) for e in made)  # read back by the ids derived again
+    for event_id, before in made.items():
+        after = found[point_id(event_id)]
+        assert after.payload == {**before.payload, "model_id": MODEL, "dimension": DIM}
+        assert after.vector == pytest.approx(before.vector, abs=1e-6)
+    assert (await store.describe()).count == 7
+    for event_id, before in made.items():  # still searchable by meaning
+        (top,) = await store.search(before.vector, Filter(equals={"project": "p"}), limit=1)
+        assert top.id == point_id(event_id)

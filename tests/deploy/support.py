@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,8 @@ import nats
 import nats.errors
 import pytest
 import yaml
+
+from bus.host.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_CONF_DIR = REPO / "deploy" / "nats"
@@ -167,20 +168,6 @@ def mounted_certs(svc_name: str) -> dict[PurePosixPath, str]:
 
 
 # ------------------------------------------------------------------------------------ running servers
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all bound at once so none repeats)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def http_json(url: str) -> tuple[int, Any]:

@@ -30,6 +30,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.api import StorageType, StreamConfig
 
+from bus.host.ports import free_ports
 from epibus.fleet.certs import planned_files
 from tests.deploy.support import (
     CERTS_DIR,
@@ -49,7 +50,6 @@ from tests.deploy.support import (
     conf_block,
     conf_text,
     env_of,
-    free_ports,
     install_certs,
     mounted_certs,
     mounts_of,

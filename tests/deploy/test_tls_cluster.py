@@ -23,6 +23,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from bus.client.connection import open_nats
 from bus.errors import Unavailable
+from bus.host.ports import free_ports
 from bus.host.tls import CA_ENV, CERT_ENV, KEY_ENV
 from epibus.fleet.certs import generate
 from tests.conftest import postgres_database
@@ -31,7 +32,6 @@ from tests.deploy.support import (
     NatsNode,
     Nodes,
     env_of,
-    free_ports,
     meta_of_three,
     mounted_certs,
     poll,

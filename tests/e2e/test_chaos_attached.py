@@ -34,7 +34,11 @@ def test_an_attached_cluster_is_broken_audited_and_left_running(tmp_path: Path) 
     )  # fmt: skip
     try:
         assert cluster.stdout is not None
-        assert json.loads(cluster.stdout.readline())["status"] == "running"
+        assert cluster.stderr is not None
+        first = cluster.stdout.readline()
+        if not first:  # the cluster ended before it ran: its error line is on stderr
+            pytest.fail(f"epibus cluster up exited {cluster.wait(timeout=60)}: {cluster.stderr.read()[-2000:]}")
+        assert json.loads(first)["status"] == "running"
         code, report = chaos(
             home / "chaos" / "attached", "--attach", "--home", str(home), "--faults", "node,observer,partition",
             "--min-run-s", "5",

@@ -13,7 +13,9 @@ from typing import Any
 import nats
 import pytest
 
+from bus.host.home import default_journal_url
 from bus.host.ports import port_taken
+from epibus.ops.disk_use import store_paths, store_sizes
 from tests.support import eventually_sync, operator_credentials, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
@@ -124,6 +126,11 @@ def test_up_publish_query_tail_stats_and_clean_stop(
     assert journal_consumer["pending"] == 0
     assert stats["streams"]["EPI_DLQ"]["messages"] == 0
     assert stats["outbox_depth"] == 0
+    disk = {d["store"]: d for d in stats["disk"]}
+    assert set(disk) == {"journal", "mirror", "nats", "outbox", "embedding cache", "models", "other"}
+    assert all(disk[s]["bytes"] > 0 for s in ("journal", "mirror", "nats", "outbox", "embedding cache"))
+    assert stats["disk_events"] == 2
+    assert disk["journal"]["bytes_per_event"] == disk["journal"]["bytes"] / 2
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
@@ -135,6 +142,19 @@ def test_up_publish_query_tail_stats_and_clean_stop(
     stopped = epibus(home, "stats", "--json", check=False)
     assert stopped.returncode == 1
     assert "no epibus node is running" in error_json(stopped)["error"]
+    assert_store_sizes_match_du(home)
+
+
+def assert_store_sizes_match_du(home: Path) -> None:
+    """Each store's bytes, as stats counts them, are what `du` counts for its files (read with du, not with
+    the code under test); together with `other` they are the whole home."""
+    sizes = store_sizes(home, default_journal_url(home))
+    for size, paths in zip(sizes, store_paths(home, default_journal_url(home)).values(), strict=False):
+        present = [str(p) for p in paths if p.exists() or p.is_symlink()]
+        du = subprocess.run(["du", "-s", "-B1", "-c", *present], capture_output=True, text=True, check=True)
+        assert size.bytes == (int(du.stdout.splitlines()[-1].split()[0]) if present else 0), size
+    whole = subprocess.run(["du", "-s", "-B1", str(home)], capture_output=True, text=True, check=True)
+    assert sum(s.bytes for s in sizes) == int(whole.stdout.split()[0])
 
 
 def test_bad_input_is_one_clear_line_a_nonzero_exit_and_nothing_written(

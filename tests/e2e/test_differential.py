@@ -59,7 +59,7 @@ from tests.histories import (
     register_keys,
 )
 
-EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "110"))  # the suite's 12 minutes; `-m long` runs 2,000
+EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "45"))  # the suite's 12 minutes; `-m long` runs 2,000
 LONG_EXAMPLES = 2_000
 QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 
@@ -225,12 +225,13 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
         await nc.close()
 
 
-# The suite's examples in two halves, each a class: xdist gives each class a worker of its own (loadscope), so
-# the two halves run side by side; each test draws its own examples (hypothesis seeds by the test's name).
-@pytest.mark.slow  # ~75 s of one worker: the quick loop keeps the one-example-per-path tests, the suite runs this
-class TestFirstHalf:
+# The suite's examples in three parts, each a class: xdist gives each class a worker of its own (loadscope), so
+# the parts run side by side and none is the run's tail; each test draws its own examples (hypothesis seeds by the
+# test's name).
+@pytest.mark.slow  # ~50-60 s of one worker each: the quick loop keeps the one-example-per-path tests
+class TestFirstPart:
     @pytest.mark.timeout(1800)
-    @settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
+    @settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=QUIET)
     @given(history=histories, seed=st.integers(0, 2**32 - 1))
     def test_every_path_that_builds_state_gives_the_same_state(
         self, bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
@@ -239,11 +240,22 @@ class TestFirstHalf:
 
 
 @pytest.mark.slow
-class TestSecondHalf:
+class TestSecondPart:
     @pytest.mark.timeout(1800)
-    @settings(max_examples=EXAMPLES - EXAMPLES // 2, deadline=None, suppress_health_check=QUIET)
+    @settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=QUIET)
     @given(history=histories, seed=st.integers(0, 2**32 - 1))
     def test_every_path_builds_the_same_state_on_other_histories(
+        self, bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
+    ) -> None:
+        asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))
+
+
+@pytest.mark.slow
+class TestLastPart:
+    @pytest.mark.timeout(1800)
+    @settings(max_examples=EXAMPLES - 2 * (EXAMPLES // 3), deadline=None, suppress_health_check=QUIET)
+    @given(history=histories, seed=st.integers(0, 2**32 - 1))
+    def test_every_path_gives_the_same_state_on_yet_other_histories(
         self, bus: Bus, tmp_path_factory: pytest.TempPathFactory, history: list[Op], seed: int
     ) -> None:
         asyncio.run(run_paths(bus, history, seed, tmp_path_factory.mktemp("example")))

@@ -36,7 +36,8 @@ RESERVE_MB = 64
 DISK_MB = 400
 ROOM_MB = 16  # free above the reserve when the node starts: the stream may take half of it
 NODE_ENV = {"EPIBUS_DISK_RESERVE_MB": str(RESERVE_MB)}
-SMALL_STREAMS = ("--events-max-gib", "0.1", "--dlq-max-mib", "8")  # JetStream reserves them on a 400 MB disk
+# JetStream reserves them on a 400 MB disk
+SMALL_STREAMS = ("--events-max-gib", "0.1", "--dlq-max-mib", "8", "--vectors-max-mib", "16", "--notices-max-mib", "8")
 
 
 @contextlib.contextmanager

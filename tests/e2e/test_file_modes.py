@@ -10,12 +10,14 @@ import os
 import shutil
 import sqlite3
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bus.client.client import connect
+from bus.host.home import private_tree
 from bus.host.server import NatsServer
 from bus.model.vocab import ReceiptLevel
 from epibus.cli.mesh_roster import seat_as_operator
@@ -157,3 +159,31 @@ async def test_a_home_left_readable_by_everyone_is_made_owner_only_at_node_start
     tightened = [r.getMessage() for r in caplog.records if str(home) in r.getMessage() and "0700" in r.getMessage()]
     assert tightened == [f"{home} was mode 0755 and is now 0700: a fleet's memory is readable by its owner only"]
     assert [r.levelno for r in caplog.records if r.getMessage() in tightened] == [logging.INFO]
+
+
+def test_tightening_a_tree_while_a_worker_renames_its_files_in_it_does_not_fail(tmp_path: Path) -> None:
+    """A seal worker writes its shard beside the live ones and renames temporary files as it goes: a file that
+    goes between the walk's listing and its chmod is simply gone, not an error for the mirror's write."""
+    root = tmp_path / "mirror"
+    (root / "build-1").mkdir(parents=True)
+    stop = threading.Event()
+
+    def worker() -> None:
+        n = 0
+        while not stop.is_set():
+            temporary = root / "build-1" / f".atomicwrite{n}"
+            temporary.write_bytes(b"x")
+            temporary.chmod(0o644)
+            temporary.rename(root / "build-1" / f"page{n % 4}")
+            n += 1
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        for _ in range(300):
+            private_tree(root)
+    finally:
+        stop.set()
+        thread.join()
+    private_tree(root)
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in root.rglob("*"))

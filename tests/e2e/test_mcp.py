@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,6 +19,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from bus.host.ports import free_ports
 from bus.identity.signing import AgentKey
 from observers.journal import EventQuery, Journal
 from observers.reads import audit_artifacts
@@ -294,10 +294,7 @@ async def test_a_mesh_handshake_runs_entirely_through_mcp_servers(node: Path, pr
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 async def test_the_http_server_serves_the_tools_to_a_client_holding_its_token(node: Path, project: str) -> None:
@@ -412,3 +409,26 @@ async def _verified_in_audit(client: Client, project: str, artifact: str) -> dic
     listed = await call(client, "audit", project=project)
     found = [a for a in listed["artifacts"] if a["artifact_id"] == artifact and a["verifications"]]
     return found[0] if found else None
+
+
+async def test_a_watch_registered_through_mcp_pushes_a_claim_another_agent_publishes(node: Path, project: str) -> None:
+    async with agent(node, "alice") as alice, agent(node, "bob") as bob:
+        made = (await call(alice, "watch", about="deploys leave the cache empty", projects=[project]))["watch"]
+        assert [w["watch_id"] for w in (await call(alice, "watches"))["watches"]] == [made["watch_id"]]
+        first = await call(alice, "notices", after_seq=0, wait_s=0)
+        assert first["notices"] == []  # nothing yet, and said so at once
+        published = await call(bob, "publish_finding", **finding(project, "the build cache is cold after deploys"))
+        await call(bob, "publish_finding", **finding(project, "bananas are yellow when ripe"))
+
+        async def told() -> dict[str, Any] | None:
+            answer = await call(alice, "notices", after_seq=first["next_after_seq"], wait_s=5)
+            return answer if answer["notices"] else None
+
+        answer = await eventually(told, timeout_s=60)
+        assert [(n["notice"], n["artifact_id"], n["author"]) for n in answer["notices"]] == [
+            ("match", published["artifact_id"], "bob")
+        ]
+        later = await call(alice, "notices", after_seq=answer["next_after_seq"], wait_s=1)
+        assert later["notices"] == []  # the unrelated claim was not pushed, the match not twice
+        assert (await call(alice, "stop_watch", watch_id=made["watch_id"]))["stopped"] is True
+        assert "projects" in await refused(bob, "watch", about="x", projects=["Not A Slug"])

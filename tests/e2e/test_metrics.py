@@ -131,7 +131,11 @@ async def test_a_known_workload_scrapes_as_exact_counts_per_label(
             )  # fmt: skip
 
         await eventually(settled, timeout_s=60)
-        await eventually(lambda: node.runner is not None and node.runner.stats.pending == 0, timeout_s=20)
+        # Each runner reports its consumer's pending count as of its own last check: wait for both.
+        await eventually(
+            lambda: all(r is not None and r.stats.pending == 0 for r in (node.runner, node.mirror_runner)),
+            timeout_s=20,
+        )
         answer = await alice.recall("finding number 3", a, k=3)
         assert answer.hits
         found = await samples(node)

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from bus.client.client import connect
+from bus.host.ports import free_ports
 from epibus.node.node import Node, NodeConfig
 from observers.journal_engine import make_engine
 from tests.conftest import finding
@@ -59,17 +60,6 @@ def nodes(tmp_path: Path) -> Iterator[Nodes]:
     finally:
         if runner.process is not None:
             stop(runner.process)
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def port_of(url: str) -> int:

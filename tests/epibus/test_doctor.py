@@ -148,7 +148,7 @@ def test_streams_with_fewer_replicas_than_the_nodes_run_with_fail_naming_both(so
     assert code == 1
     streams = {name for name in report if name.startswith("stream ")}
     assert set(failed(report)) == streams
-    assert len(streams) == 6  # EPI, EPI_DLQ and the four buckets
+    assert len(streams) == 9  # EPI, EPI_DLQ, EPI_VEC, EPI_WATCH and the five buckets
     assert "num_replicas=1 (epibus needs 3)" in report["stream EPI"]["detail"]
     assert "--replicas" in report["stream EPI"]["hint"]
     assert doctor(*sound, "--replicas", "1")[0] == 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
-import socket
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,9 +18,10 @@ import pytest
 from bus.broker.ask import ask_one
 from bus.client.client import connect
 from bus.errors import ConfigError, Forbidden
+from bus.host.ports import free_ports
 from bus.identity.signing import NODE_KEY_FILE, AgentKey, node_key
 from bus.model.requests import FleetInviteReply, FleetInviteRequest, FleetRemoveRequest, FleetReply
-from bus.model.vocab import Role
+from bus.model.vocab import ReceiptLevel, Role
 from bus.subjects import FLEET_INVITE, FLEET_REMOVE, STREAM
 from epibus.fleet.doctor import certificate_checks, member_checks
 from epibus.fleet.hub import FleetRoster
@@ -29,14 +29,13 @@ from epibus.fleet.invites import decode_token, encode_token
 from epibus.monitoring.health import node_health
 from epibus.node.node import Node, NodeConfig
 from epibus.ops.doctor_local import Check
+from observers.mirror.fleet_vectors import FleetEmbedder
 from tests.conftest import finding, postgres_database
 from tests.support import enrol_agent, eventually, journal_event_ids, operator_credentials
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 @contextlib.asynccontextmanager
@@ -217,3 +216,23 @@ async def _unreachable(hub: Node) -> list[Check] | None:
     assert hub.nc is not None
     checks = await member_checks(hub.nc.jetstream())
     return checks if any(c.status == "fail" for c in checks) else None
+
+
+@pytest.mark.slow  # two nodes with the embedding model
+async def test_a_joined_node_takes_the_vectors_the_hub_embedded_through_the_leaf_link(
+    tmp_path: Path, project: str
+) -> None:
+    texts = ["the cache is cold after every deploy", "dns lookups flap under load", "disks fill up at night"]
+    async with Node(NodeConfig(home=tmp_path / "hub", name="hub", fleet_port=free_port())) as hub:
+        await enrol_agent(hub.nats_url, hub.config.home, AgentKey.load_or_create(tmp_path, "alice"),
+                          roles=[Role.agent], projects=[project])  # fmt: skip
+        async with connect(hub.nats_url, agent="alice", home=tmp_path, outbox=False) as alice:
+            events = [alice.event("finding", finding(text=text), project=project) for text in texts]
+            await alice.publish_many(events, wait_for=ReceiptLevel.indexed)
+        token = await invite(hub, "node-2")
+        async with Node(NodeConfig(home=tmp_path / "n2", join=token)) as joined:
+            await eventually(lambda: joined.mirror is not None and joined.mirror.indexed == len(texts), timeout_s=60)
+            assert joined.embedder is not None
+            fleet = joined.embedder.inner
+            assert isinstance(fleet, FleetEmbedder)
+            assert (fleet.stats.taken, fleet.stats.refused, fleet.stats.read_failures) == (len(texts), 0, 0)

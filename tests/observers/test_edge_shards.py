@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 import qdrant_edge as qe
 
-from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.edge import MAX_FROZEN, EdgeVectorStore
 from observers.mirror.seal import create_shard
-from observers.mirror.shards import EXPORTS, LEGACY_SHARD, MANIFEST
+from observers.mirror.shards import EXPORTS, LEGACY_SHARD, MANIFEST, MERGE_FAN
 from observers.mirror.store import Filter, Point
 from tests.support import eventually
 
@@ -113,7 +114,7 @@ async def test_reembedding_a_sealed_point_overwrites_it_where_it_lives(tmp_path:
 
 KILLED_MID_SEAL = """
 import asyncio, os, signal, sys, uuid
-from observers.mirror.edge import EdgeVectorStore
+from observers.mirror.edge import MAX_FROZEN, EdgeVectorStore
 from observers.mirror.store import Point
 
 async def main() -> None:
@@ -177,6 +178,34 @@ async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_on
         assert [h.id for h in hits] == [old[0].id]
 
 
+async def test_an_old_mirror_past_the_seal_size_is_sealed_at_open_with_every_point_its_payload_and_id(
+    tmp_path: Path,
+) -> None:
+    """A mirror from before sealed shards held every point in one shard, in RAM: it is moved to sealed shards
+    when it opens, with no write to set it off, and `migrate` seals whatever is left in RAM on demand."""
+    path = tmp_path / "m"
+    path.mkdir()
+    legacy = create_shard(path / LEGACY_SHARD, DIM, sealed=False)
+    old = points(unit_vectors(45, seed=11))
+    legacy.update(qe.UpdateOperation.upsert_points([qe.Point(str(p.id), list(p.vector), dict(p.payload)) for p in old]))
+    legacy.flush()
+    legacy.close()
+    (path / "collection.json").write_text(json.dumps({"model_id": MODEL, "dimension": DIM, "store_id": "old"}))
+    async with opened(path, seal_points=20) as store:
+        await store.settle()
+        assert [(s["sealed"], s["points"]) for s in await store.shard_layout()] == [(True, 45), (False, 0)]
+        kept = {p.id: p for p in await store.retrieve([p.id for p in old])}
+        assert {i: (p.payload["text"], p.payload["project"]) for i, p in kept.items()} == {
+            p.id: (p.payload["text"], p.payload["project"]) for p in old
+        }
+        assert all(np.allclose(kept[p.id].vector, p.vector, atol=1e-6) for p in old)
+        await store.upsert(points(unit_vectors(5, seed=12), start=100))
+        assert await store.migrate() == 5
+        assert [s["sealed"] for s in await store.shard_layout()] == [True, True, False]
+        assert await store.migrate() == 0  # nothing left in RAM: nothing moves
+    assert not (path / LEGACY_SHARD).exists()
+
+
 async def test_compaction_leaves_no_byte_of_a_deleted_point_in_any_shard(tmp_path: Path) -> None:
     path = tmp_path / "m"
     store = await EdgeVectorStore.open(path, MODEL, DIM, seal_points=20)
@@ -218,3 +247,26 @@ def test_the_worker_is_our_own_interpreter_and_module() -> None:
     )
     assert done.returncode == 1
     assert "usage: python -m observers.mirror.seal POINTS_DIR TARGET_DIR" in done.stderr
+
+
+@pytest.mark.slow  # a dozen seals by worker processes
+async def test_a_writer_faster_than_the_seals_is_held_so_frozen_shards_and_shard_count_stay_bounded(
+    tmp_path: Path,
+) -> None:
+    vectors = unit_vectors(240, seed=11)
+    async with opened(tmp_path / "m", seal_points=20) as store:
+        most_frozen = 0
+        for start in range(0, 240, 20):  # each write fills a hot shard: far faster than a worker seals one
+            await store.upsert(points(vectors[start : start + 20], start=start))
+            most_frozen = max(most_frozen, len(store.shards.frozen()))
+        await store.settle()
+        layout = await store.shard_layout()
+        assert most_frozen < MAX_FROZEN  # each write returned with fewer shards waiting than the limit
+        assert store.seals.writes_held_s > 0
+        # 12 hot shards' points: merged by four as they came, so no tier holds MERGE_FAN sealed shards
+        sealed_sizes = sorted(s["points"] for s in layout if s["sealed"])
+        assert all(sealed_sizes.count(size) < MERGE_FAN for size in set(sealed_sizes)), layout
+        assert sum(s["points"] for s in layout) == 240
+        assert sorted(p.id.int for p in await store.retrieve([uuid.UUID(int=i + 1) for i in range(240)])) == list(
+            range(1, 241)
+        )

@@ -102,3 +102,21 @@ async def test_a_cache_file_that_lost_its_table_is_a_failure_not_an_outage(tmp_p
     with pytest.raises(ComponentFailed, match=r"embedding cache failed: .*no such table: vectors"):
         await cache.embed(["x"])
     cache.close()
+
+
+async def test_the_cache_stays_bounded_under_repeated_publishing_and_keeps_the_newest(tmp_path: Path) -> None:
+    """Waves of new texts, with the last wave's texts coming again: the file holds at most `max_texts`
+    vectors, the oldest were evicted (and counted), and a text that comes again soon is still answered."""
+    cache = CachedEmbedder(FixedModel(), tmp_path / "cache.db", max_texts=100)
+    for wave in range(8):
+        texts = [f"wave {wave} claim {i}" for i in range(40)]
+        await cache.embed(texts)
+        await cache.embed(texts[:10])  # a redelivery
+    with sqlite3.connect(tmp_path / "cache.db") as db:  # read back through another connection
+        kept = db.execute("SELECT count(*) FROM vectors").fetchone()[0]
+    assert kept == 100
+    assert cache.evicted == 8 * 40 - 100
+    assert cache.hits == 8 * 10
+    assert await cache.count_cached([f"wave 7 claim {i}" for i in range(40)]) == 40
+    assert await cache.count_cached([f"wave 0 claim {i}" for i in range(40)]) == 0
+    cache.close()

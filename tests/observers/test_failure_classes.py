@@ -170,8 +170,7 @@ async def test_a_qdrant_server_that_is_not_there_is_unavailable() -> None:
 
 
 async def test_the_edge_engine_refusing_a_call_is_a_failure_and_its_files_failing_an_outage(tmp_path: Path) -> None:
-    store = await open_store("edge", tmp_path / "edge", "m", 4)
-    assert isinstance(store, EdgeVectorStore)
+    store = await EdgeVectorStore.open(tmp_path / "edge", "m", 4)  # as its engine process runs it
     try:
         with pytest.raises(ComponentFailed, match="TypeError"):
             store._engine(store.shards.hot.engine.retrieve, "not a list of ids", None, None)  # the engine's own refusal

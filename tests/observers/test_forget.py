@@ -8,6 +8,7 @@ import sqlite3
 import uuid
 from pathlib import Path
 
+import nats.errors
 import nats.js.errors
 import pytest
 from sqlalchemy import text
@@ -19,7 +20,7 @@ from bus.identity.signing import AgentKey
 from bus.model.forget import ForgetProof
 from bus.model.ids import point_id
 from bus.model.vocab import ReceiptLevel, Role
-from bus.subjects import STREAM
+from bus.subjects import STREAM, VECTORS_STREAM, vector_subject
 from epibus.node.node import Node, NodeConfig
 from observers.mirror.embed import text_key
 from observers.reads import artifacts, audit_artifacts, snapshot
@@ -203,7 +204,7 @@ async def test_a_node_on_a_server_it_does_not_run_names_the_stream_store_unscrub
     assert not proof.clean
 
 
-async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, project: str) -> None:
+async def test_a_forget_drops_the_cached_and_the_shared_vector_of_the_text(tmp_path: Path, project: str) -> None:
     home = tmp_path / "home"
     text_, _ = secret_claim()
 
@@ -219,8 +220,18 @@ async def test_a_forget_drops_the_cached_vector_of_the_text(tmp_path: Path, proj
             key = text_key(node.embedder.model_id, text_)
             artifact_id = await publish_and_index(node, alice, project, text_)
             assert cached(key) == 1
-            await forget_and_prove(alice, project, artifact_id)
+            assert node.js is not None  # agents may not read shared vectors: the node's own connection does
+            shared = await node.js.get_last_msg(VECTORS_STREAM, vector_subject(key))  # the fleet's copy
+            with pytest.raises(nats.errors.TimeoutError):  # a permission violation, as nats-py reports one
+                await alice.js.get_last_msg(VECTORS_STREAM, vector_subject(key))
+            proof = await forget_and_prove(alice, project, artifact_id)
             assert cached(key) == 0
+            assert proof.nodes["node-a"]["shared_vectors"] == 0
+            assert proof.nodes["node-a"]["scrubbed"]["shared_vectors"] == 1
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await node.js.get_msg(VECTORS_STREAM, shared.seq)
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await node.js.get_last_msg(VECTORS_STREAM, vector_subject(key))
 
 
 async def test_a_postgresql_journal_is_named_unscrubbable(tmp_path: Path, project: str, postgres_url: str) -> None:

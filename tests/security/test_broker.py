@@ -32,9 +32,11 @@ from bus.subjects import (
     RECALL,
     STREAM,
     TOMBSTONES_BUCKET,
+    VECTORS_STREAM,
     event_subject,
     heartbeat_key,
     heartbeat_subject,
+    vector_subject,
 )
 from epibus.node.node import Node, NodeConfig
 from tests.conftest import finding
@@ -151,6 +153,34 @@ async def test_an_agent_reads_the_live_nodes_but_cannot_announce_itself_as_one(
     after = await live_nodes(node.nc.jetstream())
     assert set(after.nodes) == {node.name}
     assert after.ignored == {}  # the forged record never reached the bucket
+
+
+async def test_an_agent_can_neither_read_nor_plant_the_fleets_shared_vectors(
+    secured: tuple[Node, Path], project: str
+) -> None:
+    node, home = secured
+    mallory = AgentKey.generate("mallory")
+    await _enrol(node, home, mallory, [project], [Role.agent])
+    subject = vector_subject("0" * 64)
+    violations = Violations()
+    nc = await _as(node, mallory, violations)
+    js = nc.jetstream(timeout=REFUSED_WITHIN_S)
+    attacks = {
+        subject: js.publish(subject, b"\0" * 1536, stream=VECTORS_STREAM),
+        f"$JS.API.DIRECT.GET.{VECTORS_STREAM}": js.get_last_msg(VECTORS_STREAM, subject, direct=True),
+        f"$JS.API.STREAM.MSG.GET.{VECTORS_STREAM}": js.get_last_msg(VECTORS_STREAM, subject),
+        f"$JS.API.STREAM.INFO.{VECTORS_STREAM}": js.stream_info(VECTORS_STREAM),
+    }
+    for refused, attack in attacks.items():
+        with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):  # the broker drops it: error_cb hears
+            await attack
+        await eventually(functools.partial(violations.about, refused), timeout_s=5)
+    await nc.close()
+    node_nc = await nats.connect(node.nats_url, **operator_credentials(home))
+    try:
+        assert (await node_nc.jetstream().stream_info(VECTORS_STREAM)).state.messages == 0
+    finally:
+        await node_nc.close()
 
 
 async def test_an_agent_publishes_only_in_its_own_projects(secured: tuple[Node, Path], project: str) -> None:
