@@ -3,9 +3,10 @@
     python -m observers.mirror.engine     # started by observers.mirror.edge_process, never by hand
 
 The first message opens the store; each later one is a call of EdgeVectorStore, answered with its result or
-its error, and the shard states and seal figures as they stand. Calls run concurrently, in the order they came,
-as they would in the node's own loop. The engine ends when its node closes the store, when its node closes the
-pipe, or when its node dies (the parent-death signal)."""
+its error, and the shard states and seal figures as they stand; a change of those figures between calls (a
+seal that ends while nothing is asked) is sent on its own, as the answer to no call (id 0). Calls run
+concurrently, in the order they came, as they would in the node's own loop. The engine ends when its node
+closes the store, when its node closes the pipe, or when its node dies (the parent-death signal)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,30 @@ from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.edge_process import METHODS, encode_frame, read_frame, state_of
 
 log = logging.getLogger("observers.mirror.engine")
+STATE_EVERY_S = 0.5  # how often the engine looks for figures its node has not been sent
+UNASKED = 0  # the call id of a frame that answers no call: figures that changed between calls
 
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     store: EdgeVectorStore | None = None
     calls: set[asyncio.Task[None]] = set()
+    sent: list[dict[str, Any]] = []  # the figures last sent to the node
+
+    def state() -> dict[str, Any]:
+        shards = store.shard_states() if store is not None else {"hot": 0, "frozen": 0, "sealed": 0}
+        return state_of(store.seals, shards) if store is not None else {"shards": shards, "seals": {}}
 
     def reply(call_id: int, ok: bool, value: object) -> None:
-        shards = store.shard_states() if store is not None else {"hot": 0, "frozen": 0, "sealed": 0}
-        seals = store.seals if store is not None else None
-        state = state_of(seals, shards) if seals is not None else {"shards": shards, "seals": {}}
-        writer.write(encode_frame((call_id, ok, value, state)))
+        sent[:] = [state()]
+        writer.write(encode_frame((call_id, ok, value, sent[0])))
+
+    async def send_changes() -> None:
+        """A seal ends between calls: without this its node would show it only after its next call."""
+        while True:
+            await asyncio.sleep(STATE_EVERY_S)
+            if store is not None and sent and state() != sent[0]:
+                reply(UNASKED, True, None)
+                await writer.drain()
 
     async def answer(call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
@@ -44,6 +58,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             reply(call_id, True, value)
         await writer.drain()
 
+    reporting = asyncio.get_running_loop().create_task(send_changes())
     try:
         while True:
             try:
@@ -80,9 +95,10 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 reply(call_id, False, ValueError(f"{method!r} is not a call of the mirror engine"))
                 await writer.drain()
     finally:
+        reporting.cancel()
         for task in calls:
             task.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.gather(reporting, *calls, return_exceptions=True)
         await _close(store)
 
 

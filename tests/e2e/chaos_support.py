@@ -52,6 +52,21 @@ def left_running(run_dir: Path) -> list[str]:
     return found
 
 
+def what_failed(report: dict[str, Any], run_dir: Path) -> str:
+    """The parts of a report that explain a failed run (the whole report is cut short by pytest): each failed
+    store with the ids it lost, the settle, each fault with its target and time, the nodes' error and
+    dead-letter lines."""
+    failed = [store for store in report.get("stores", []) if not store.get("ok")]
+    faults = [(f["fault"], f.get("target"), f["at_s"], f["outcome"]) for f in report.get("faults", [])]
+    errors = [
+        f"{log.parent.name}: {line[:240]}"
+        for log in sorted((run_dir / "cluster").glob("node-*/node.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if " ERROR " in line or "Traceback" in line or "dead-lettered" in line
+    ]
+    return json.dumps({"failed": failed, "settled": report.get("settled"), "faults": faults, "errors": errors[-40:]})
+
+
 def assert_every_store_holds_every_acknowledged_event(report: dict[str, Any], nodes: int) -> None:
     acknowledged = report["attempts"]["published"] + report["attempts"]["outboxed"]
     stores = {store["store"]: store for store in report["stores"]}

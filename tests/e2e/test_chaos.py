@@ -20,6 +20,7 @@ from tests.e2e.chaos_support import (
     assert_failpoints_fired,
     chaos_process,
     left_running,
+    what_failed,
 )
 
 ClusterRun = tuple[Path, int, dict[str, Any], int]  # run directory, exit code, report, the command's pid
@@ -40,7 +41,7 @@ def test_the_cluster_loses_duplicates_and_changes_nothing_under_every_fault(
     cluster_run: ClusterRun,
 ) -> None:
     run_dir, code, report, _ = cluster_run
-    assert code == 0, report
+    assert code == 0, what_failed(report, run_dir)
     assert report["attempts"]["total"] >= 800
     assert_every_store_holds_every_acknowledged_event(report, nodes=3)
     outcomes = {fault["fault"]: fault["outcome"] for fault in report["faults"]}

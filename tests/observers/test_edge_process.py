@@ -131,3 +131,16 @@ async def test_calls_made_at_once_are_all_answered(tmp_path: Path) -> None:
         assert store.shard_states()["sealed"] >= 1  # the figures the engine sends with every answer
     finally:
         await store.close()
+
+
+async def test_a_seal_that_ends_between_calls_reaches_the_node_without_a_call(tmp_path: Path) -> None:
+    """Status and /metrics read the figures the engine last sent: a seal ending after the last write must still
+    arrive, or a node that is not written to shows a frozen shard forever."""
+    store = await EdgeProcessVectorStore.open(tmp_path / "m", MODEL, DIM, seal_points=5)
+    try:
+        await store.upsert(points(5))  # fills the hot shard: it is frozen, and a worker seals it
+        assert store.seals.sealed == 0
+        await eventually(lambda: store.seals.sealed == 1 and store.shard_states()["frozen"] == 0, timeout_s=60)
+        assert store.shard_states() == {"hot": 1, "frozen": 0, "sealed": 1}
+    finally:
+        await store.close()
