@@ -37,6 +37,8 @@ class Sizes:
     mesh: tuple[tuple[int, int, int], ...]  # (peers, tasks per peer, in flight per peer)
     catch_up: int  # claims a first and then a second node catch up on
     scale_points: int = 0  # points for the safe recall row at scale (0: no such row)
+    watches: int = 1_000  # standing questions the watch row's node holds
+    watch_claims: int = 3_000  # claims published at 200/s against them, then in bursts for the ingest ratio
 
 
 SIZES = {
@@ -68,6 +70,7 @@ SIZES = {
         mesh=((2, 25, 1), (8, 15, 2)),
         catch_up=5_000,
         scale_points=1_000_000,
+        watch_claims=6_000,
     ),
     # For the smoke test: seconds, not minutes; the figures mean nothing at this size.
     "tiny": Sizes(
@@ -83,6 +86,8 @@ SIZES = {
         cli_repeats=1,
         mesh=((2, 2, 1),),
         catch_up=40,
+        watches=40,
+        watch_claims=100,
     ),
 }
 

@@ -23,6 +23,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from bench import mesh_handshake, mirror, publish, sealed
 from bench.harness import Line, Sizes, fresh_server, latency, percentile, throughput, wait_for_count
+from bench.watch import row_watch
 from bus.broker.streams import ensure_streams
 from bus.client.client import EpibusClient, connect
 from bus.subjects import STREAM, events_filter
@@ -545,4 +546,5 @@ ROWS: dict[str, Callable[[Path, Sizes], Awaitable[list[Line]]]] = {
     "state": row_state,
     "mesh": row_mesh,
     "catch-up": row_catch_up,
+    "watch": row_watch,
 }

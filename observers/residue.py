@@ -24,6 +24,7 @@ from observers.journal import Journal
 from observers.mirror.embed import CachedEmbedder
 from observers.mirror.fleet_vectors import FleetEmbedder
 from observers.mirror.store import VectorStore
+from observers.watch.pusher import WatchPusher
 
 CHUNK_BYTES = 1 << 20  # files are read in pieces: a mirror WAL or a stream block can be large
 SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
@@ -53,6 +54,7 @@ class NodeFiles:
     cache: CachedEmbedder | None = None
     shared: FleetEmbedder | None = None  # the fleet's shared vectors, as this node reads and writes them
     store: VectorStore | None = None
+    notices: WatchPusher | None = None  # watch notices pushed about the claim (None: the node runs no mirror)
     nats_store: Path | None = None  # the embedded server's store; None when the node joined a server by URL
     nats_url: str = ""
 
@@ -156,8 +158,8 @@ def _holds(path: Path, needles: Sequence[bytes]) -> bool:
 async def scrub(
     files: NodeFiles, project: str, artifact_id: str, embedded_texts: Sequence[str]
 ) -> dict[str, int | bool]:
-    """Erase what a forget leaves in the outbox, the embedding cache, the fleet's shared vectors and the journal's
-    WAL: what each held. Idempotent."""
+    """Erase what a forget leaves in the outbox, the embedding cache, the fleet's shared vectors, the watch notices
+    pushed about the claim and the journal's WAL: what each held. Idempotent."""
     done: dict[str, int | bool] = {}
     if files.outbox is not None:
         done["outbox_rows"] = await files.outbox.forget(project, artifact_id)
@@ -165,6 +167,8 @@ async def scrub(
         done["cached_vectors"] = await files.cache.forget(embedded_texts)
     if files.shared is not None:
         done["shared_vectors"] = await files.shared.erase(embedded_texts)
+    if files.notices is not None:
+        done["watch_notices"] = await files.notices.erase([(project, artifact_id)])
     done["journal_wal_reset"] = await asyncio.to_thread(files.journal.scrub)
     return done
 
@@ -195,6 +199,7 @@ async def prove_forgotten(files: NodeFiles, request: ForgetProofRequest, *, node
         scrubbed=scrubbed,
         cached_vectors=await files.cache.count_cached(texts) if files.cache else 0,
         shared_vectors=await files.shared.count_shared(texts) if files.shared else 0,
+        watch_notices=await files.notices.notices_left(project, artifact_id) if files.notices else None,
         files=found.files,
         unreadable=found.unreadable,
         scanned=found.scanned,

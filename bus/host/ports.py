@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
-import psutil
-
 from bus.errors import ConfigError
 from bus.host.home import write_private
 
@@ -95,6 +93,8 @@ def _bound_ports(n: int, host: str) -> list[int]:
 def port_holder(port: int) -> str | None:
     """'pid N (name)' of the process listening on a TCP port (psutil); None when it cannot be seen (another
     user's process)."""
+    import psutil  # only when a port is taken: the command line starts without it
+
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
             try:

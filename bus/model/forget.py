@@ -67,9 +67,10 @@ class ForgetReport:
 class ForgetProof:
     """What reading every store back showed. `nodes[name]` has, for that node: journal_rows,
     journal_content_left, projection_rows, mirror_points (read back by id), cached_vectors (embeddings of
-    the content still cached), shared_vectors (still on the fleet's vectors stream); files (every file that
-    still holds a fingerprint of the content), unreadable
-    (files the scan could not read), unscrubbable (store -> why its bytes cannot be checked or erased from
+    the content still cached), shared_vectors (still on the fleet's vectors stream), watch_notices (notices
+    pushed to watches about the claim, still on the notices' stream; None where the node has no mirror); files
+    (every file that still holds a fingerprint of the content), unreadable (files the scan could not read),
+    unscrubbable (store -> why its bytes cannot be checked or erased from
     there) and scrubbed (what this round erased)."""
 
     report: ForgetReport
@@ -92,8 +93,8 @@ class ForgetProof:
         if "error" in answer or "files" not in answer:  # a node that did not scan proves nothing on bytes
             return False
         left = (
-            "journal_content_left", "projection_rows", "mirror_points", "cached_vectors", "shared_vectors", "files",
-            "unreadable",
+            "journal_content_left", "projection_rows", "mirror_points", "cached_vectors", "shared_vectors",
+            "watch_notices", "files", "unreadable",
         )  # fmt: skip
         return not any(answer.get(key) for key in left)
 

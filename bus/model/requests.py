@@ -250,6 +250,7 @@ class ForgetProofReply(Message):
     scrubbed: dict[str, int | bool]
     cached_vectors: Count
     shared_vectors: Count = 0  # vectors of the content still on the fleet's shared vectors stream
+    watch_notices: Count | None = None  # notices pushed about the claim still on the stream; None: not checked
     files: list[str]
     unreadable: list[str]
     scanned: Count

@@ -73,6 +73,10 @@ def _proof_rows(proof: ForgetProof) -> list[list[str]]:
         vectors = answer.get("cached_vectors", 0), answer.get("shared_vectors", 0)
         mirror = f"points {answer['mirror_points']}, cached vectors {vectors[0]}, shared {vectors[1]}"
         rows.append([f"{node} mirror", mirror, _yes(not answer["mirror_points"] and not any(vectors))])
+        if answer.get("watch_notices") is not None:  # a node without a mirror pushes and checks no notices
+            erased = answer.get("scrubbed", {}).get("watch_notices", 0)
+            pushed = f"pushed copies left {answer['watch_notices']}, erased in this round {erased}"
+            rows.append([f"{node} watch notices", pushed, _yes(not answer["watch_notices"])])
         held = [*answer.get("files", []), *answer.get("unreadable", [])]
         scanned = f"{answer.get('scanned', 0)} files scanned, " + (
             "held by: " + ", ".join(held) if held else "none holds it"

@@ -1,12 +1,14 @@
 """The dashboard's health snapshot of the node it runs in: the node's own health report (epibus/monitoring/health.py)
 and what it names as problems, each observer's lag, the dead-letter and outbox depths, and the mesh's tasks and
-open acknowledgements as the node's MeshView folds them. A figure that cannot be had now is null, with the
+open acknowledgements as the node's MeshView folds them, and the standing watches it matches claims against with
+what matching them costs. A figure that cannot be had now is null, with the
 reason among `problems`: a slow or broken part never hides the others."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from bus.broker.nats_errors import NATS_OR_API_ERROR
@@ -19,9 +21,13 @@ from mesh.task import TaskRecord
 
 if TYPE_CHECKING:
     from epibus.node.view import NodeView
+    from observers.watch.pusher import WatchPusher
+    from observers.watch.registry import WatchRegistry
 
 READ_TIMEOUT_S = 2.0
 MESH_TASKS_SHOWN = 30
+WATCHES_SHOWN = 30
+ABOUT_CHARS = 300  # of each watch's words, on the page
 STREAM_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *NATS_OR_API_ERROR)
 
 
@@ -38,6 +44,7 @@ async def node_snapshot(node: NodeView) -> dict[str, Any]:
     snapshot["dlq_depth"] = await _dlq_depth(node, found)
     snapshot["outbox"] = await _outbox(node, found)
     snapshot["mesh"] = mesh_figures(node.mesh_view, found)
+    snapshot["watches"] = watch_figures(node.watches)
     snapshot["problems"] = found
     return snapshot
 
@@ -114,4 +121,39 @@ def _task(record: TaskRecord) -> dict[str, Any]:
         "assignee": record.assignee,
         "awaits_ack": awaits_acknowledgement(record),
         "at": record.last_step.at.isoformat(),
+    }
+
+
+def watch_figures(watches: tuple[WatchRegistry, WatchPusher] | None) -> dict[str, Any] | None:
+    """The watches this node holds (newest first), what became of the claims matched against them and what the
+    matching costs per claim; None when the node runs no mirror (it matches nothing)."""
+    if watches is None:
+        return None
+    registry, pusher = watches
+    now = datetime.now(UTC)
+    records = sorted(registry.book.records(), key=lambda r: r.created_at, reverse=True)
+    stats = pusher.stats
+    return {
+        "held": len(records),
+        "expired": sum(1 for r in records if r.expired(now)),
+        "claims": stats.claims,
+        "matches": stats.matched,
+        "pushed": stats.pushed,
+        "duplicates": stats.duplicates,
+        "follow_ups": stats.follow_ups,
+        "erased": stats.erased,
+        "match_ms_per_claim": round(1000 * stats.match_s / stats.claims, 3) if stats.claims else None,
+        "latest": [
+            {
+                "watch_id": r.watch_id,
+                "agent": r.agent_id,
+                "projects": r.projects,
+                "about": r.about[:ABOUT_CHARS],
+                "threshold": r.threshold,
+                "audit": r.audit,
+                "expires_at": r.expires_at.isoformat(),
+                "expired": r.expired(now),
+            }
+            for r in records[:WATCHES_SHOWN]
+        ],
     }

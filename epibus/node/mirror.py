@@ -89,7 +89,7 @@ class NodeMirror:
         async with self._reindexing:
             rebuilt = await rebuild(
                 self.kind, self.store, self.js, self.embedder, journal=self.journal, home=self.home, node=self.node,
-                progress=progress,
+                progress=progress, listener=self.pusher,
             )  # fmt: skip
             old_name = self.observer.name
             if self._task is not None:

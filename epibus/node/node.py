@@ -465,6 +465,7 @@ def node_files(node: Node, journal: Journal) -> NodeFiles:
         cache=node.embedder,
         shared=node.embedder.inner if node.embedder and isinstance(node.embedder.inner, FleetEmbedder) else None,
         store=node.store,
+        notices=node.live_mirror.pusher if node.live_mirror else None,
         nats_store=node.server.store_dir if node.server else None,
         nats_url=node.nats_url,
     )

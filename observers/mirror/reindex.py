@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from bus.errors import ConfigError
 from bus.intake.reader import replay
 from observers.mirror.embed import Embedder
+from observers.mirror.listener import MirrorListener
 from observers.mirror.observer import KeptEvents, MirrorObserver
 from observers.mirror.store import VectorStore
 
@@ -49,9 +50,12 @@ async def _replay_into(
     journal: KeptEvents,
     node: str,
     progress: Progress | None,
+    listener: MirrorListener | None,
 ) -> tuple[str, int, int, int]:
     name = f"mirror-{(await store.describe()).store_id[:8]}"
-    rebuilder = MirrorObserver(store, embedder, name=name, journal=journal, node=node)
+    # The listener too: claims the rebuild takes that the live observer had not reached are matched here (the
+    # others' notices are duplicates the notices' stream drops, or older than the notice window: none).
+    rebuilder = MirrorObserver(store, embedder, name=name, journal=journal, node=node, listener=listener)
     async with asyncio.TaskGroup() as updates:  # progress goes out while the replay runs, and is all sent by the end
 
         def report(done: int, total: int) -> None:
@@ -72,12 +76,14 @@ async def rebuild(
     home: Path,
     node: str,
     progress: Progress | None = None,
+    listener: MirrorListener | None = None,
 ) -> Rebuilt:
-    """Replay the whole stream into a fresh collection, through the same admission and observer as live."""
+    """Replay the whole stream into a fresh collection, through the same admission, observer and listener as
+    live."""
     if kind == "edge":
-        return await _rebuild_edge(live, js, embedder, journal, home, node, progress)
+        return await _rebuild_edge(live, js, embedder, journal, home, node, progress, listener)
     if kind == "server":
-        return await _rebuild_server(live, js, embedder, journal, node, progress)
+        return await _rebuild_server(live, js, embedder, journal, node, progress, listener)
     raise ConfigError("reindex", f"mirror {kind!r} cannot be rebuilt", allowed=["edge", "server"])
 
 
@@ -89,6 +95,7 @@ async def _rebuild_edge(
     home: Path,
     node: str,
     progress: Progress | None,
+    listener: MirrorListener | None,
 ) -> Rebuilt:
     from observers.mirror.edge_process import EdgeProcessVectorStore
 
@@ -96,7 +103,7 @@ async def _rebuild_edge(
     if fresh_path.exists():
         shutil.rmtree(fresh_path)  # a rebuild that was interrupted: start it again
     fresh = await EdgeProcessVectorStore.open(fresh_path, embedder.model_id, embedder.dimension)
-    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress)
+    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress, listener)
     if points >= HNSW_AT_POINTS:
         await fresh.optimize()  # the engine process seals what is waiting, so the swapped-in store starts sealed
     await fresh.close()
@@ -120,13 +127,14 @@ async def _rebuild_server(
     journal: KeptEvents,
     node: str,
     progress: Progress | None,
+    listener: MirrorListener | None,
 ) -> Rebuilt:
     from observers.mirror.server import ServerVectorStore
 
     if not isinstance(live, ServerVectorStore):
         raise ConfigError("reindex", "the live mirror is not a Qdrant server collection")
     fresh = await live.sibling()
-    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress)
+    name, last_seq, points, rejected = await _replay_into(js, fresh, embedder, journal, node, progress, listener)
 
     async def swap() -> VectorStore:
         await live.swap_in(fresh)  # one alias operation: readers see the old or the new, never neither

@@ -83,11 +83,16 @@ class WatchPusher:
                 self.stats.follow_ups += 1
 
     async def forgotten(self, artifacts: Sequence[tuple[str, str]]) -> None:
+        await self.erase(artifacts)
+
+    async def erase(self, artifacts: Sequence[tuple[str, str]]) -> int:
         """Erase every notice of a forgotten claim from the stream (its text was in them): `delete_msg` overwrites
-        the bytes, so forget's scan of the store's files finds none; a purge would leave them on disk."""
+        the bytes, so forget's scan of the store's files finds none; a purge would leave them on disk. Returns
+        how many this call erased (another node may have erased the rest). Idempotent."""
         js = self._js()
+        erased = 0
         for project, artifact_id in artifacts:
-            if not await self._pushed_subjects(project, artifact_id):
+            if not await self.notices_left(project, artifact_id):
                 continue
             seqs: list[int] = []
             async for batch in read_stream(js, WATCH_STREAM, filter_subject=pushed_filter(project, artifact_id)):
@@ -100,17 +105,24 @@ class WatchPusher:
                     if isinstance(e.__cause__, nats.js.errors.NotFoundError):
                         continue  # erased meanwhile (another node forgot it too)
                     raise
-                self.stats.erased += 1
+                erased += 1
+        self.stats.erased += erased
+        return erased
 
-    async def _pushed_subjects(self, project: str, artifact_id: str) -> list[str]:
+    async def notices_left(self, project: str, artifact_id: str) -> int:
+        """Notices about the artifact the stream still holds, whoever they were pushed to (forget's proof)."""
+        return sum((await self._pushed_subjects(project, artifact_id)).values())
+
+    async def _pushed_subjects(self, project: str, artifact_id: str) -> dict[str, int]:
+        """Each subject holding notices about the artifact, with how many."""
         async with nats_call(f"the notices of {project}/{artifact_id}"):
             info = await self._js().stream_info(WATCH_STREAM, subjects_filter=pushed_filter(project, artifact_id))
-        return sorted(info.state.subjects or {})
+        return dict(info.state.subjects or {})
 
     async def _pushed(self, project: str, artifact_id: str) -> dict[str, Notice]:
         """The last notice on each subject about the artifact, whoever it was pushed to."""
         found: dict[str, Notice] = {}
-        for subject in await self._pushed_subjects(project, artifact_id):
+        for subject in sorted(await self._pushed_subjects(project, artifact_id)):
             async with nats_call(f"a notice on {subject}"):
                 msg = await self._js().get_last_msg(WATCH_STREAM, subject)
             try:

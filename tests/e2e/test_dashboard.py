@@ -155,6 +155,17 @@ async def test_the_dashboard_shows_the_node_live_and_safely(
         assert "proposed" in await row_text(page, "#tasks tbody tr", containing=task.task_id)
         assert float(await page.locator("#rate").inner_text()) > 0
 
+        # A standing watch shows with its owner and words, and the claims matched against it with their cost.
+        watch = await alice.watch("the backup leaves out the biggest table", project)
+        held = await row_text(page, f"#watches tr[data-watch-id='{watch.watch_id}']", containing=watch.about)
+        assert held.split("\t")[:3] == ["alice", project, watch.about]
+        await alice.publish(alice.event("finding", finding(text="backups skip the largest table at night"),
+                                        project=project))  # fmt: skip
+        cost = page.locator("#watch-cost", has_text="ms of matching per claim")
+        await cost.wait_for(timeout=20_000)
+        pushed = "() => / [1-9][0-9]*$/.test(document.getElementById('watch-count').textContent)"
+        await page.wait_for_function(pushed, timeout=20_000)  # held / pushed: the claim reached alice
+
         # Recall through the safe door, as an operator types it; a retraction takes the hit out of it.
         assert ui_node.mirror is not None
         await eventually(lambda: ui_node.mirror is not None and ui_node.mirror.indexed >= 2, timeout_s=30)

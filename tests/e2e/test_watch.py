@@ -12,6 +12,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from bus.broker.ask import Refused
+from bus.broker.loops import cancel_and_wait
 from bus.client.client import EpibusClient
 from bus.client.watch import PushedNotice, Watches
 from bus.errors import ConfigError, Forbidden
@@ -104,8 +105,11 @@ async def test_a_watch_fires_once_across_nodes_follows_up_on_retraction_and_resu
         assert sum((await stored_notices(alice.js, alice.key.public_key)).values()) == 3
 
         # Forgotten: the claim's notices leave the stream (its text was in them).
-        await carol.forget(project, again.artifact_id, reason="personal data")
+        report = await carol.forget(project, again.artifact_id, reason="personal data")
         await eventually(lambda: sum(s.erased for s in pushers) >= 1, timeout_s=20)
+        proof = await carol.prove_forgotten(report)
+        # Forget's proof names the pushed copies, on every node with a mirror: none left on the stream.
+        assert {name: answer["watch_notices"] for name, answer in proof.nodes.items()} == {"node-a": 0, "node-b": 0}
         info = await alice.js.stream_info(WATCH_STREAM, subjects_filter=pushed_filter(project, again.artifact_id))
         assert not info.state.subjects
         listed, limit = await alice.watches.list_own()
@@ -116,7 +120,7 @@ async def test_a_watch_fires_once_across_nodes_follows_up_on_retraction_and_resu
         assert (await alice.watches.list_own())[0] == []
 
 
-async def test_an_agent_of_another_project_cannot_watch_it_and_is_told_nothing_of_it(
+async def test_one_node_refuses_a_watch_outside_the_agents_projects_and_matches_what_a_reindex_takes(
     nats_server: NatsServer, tmp_path: Path, project: str
 ) -> None:
     config = NodeConfig(
@@ -124,6 +128,27 @@ async def test_an_agent_of_another_project_cannot_watch_it_and_is_told_nothing_o
     )
     async with Node(config) as a:  # the one node answering: it enrols bob as its operator asks
         await watch_of_another_project(a, nats_server, tmp_path, project)
+        await matched_by_a_reindex(a, nats_server, tmp_path, f"{project}-r")
+
+
+async def matched_by_a_reindex(a: Node, nats_server: NatsServer, tmp_path: Path, project: str) -> None:
+    """A claim that a reindex takes before the live mirror reached it is matched by the rebuild, once."""
+    async with (
+        connect(nats_server.url, agent="dora", home=tmp_path / "dora", outbox=False) as dora,
+        connect(nats_server.url, agent="erin", home=tmp_path / "erin", outbox=False) as erin,
+    ):
+        watch = await dora.watch(ABOUT, project)
+        await eventually(lambda: held(a, watch.watch_id))
+        live = a.live_mirror
+        assert live is not None
+        assert live._task is not None
+        await cancel_and_wait([live._task])  # the live mirror stops short of the claim
+        pool = claim(erin, CLAIM, project)
+        await erin.publish(pool)
+        await live.reindex()
+        (pushed,) = await read_notices(dora.watches, 0, 1)
+        assert (pushed.notice.artifact_id, pushed.notice.watch_id) == (pool.artifact_id, watch.watch_id)
+        assert sum((await stored_notices(dora.js, dora.key.public_key)).values()) == 1
 
 
 async def watch_of_another_project(a: Node, nats_server: NatsServer, tmp_path: Path, project: str) -> None:

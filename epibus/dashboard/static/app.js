@@ -112,6 +112,19 @@ function showHealth(h) {
       stateCell([t.state, t.awaits_ack ? "awaiting ack" : null]), cell(t.proposer), cell(t.assignee));
     return tr;
   }, h.mesh ? "no mesh tasks" : "the mesh is not followed by this node");
+  const w = h.watches;
+  $("watch-count").textContent = w ? w.held + " / " + w.pushed : "?";
+  $("watch-cost").textContent = w
+    ? "(" + w.claims + " claims matched, " + w.matches + " matches, " +
+      (w.match_ms_per_claim === null ? "no claim yet" : w.match_ms_per_claim + " ms of matching per claim") + ")"
+    : "";
+  fill($("watches").tBodies[0], w ? w.latest : [], (x) => {
+    const tr = document.createElement("tr");
+    tr.dataset.watchId = x.watch_id;
+    tr.append(cell(x.agent), cell(x.projects.join(", "), "nowrap"), cell(x.about, "text"), cell(x.threshold, "num"),
+      cell(time(x.expires_at), "nowrap"), stateCell([x.expired ? "expired" : "active", x.audit ? "audit" : null]));
+    return tr;
+  }, w ? "no agent keeps a watch" : "this node runs no mirror: it matches no watch");
   const budgets = h.budgets;
   $("budget-limit").textContent = budgets
     ? "(" + budgets.msgs_per_window + " messages, " + budgets.bytes_per_window + " bytes per " + budgets.window_s + " s)"
