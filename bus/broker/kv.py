@@ -32,6 +32,13 @@ async def compare_and_set(kv: KeyValue, key: str, value: bytes, *, last: int | N
     except nats.js.errors.KeyWrongLastSequenceError as e:
         expected = "absent" if last is None else f"at revision {last}"
         raise Conflict(what, f"it is no longer {expected}: another write got there first", lost_race=True) from e
+    except nats.js.errors.KeyNotFoundError as e:
+        if last is not None:
+            raise
+        # nats-py's create, refused because the key has a value, reads it to tell a deleted key from a live one;
+        # in a cluster that read may reach a replica the other write has not reached yet ("not found"). The
+        # create lost all the same: a node enrolling at the same instant as another must not die of it.
+        raise Conflict(what, "it is no longer absent: another write got there first", lost_race=True) from e
 
 
 async def create_if_absent(kv: KeyValue, key: str, value: bytes, *, what: str) -> int | None:
