@@ -59,7 +59,7 @@ from tests.histories import (
     register_keys,
 )
 
-EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "45"))  # the suite's 12 minutes; `-m long` runs 2,000
+EXAMPLES = int(os.environ.get("EPIBUS_DIFFERENTIAL_EXAMPLES", "36"))  # the suite's 12 minutes; `-m long` runs 2,000
 LONG_EXAMPLES = 2_000
 QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 
