@@ -17,17 +17,21 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from bus.broker.nats_errors import nats_call
-from bus.errors import Unavailable
+from bus.errors import EpibusError, Unavailable
 from bus.intake.stream_read import read_stream
 from bus.model.state import UNSAFE_RESOLUTIONS, UNSAFE_TRUST, ArtifactState
 from bus.model.watch import Notice, WatchRecord
+from bus.outbox.outbox_file import OutboxRow
+from bus.outbox.publish import send_batch
 from bus.subjects import WATCH_STREAM, notice_subject, parse_notice_subject, pushed_filter
 from observers.mirror.listener import IndexedClaim
 from observers.watch.match import WatchBook
 
 log = logging.getLogger(__name__)
 MSG_ID_HEADER = "Nats-Msg-Id"
-MAX_PUBLISHING = 64  # notices in flight at once
+MAX_PUBLISHING = 64  # follow-up notices in flight at once
+MATCHES_IN_FLIGHT = 1024  # a batch's notices are pipelined: one claim may reach hundreds of watches
+PUSH_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -60,9 +64,19 @@ class WatchPusher:
         self.stats.match_s += time.perf_counter() - started
         self.stats.claims += len(claims)
         self.stats.matched += len(matches)
-        notices = [(m.watch, _notice("match", m.watch, m.claim.state, m.claim.event_id, m.score, self.node))
-                   for m in matches]  # fmt: skip
-        await asyncio.gather(*(self._push(watch, notice, notice.event_id) for watch, notice in notices))
+        rows = []
+        for m in matches:
+            notice = _notice("match", m.watch, m.claim.state, m.claim.event_id, m.score, self.node)
+            subject = notice_subject(m.watch.owner_key, m.watch.watch_id, notice.project, notice.artifact_id)
+            # The row's id is the message id the server deduplicates on: watch id + event id.
+            rows.append(OutboxRow(f"{m.watch.watch_id}.{notice.event_id}", subject, notice.model_dump_json().encode()))
+        results = await send_batch(self._js(), rows, max_in_flight=MATCHES_IN_FLIGHT, timeout_s=PUSH_TIMEOUT_S)
+        failed = [result for result in results.values() if isinstance(result, EpibusError)]
+        stored = [result for result in results.values() if not isinstance(result, EpibusError)]
+        self.stats.duplicates += sum(1 for ack in stored if ack.duplicate)
+        self.stats.pushed += sum(1 for ack in stored if not ack.duplicate)
+        if failed:  # the mirror's batch is held and delivered again: what was stored is then a duplicate
+            raise failed[0]
 
     async def changed(self, states: Sequence[ArtifactState]) -> None:
         """A follow-up to every watch a claim was pushed to, once it is no longer trusted (an audit watch is
