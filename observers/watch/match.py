@@ -38,8 +38,9 @@ def member_at(watch: WatchRecord, claim: IndexedClaim) -> bool:
 def notifiable(watch: WatchRecord, state: ArtifactState, recorded_at: datetime, now: datetime, member: bool) -> bool:
     """Whether `watch` may be told of the claim whose state is `state`: a live watch of a member of the claim's
     project and kind, a claim recorded after the watch was made and within the notice window (a node catching up
-    on old history pushes nothing), and a claim the safe door shows unless the watch is an audit one."""
-    if watch.expired(now) or not member:
+    on old history pushes nothing), and a claim the safe door shows unless the watch is an audit one. A forgotten
+    claim is never pushed, not even to an audit watch."""
+    if watch.expired(now) or not member or state.forgotten:
         return False
     if state.project not in watch.projects or (watch.kinds is not None and state.kind not in watch.kinds):
         return False

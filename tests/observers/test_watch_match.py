@@ -101,6 +101,9 @@ def test_a_watch_is_told_only_what_it_may_be() -> None:
     for unsafe in (retracted, contradicted):
         assert not notifiable(w, unsafe.state, NOW, NOW, True)
         assert notifiable(w.model_copy(update={"audit": True}), unsafe.state, NOW, NOW, True)  # the audit door
+    forgotten = claim([1.0] * DIM, "p1", state={"forgotten": True})
+    for door in (w, w.model_copy(update={"audit": True})):  # a forgotten claim is pushed through neither door
+        assert not notifiable(door, forgotten.state, NOW, NOW, True)
 
 
 def test_membership_is_read_where_the_claim_stands_in_the_stream() -> None:
