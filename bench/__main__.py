@@ -5,8 +5,8 @@ epibus figure next to a baseline measured in the same run; prints a table and wr
     python -m bench --from bench/results.json   # an earlier run as the README's markdown table
 
 Rows: live (publish -> journaled vs a FastStream pipeline; needs the `bench` extra), drain, publish, mirror,
-recall (with a million-point row in --full), state, mesh, catch-up. A row that fails is reported as failed (with
-its error) and the exit code is 1."""
+recall (with a million-point row in --full), state, mesh, catch-up, watch. A row that fails is reported as
+failed (with its error) and the exit code is 1."""
 
 from __future__ import annotations
 

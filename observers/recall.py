@@ -4,6 +4,7 @@ error, never an empty list that looks like "no matches"."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -105,11 +106,19 @@ def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
     )
 
 
-async def _candidates(store: VectorStore, embedder: Embedder, query: str, where: Filter, k: int) -> list[Hit]:
+async def _candidates(
+    store: VectorStore, embedder: Embedder, query: str, where: Filter, k: int, timings: dict[str, float] | None
+) -> list[Hit]:
     if not query.strip():
         raise ConfigError("query", "is empty; say what to recall")
+    started = time.perf_counter()
     (vector,) = await embedder.embed([query])
-    return await store.search(vector, where, limit=k * OVERFETCH)
+    embedded = time.perf_counter()
+    found = await store.search(vector, where, limit=k * OVERFETCH)
+    if timings is not None:  # where a recall's time goes: the node's metrics add them up
+        timings["embed"] = timings.get("embed", 0.0) + embedded - started
+        timings["search"] = timings.get("search", 0.0) + time.perf_counter() - embedded
+    return found
 
 
 async def recall(
@@ -123,12 +132,14 @@ async def recall(
     include_resolved: bool = False,
     as_of: datetime | None = None,
     journal: Journal | None = None,
+    timings: dict[str, float] | None = None,
 ) -> RecallResult:
     """The safe door. With as_of, candidates recorded by then are judged by the state the journal says they
-    had then (the mirror holds only the current state). Raises Unavailable if the store or model fails."""
+    had then (the mirror holds only the current state). `timings` (when given) adds up the seconds spent
+    embedding the query and searching. Raises Unavailable if the store or model fails."""
     if as_of is None:
         where = safe_filter(project, kinds=kinds, include_resolved=include_resolved)
-        found = await _candidates(store, embedder, query, where, k)
+        found = await _candidates(store, embedder, query, where, k, timings)
         now = datetime.now(UTC)
         hits = [_hit(h, payload_state(h.payload), now) for h in found]
     else:
@@ -141,7 +152,7 @@ async def recall(
             # admitted clock skew later than that, so this only narrows the candidates the journal then judges.
             at_most={"created_ts": as_of.timestamp() + TimeBounds.from_env().future_skew_s},
         )
-        found = await _candidates(store, embedder, query, where, k * 2)
+        found = await _candidates(store, embedder, query, where, k * 2, timings)
         then = snapshot(journal, project, as_of=as_of)
         hits = [
             _hit(h, then.states[aid], then.at)
@@ -160,10 +171,11 @@ async def audit_recall(
     *,
     k: int = 10,
     kinds: Sequence[str] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> RecallResult:
     """The audit door: everything the mirror holds for the project, whatever its state, with that state."""
     where = Filter(equals={"project": project}, any_of={"kind": list(kinds)} if kinds else {})
-    found = await _candidates(store, embedder, query, where, k)
+    found = await _candidates(store, embedder, query, where, k, timings)
     now = datetime.now(UTC)
     hits = [_hit(h, payload_state(h.payload), now) for h in found]
     return RecallResult(query, project, sorted(hits, key=lambda h: -h.score)[:k])

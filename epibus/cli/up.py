@@ -306,11 +306,12 @@ async def _up(config: NodeConfig, as_json: bool) -> None:
             "coordinating": [f"{c.project} ({c.policy.name})" for c in node.coordinators],
             # The one place the token is shown: opening this URL trades it for a cookie (docs/dashboard.md).
             "dashboard": node.dashboard.url_with_token if node.dashboard else None,
+            "startup_s": node.startup,  # seconds per part of the start: server, journal, mirror, ...
         }
         if as_json:
             emit_json(where)
         else:
-            rows = [[k, v] for k, v in where.items() if k not in ("ok", "dashboard")]
+            rows = [[k, v] for k, v in where.items() if k not in ("ok", "dashboard", "startup_s")]
             console.print(table("epibus node", ["what", "where"], rows))
             if node.dashboard:  # on a line of its own: a wrapped token could not be copied
                 console.print(shown("dashboard: ", (node.dashboard.url_with_token, "bold")), soft_wrap=True)

@@ -76,6 +76,7 @@ class NodeMetrics:
         found += [*_embed_families(node), *_node_families(node), *_mesh_families(node), *_limit_families(node)]
         found += _storage_families(node)
         found += _watch_families(node)
+        found += _recall_families(node)
         found += await self._stream_families()
         found += await self._outbox_families()
         errors = CounterMetricFamily(
@@ -345,6 +346,22 @@ def _watch_families(node: NodeView) -> list[Metric]:
     matched.add_metric(["matches"], stats.matched)
     seconds.add_metric([], stats.match_s)
     return found
+
+
+def _recall_families(node: NodeView) -> list[Metric]:
+    """Recalls this node answered and where their time went (embedding the query, searching, in all)."""
+    answered = CounterMetricFamily("epibus_recalls", "Recalls this node's mirror answered (safe and audit doors).")
+    seconds = CounterMetricFamily(
+        "epibus_recall_seconds",
+        "Seconds recalls spent: embed (the query), search (the store), total.",
+        labels=["phase"],
+    )
+    services = node.mirror_services
+    if services is not None:
+        answered.add_metric([], services.recalls)
+        for phase in ("embed", "search", "total"):
+            seconds.add_metric([phase], services.recall_seconds.get(phase, 0.0))
+    return [answered, seconds]
 
 
 def _embed_families(node: NodeView) -> list[Metric]:

@@ -9,6 +9,8 @@ import contextlib
 import gc
 import logging
 import os
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -103,6 +105,7 @@ class Node:
         self.live_mirror: NodeMirror | None = None  # None: started with --mirror off (or not started yet)
         self.mirror_services: MirrorServices | None = None
         self.services: dict[str, Responder[Any, Any]] = {}  # request subject -> its responder (and counts)
+        self.startup: dict[str, float] = {}  # seconds each part of the start took (`epibus up --json` shows them)
         self.coordinators: list[Coordinator] = []
         self.recorder: MeshRecorder | None = None
         self.mesh_service: MeshService | None = None
@@ -203,41 +206,57 @@ class Node:
         self.key = node_key(home)
         require_room(home, "node")  # a node on a full disk says so in one line (qdrant-edge would die of SIGBUS)
         if config.nats_url is None:
-            authorization = starting_authorization(home / "nats", self.key) if self.authenticated else None
-            options = self.fleet.server_options(home, self.name, config.host, self.key)
-            self.server = await start_server(config, self.name, authorization, self._stack, options)
-            self.fleet = await join_if_invited(self.fleet, self.server, self.key, host=config.host)
-        self.journal = Journal(config.journal_url or default_journal_url(home))
-        self._stack.callback(self.journal.close)
-        old_consumer = None
-        if config.rebuild_journal and not self._journal_set_aside:  # once, not again at a recovery's restart
-            _, old_consumer = await asyncio.to_thread(set_aside, self.journal)
-            self._journal_set_aside = True
-        try:
-            await asyncio.to_thread(self.journal.migrate)
-        except StoreDamaged as e:  # a running node could rebuild it; this one cannot start on it
-            raise StoreDamaged(e.store, e.path, e.damage, START_REMEDY) from e
+            with self._timed("server"):  # nats-server up and ready: it reads its streams back first
+                authorization = starting_authorization(home / "nats", self.key) if self.authenticated else None
+                options = self.fleet.server_options(home, self.name, config.host, self.key)
+                self.server = await start_server(config, self.name, authorization, self._stack, options)
+                self.fleet = await join_if_invited(self.fleet, self.server, self.key, host=config.host)
+        with self._timed("journal"):
+            self.journal = Journal(config.journal_url or default_journal_url(home))
+            self._stack.callback(self.journal.close)
+            old_consumer = None
+            if config.rebuild_journal and not self._journal_set_aside:  # once, not again at a recovery's restart
+                _, old_consumer = await asyncio.to_thread(set_aside, self.journal)
+                self._journal_set_aside = True
+            try:
+                await asyncio.to_thread(self.journal.migrate)
+            except StoreDamaged as e:  # a running node could rebuild it; this one cannot start on it
+                raise StoreDamaged(e.store, e.path, e.damage, START_REMEDY) from e
         servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
-        self.nc = await self.connection.open(
-            servers,
-            name=f"epibus-node:{self.name}",
-            key=self.key,
-            stack=self._stack,
-            settle_s=max(settle_s(config), self.fleet.settle_s),
-            repair=config.repair_streams,
-        )
-        self.js = self.connection.require_js()
-        enrolments = await self._start_authority(self.nc, self.js)
-        self.fleet_hub = await serve_hub(
-            self.fleet, home=home, nc=self.nc, js=self.js, name=self.name, key=self.key, host=config.host,
-            enrolments=enrolments, system=self._system_connection,
-        )  # fmt: skip
+        with self._timed("connect"):
+            self.nc = await self.connection.open(
+                servers,
+                name=f"epibus-node:{self.name}",
+                key=self.key,
+                stack=self._stack,
+                settle_s=max(settle_s(config), self.fleet.settle_s),
+                repair=config.repair_streams,
+            )
+            self.js = self.connection.require_js()
+        with self._timed("authority"):
+            enrolments = await self._start_authority(self.nc, self.js)
+            self.fleet_hub = await serve_hub(
+                self.fleet, home=home, nc=self.nc, js=self.js, name=self.name, key=self.key, host=config.host,
+                enrolments=enrolments, system=self._system_connection,
+            )  # fmt: skip
         await self._start_stores(self.nc, self.js, self.journal)
-        if old_consumer is not None:
-            await drop_durable(self.js, STREAM, old_consumer)
-        await self._serve_requests(self.nc, self.js, self.journal, enrolments)
-        await self._start_loops(enrolments)
-        await self._start_extras(servers)
+        with self._timed("services"):
+            if old_consumer is not None:
+                await drop_durable(self.js, STREAM, old_consumer)
+            await self._serve_requests(self.nc, self.js, self.journal, enrolments)
+        with self._timed("loops"):
+            await self._start_loops(enrolments)
+        with self._timed("extras"):
+            await self._start_extras(servers)
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """Add the seconds this part of the start takes to `startup` (a recovery's restart adds to it)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup[part] = round(self.startup.get(part, 0.0) + time.perf_counter() - started, 3)
 
     async def _start_authority(self, nc: NatsClient, js: JetStreamContext) -> Enrolments:
         """The enrolment services (keeping the server's authorization in step) and the mesh bucket's writer."""
@@ -260,14 +279,17 @@ class Node:
     async def _start_stores(self, nc: NatsClient, js: JetStreamContext, journal: Journal) -> None:
         """The journal's observer and runner, the outbox and its forwarder, and the mirror (when on)."""
         config = self.config
-        self.observer = JournalObserver(journal, tombstones=TombstoneRegistry(js))
-        fed = observed(self.observer, config.home, honour=config.failpoints)
-        self.runner = ConsumerRunner(nc, fed, batch_size=config.batch_size)
-        outbox = await Outbox(outbox_path(config.home)).open()
-        self._stack.push_async_callback(outbox.close)
-        connection = self.connection
-        self.forwarder = Forwarder(outbox, connection.jetstream_if_connected, before_send=connection.ensure_streams)
-        if config.mirror != "off":
+        with self._timed("outbox"):
+            self.observer = JournalObserver(journal, tombstones=TombstoneRegistry(js))
+            fed = observed(self.observer, config.home, honour=config.failpoints)
+            self.runner = ConsumerRunner(nc, fed, batch_size=config.batch_size)
+            outbox = await Outbox(outbox_path(config.home)).open()
+            self._stack.push_async_callback(outbox.close)
+            connection = self.connection
+            self.forwarder = Forwarder(outbox, connection.jetstream_if_connected, before_send=connection.ensure_streams)
+        if config.mirror == "off":
+            return
+        with self._timed("mirror"):  # the model, the vector engine and its shards
             assert self.enrolments is not None  # started before the stores: the mirror asks it whose vectors to take
             self.live_mirror = await open_mirror(
                 nc,

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from epibus.node.upkeep import Upkeep
     from observers.journal import Journal
     from observers.mirror.embed import CachedEmbedder
+    from observers.mirror.service import MirrorServices
     from observers.mirror.store import VectorStore
     from observers.watch.pusher import WatchPusher
     from observers.watch.registry import WatchRegistry
@@ -53,6 +54,8 @@ class NodeView(Protocol):
     def embedder(self) -> CachedEmbedder | None: ...
     @property
     def watches(self) -> tuple[WatchRegistry, WatchPusher] | None: ...
+    @property
+    def mirror_services(self) -> MirrorServices | None: ...
     @property
     def forwarder(self) -> Forwarder | None: ...
     @property

@@ -3,6 +3,7 @@ as it stands when the request arrives (a reindex swaps its store and its consume
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -62,6 +63,8 @@ class MirrorServices:
         self.journal = journal
         self.node = node
         self.publish = publish  # sends a reindex's progress to the asker's inbox
+        self.recalls = 0
+        self.recall_seconds: dict[str, float] = {}  # embed, search, total: where recalls spend their time
 
     def services(self) -> list[Service[Any]]:
         served: list[Service[Any]] = [
@@ -75,10 +78,12 @@ class MirrorServices:
     async def recall(self, request: RecallRequest) -> RecallReply:
         """Answer a recall request from this node's mirror."""
         mirror = self._require_mirror("recall")
+        started = time.perf_counter()
         if request.audit:
             result = await audit_recall(
-                mirror.store, mirror.embedder, request.query, request.project, k=request.k, kinds=request.kinds
-            )
+                mirror.store, mirror.embedder, request.query, request.project, k=request.k, kinds=request.kinds,
+                timings=self.recall_seconds,
+            )  # fmt: skip
         else:
             result = await recall(
                 mirror.store,
@@ -90,8 +95,11 @@ class MirrorServices:
                 include_resolved=request.include_resolved,
                 as_of=request.as_of,
                 journal=self.journal,
+                timings=self.recall_seconds,
             )
         hits = [RecallHitReply.model_validate(h.as_dict(), strict=False) for h in result.hits]
+        self.recalls += 1
+        self.recall_seconds["total"] = self.recall_seconds.get("total", 0.0) + time.perf_counter() - started
         return RecallReply(node=self.node, hits=hits)
 
     async def indexed(self, request: LookupRequest) -> IndexedReply:

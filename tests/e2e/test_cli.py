@@ -51,6 +51,11 @@ def test_up_publish_query_tail_stats_and_clean_stop(
 ) -> None:
     home, status, process = running_node
     assert status["embedded_server"] is True
+    # What the start spent its time on, part by part (a slow start names its slow part).
+    assert {"server", "journal", "connect", "authority", "outbox", "mirror", "services", "loops"} <= set(
+        status["startup_s"]
+    )
+    assert all(seconds >= 0 for seconds in status["startup_s"].values())
     assert status["server_version"].startswith("2.")
     assert (home / "node.json").exists()
 

@@ -172,6 +172,10 @@ async def test_a_known_workload_scrapes_as_exact_counts_per_label(
     recall_answered = values(found, "epibus_requests_total", "service", "outcome")[("epibus.recall", "answered")]
     assert recall_answered == 1
     assert values(found, "epibus_request_seconds_count", "service")[("epibus.recall",)] == 1
+    assert values(found, "epibus_recalls_total") == {(): 1}
+    spent = values(found, "epibus_recall_seconds_total", "phase")
+    assert set(spent) == {("embed",), ("search",), ("total",)}
+    assert 0 < spent[("embed",)] + spent[("search",)] <= spent[("total",)]  # the parts within the whole
     embedded = values(found, "epibus_embed_texts_total")[()] + values(found, "epibus_embed_cache_hits_total")[()]
     assert embedded >= 7 + 3 + 1  # every finding, unknown and the recall query went through the embedder
     assert values(found, "epibus_embed_seconds_total")[()] > 0
