@@ -159,15 +159,20 @@ async def test_a_process_killed_mid_seal_leaves_every_point_and_no_worker(tmp_pa
         assert list((path / EXPORTS).iterdir()) == []
 
 
-async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_ones(tmp_path: Path) -> None:
-    path = tmp_path / "m"
+def write_legacy_mirror(path: Path, old: list[Point]) -> list[Point]:
+    """A mirror as epibus wrote it before sealed shards: every point in one shard. Returns the points."""
     path.mkdir()
     legacy = create_shard(path / LEGACY_SHARD, DIM, sealed=False)
-    old = points(unit_vectors(12, seed=7))
     legacy.update(qe.UpdateOperation.upsert_points([qe.Point(str(p.id), list(p.vector), dict(p.payload)) for p in old]))
     legacy.flush()
     legacy.close()
     (path / "collection.json").write_text(json.dumps({"model_id": MODEL, "dimension": DIM, "store_id": "old"}))
+    return old
+
+
+async def test_an_old_single_shard_mirror_opens_with_its_points_and_takes_new_ones(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    old = write_legacy_mirror(path, points(unit_vectors(12, seed=7)))
     async with opened(path, seal_points=20) as store:
         assert (await store.describe()).count == 12
         await store.upsert(points(unit_vectors(12, seed=8), start=100))
@@ -184,13 +189,7 @@ async def test_an_old_mirror_past_the_seal_size_is_sealed_at_open_with_every_poi
     """A mirror from before sealed shards held every point in one shard, in RAM: it is moved to sealed shards
     when it opens, with no write to set it off, and `migrate` seals whatever is left in RAM on demand."""
     path = tmp_path / "m"
-    path.mkdir()
-    legacy = create_shard(path / LEGACY_SHARD, DIM, sealed=False)
-    old = points(unit_vectors(45, seed=11))
-    legacy.update(qe.UpdateOperation.upsert_points([qe.Point(str(p.id), list(p.vector), dict(p.payload)) for p in old]))
-    legacy.flush()
-    legacy.close()
-    (path / "collection.json").write_text(json.dumps({"model_id": MODEL, "dimension": DIM, "store_id": "old"}))
+    old = write_legacy_mirror(path, points(unit_vectors(45, seed=11)))
     async with opened(path, seal_points=20) as store:
         await store.settle()
         assert [(s["sealed"], s["points"]) for s in await store.shard_layout()] == [(True, 45), (False, 0)]
