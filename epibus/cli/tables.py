@@ -20,15 +20,17 @@ from rich.rule import Rule
 from rich.segment import Segment
 from rich.table import Table
 
+from bus.model.watch import WATCH_ID_PATTERN
 from epibus.cli.display import plain, shown
 
+_UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # event, artifact, task ids
+_WATCH_ID = r"\b" + WATCH_ID_PATTERN.strip("^$") + r"\b"
 # What a person copies out of a table into the next command: never folded across lines.
-ID_TOKEN = re.compile(
-    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # event, artifact, task ids
-    r"|\bU[A-Z2-7]{55}\b"  # an agent's public key
-)
-UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-PUBLIC_KEY = re.compile(r"\bU[A-Z2-7]{55}\b")
+_KEY = r"\bU[A-Z2-7]{55}\b"  # an agent's public key
+ID_TOKEN = re.compile(f"{_UUID}|{_WATCH_ID}|{_KEY}")
+# The ids every command takes by a unique prefix: shown as one when the table is too narrow for them whole.
+PREFIXED_ID = re.compile(f"{_UUID}|{_WATCH_ID}")
+PUBLIC_KEY = re.compile(_KEY)
 KEY_CHARS = 12
 MIN_ID_CHARS = 13  # 12 hex digits: a UUIDv7's milliseconds; ids made in other milliseconds differ within them
 MIN_TEXT_CHARS = 10  # a text column narrower than this says nothing
@@ -188,13 +190,14 @@ def _widths(
 
 
 def abbreviated_ids(cells: Sequence[Sequence[str]]) -> list[list[str]]:
-    """Every UUID cut to the shortest prefix (at least MIN_ID_CHARS) that no other id in the table shares; a
-    key to its first KEY_CHARS and `…` (no command takes a key's prefix: --wide or --json show it whole)."""
-    ids = sorted({m.group() for row in cells for cell in row for m in UUID.finditer(cell)})
+    """Every id a command takes by prefix (a UUID, a watch id) cut to the shortest prefix (at least MIN_ID_CHARS)
+    that no other id in the table shares; a key to its first KEY_CHARS and `…` (no command takes a key's prefix:
+    --wide or --json show it whole)."""
+    ids = sorted({m.group() for row in cells for cell in row for m in PREFIXED_ID.finditer(cell)})
     short = {full: _unique_prefix(full, ids) for full in ids}
 
     def cut(cell: str) -> str:
-        cell = UUID.sub(lambda m: short[m.group()], cell)
+        cell = PREFIXED_ID.sub(lambda m: short[m.group()], cell)
         return PUBLIC_KEY.sub(lambda m: m.group()[:KEY_CHARS] + "…", cell)
 
     return [[cut(cell) for cell in row] for row in cells]

@@ -106,3 +106,17 @@ def test_an_abbreviated_id_is_a_prefix_of_its_id_that_no_other_id_in_the_table_s
         assert full.startswith(short)
         assert len(short) >= MIN_ID_CHARS
         assert [other for other in ids if other != full and other.startswith(short)] == []
+
+
+def test_a_watch_id_at_80_columns_is_whole_or_a_unique_prefix_and_the_words_are_cut() -> None:
+    """`epibus watch list` at 80 columns: `watch stop` takes what is shown, so the id is never cut with `…`."""
+    columns = ["watch", "projects", "threshold", "expires", "about"]
+    ids = ["526271a8f80f440084210b7b2a061111", "526271a8f80f440084210b7b2a062222"]
+    rows = [[i, "demo", "0.27", "2026-12-14T21:22", "deploys leave the cache empty " * 3] for i in ids]
+    lines = rendered(fitted("epibus watch list: 2 of 32", columns, rows, width=80, wide=False), 80)
+    assert max(map(len, lines)) <= 80
+    shown = [re.search(r"\b526271a8[0-9a-f]*", line) for line in lines]
+    prefixes = [m.group() for m, line in zip(shown, lines, strict=True) if m is not None and "…" not in m.group()]
+    assert len(prefixes) == 2
+    assert [sum(full.startswith(p) for full in ids) for p in prefixes] == [1, 1]  # each names one watch
+    assert all(line.rstrip().endswith("…") for line in lines if "526271a8" in line)  # the words, cut
