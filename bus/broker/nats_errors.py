@@ -50,6 +50,20 @@ WRONG_LAST_SEQUENCE = 10071
 STREAM_FULL = 10077  # a stream with discard new at its byte or message limit
 STORAGE_FULL = 10023  # "insufficient resources": the server's JetStream storage limit (max_file_store) is reached
 INSUFFICIENT_STORAGE = 10047  # creating a stream whose byte limit the server cannot reserve
+SEQUENCE_NOT_FOUND = 10043  # deleting a message already deleted
+DELETE_FAILED = 10057  # ...or one purged ("no message found"); also a real store failure, told apart by its text
+
+
+def message_gone(error: BaseException) -> bool:
+    """Whether a refused `delete_msg` means the message is already gone (another node erased it first), which
+    makes an erase idempotent; any other refusal is a failure."""
+    if isinstance(error, nats.js.errors.NotFoundError):
+        return True
+    if not isinstance(error, nats.js.errors.APIError):
+        return False
+    return error.err_code == SEQUENCE_NOT_FOUND or (
+        error.err_code == DELETE_FAILED and "no message found" in (error.description or "")
+    )
 
 
 def translate_publish_error(error: BaseException, subject: str) -> EpibusError:

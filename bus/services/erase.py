@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-import nats.js.errors
 from nats.js import JetStreamContext
 
-from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, message_gone
 from bus.enrolment.registry import AgentRegistry
 from bus.enrolment.service_rules import erase_rule
 from bus.errors import NotFound, Unavailable
@@ -59,9 +58,9 @@ async def erase_forgotten(
         try:
             async with asyncio.timeout(JS_TIMEOUT_S):
                 await js.delete_msg(STREAM, seq)  # erases: the server overwrites the bytes
-        except nats.js.errors.NotFoundError:
-            continue  # erased meanwhile
         except NATS_OR_API_ERROR as e:
+            if message_gone(e):
+                continue  # erased meanwhile
             raise Unavailable("nats", f"erasing stream seq {seq}: {type(e).__name__} {e}") from e
         erased.append(ErasedMessage(seq=seq, event_id=event_id))
     return EraseReply(node=node, forget_seq=forget_seq, erased=erased)

@@ -21,7 +21,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
-from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR
+from bus.broker.nats_errors import JS_TIMEOUT_S, NATS_OR_API_ERROR, message_gone
 from bus.errors import InvalidEvent, Unavailable
 from bus.identity.signing import AgentKey, verify_document
 from bus.subjects import (
@@ -261,9 +261,9 @@ class FleetEmbedder:
             try:
                 async with asyncio.timeout(JS_TIMEOUT_S):
                     await self._js().delete_msg(VECTORS_STREAM, seq)  # erases: overwritten on disk
-            except nats.js.errors.NotFoundError:
-                continue  # gone meanwhile (another node's erase)
             except NATS_OR_API_ERROR as e:
+                if message_gone(e):
+                    continue  # gone meanwhile (another node's erase)
                 raise Unavailable(VECTORS_STREAM, f"cannot erase a shared vector: {type(e).__name__} {e}") from e
         return len(found)
 

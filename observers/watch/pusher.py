@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import nats.js.errors
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.broker.nats_errors import nats_call
+from bus.broker.nats_errors import message_gone, nats_call
 from bus.errors import EpibusError, Unavailable
 from bus.intake.stream_read import read_stream
 from bus.model.state import UNSAFE_RESOLUTIONS, UNSAFE_TRUST, ArtifactState
@@ -116,7 +115,7 @@ class WatchPusher:
                     async with nats_call(f"erasing notice {seq} of {project}/{artifact_id}"):
                         await js.delete_msg(WATCH_STREAM, seq)
                 except Unavailable as e:
-                    if isinstance(e.__cause__, nats.js.errors.NotFoundError):
+                    if e.__cause__ is not None and message_gone(e.__cause__):
                         continue  # erased meanwhile (another node forgot it too)
                     raise
                 erased += 1

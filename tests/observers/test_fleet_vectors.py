@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import nats
 import nats.js.errors
@@ -210,6 +211,31 @@ async def test_erase_removes_the_shared_vectors_and_reads_them_back(js: JetStrea
     assert await node.count_shared(TEXTS) == len(TEXTS) - 2
     assert [await stored(js, model.model_id, t) is None for t in TEXTS] == [True, True, False, False, False]
     assert await node.erase(TEXTS[:2]) == 0  # idempotent
+
+
+class ErasedFirstByAnother:
+    """A JetStream context on which another node erases each message just before this one does."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.js, name)
+
+    async def delete_msg(self, stream_name: str, seq: int) -> bool:
+        await self.js.delete_msg(stream_name, seq)
+        return await self.js.delete_msg(stream_name, seq)
+
+
+async def test_an_erase_another_node_finished_first_is_not_a_failure(js: JetStreamContext, model: FastEmbedder) -> None:
+    node = await a_node(js, model, "node-a")
+    await node.embed(TEXTS)
+    other = ErasedFirstByAnother(js)
+    racing = FleetEmbedder(
+        model, lambda: cast(JetStreamContext, other), AgentKey.generate("node"), AgentRegistry(js).is_node_key
+    )
+    assert await racing.erase(TEXTS[:2]) == 2  # both found, both already gone when this node got there
+    assert await node.count_shared(TEXTS) == len(TEXTS) - 2
 
 
 async def test_a_stream_that_does_not_answer_costs_the_models_time_not_a_vector(
