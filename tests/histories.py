@@ -34,6 +34,7 @@ from bus.model.event import Envelope, draft_event
 from bus.model.state import REFUSED, ArtifactState, decide
 from bus.model.vocab import ResolutionKind, Role
 from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
+from tests.support import identity_for
 
 AGENTS = ("alice", "bob", "carol")
 CLAIM_KINDS = ("finding", "unknown", "assumption", "decision", "mistake", "dead_end")
@@ -245,6 +246,7 @@ class _Builder:
             enrolled_by="histories",
             enrolled_at=at,
             revoked_at=at if revoked else None,
+            identity=identity_for(list(ROLE_SETS[roles_i])),
         )
         event = enrolment_event(self.keys.node, enrolment, session_id="s")
         self.send(event, subject=event_subject(POLICY_PROJECT, ENROLMENT_KIND, key.agent_id))

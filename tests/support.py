@@ -25,7 +25,7 @@ from bus.client import enrol
 from bus.identity.signing import AgentKey, node_event_key, node_key
 from bus.model.auth import Enrolment
 from bus.model.requests import EnrolRequest, build_request
-from bus.model.vocab import Role
+from bus.model.vocab import Identity, Role
 from bus.services.enrolments import record_enrolment
 from observers.journal_engine import make_engine
 
@@ -43,17 +43,24 @@ def cli_env(home: Path, *, columns: int | None = None) -> dict[str, str]:
 
 
 def run_epibus(
-    home: Path, *args: str, check: bool = True, timeout_s: float = 60, columns: int | None = None
+    home: Path,
+    *args: str,
+    check: bool = True,
+    timeout_s: float = 60,
+    columns: int | None = None,
+    stdin_text: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`epibus ARGS` as a user runs it, in its own process, with no stdin. `check`: fail the test on a non-zero
-    exit, naming the command and what it printed. `columns`: a terminal width (wide, so no table cell folds)."""
+    """`epibus ARGS` as a user runs it, in its own process, with no stdin (or `stdin_text` piped in). `check`:
+    fail the test on a non-zero exit, naming the command and what it printed. `columns`: a terminal width (wide,
+    so no table cell folds)."""
+    stdin = {"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}
     result = subprocess.run(
         [sys.executable, "-m", "epibus", *args],
         env=cli_env(home, columns=columns),
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
+        **stdin,
     )
     if check:
         assert result.returncode == 0, (
@@ -176,6 +183,11 @@ def operator_credentials(home: Path) -> dict[str, Any]:
     return node_key(home).nats_credentials
 
 
+def identity_for(roles: list[Role]) -> Identity:
+    """A test's identity for these roles: a reviewer is a person (only persons may be), anyone else an agent."""
+    return Identity.person if Role.reviewer in roles else Identity.agent
+
+
 async def enrol_agent(url: str, home: Path, agent: AgentKey, *, roles: list[Role], projects: list[str]) -> None:
     """Enrol `agent` with these roles and projects, signed by the operator of the node under `home` (the node's
     key): what `epibus agent add` does. Returns once the agent's key connects (a client refused at its first
@@ -184,7 +196,12 @@ async def enrol_agent(url: str, home: Path, agent: AgentKey, *, roles: list[Role
     nc = await nats.connect(url, **admin.nats_credentials)
     try:
         request = build_request(
-            EnrolRequest, agent_id=agent.agent_id, public_key=agent.public_key, projects=projects, roles=roles
+            EnrolRequest,
+            agent_id=agent.agent_id,
+            public_key=agent.public_key,
+            projects=projects,
+            roles=roles,
+            identity=identity_for(roles),
         )
         await enrol.enrol(nc, admin, request)
     finally:

@@ -435,7 +435,8 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
     `outbox=True` (default) keeps events durable in `<home>/outbox.db` before sending; `outbox=False` sends
     directly and raises Unavailable when NATS does not answer. With no URL given and no node running, raises
     ConfigError, unless `offline_without_node`: then the client only outboxes (`EpibusClient.offline`) and the
-    node's forwarder sends the events when it starts."""
+    node's forwarder sends the events when it starts. `key`: sign as this identity (a person's key, unlocked for
+    the command) rather than the agent's key in the home."""
 
     def __init__(
         self,
@@ -445,10 +446,11 @@ class connect:  # noqa: N801 - used like a function: `await connect()` or `async
         home: Path | str | None = None,
         outbox: bool | Path = True,
         offline_without_node: bool = False,
+        key: AgentKey | None = None,
         **options: Any,
     ) -> None:
         self.placement = Placement.find(
-            nats_url, agent=agent, home=home, outbox=outbox, offline_without_node=offline_without_node
+            nats_url, agent=agent, home=home, outbox=outbox, offline_without_node=offline_without_node, key=key
         )
         self.options = options
         self._client: EpibusClient | None = None

@@ -31,6 +31,7 @@ class Placement:
     outbox: Path | None
     follow: NodeFollower | None
     offline: bool
+    given_key: bool = False  # a key handed in (a person's) is enrolled by an admin, never on first connect
 
     @classmethod
     def find(
@@ -41,20 +42,24 @@ class Placement:
         home: Path | str | None,
         outbox: bool | Path,
         offline_without_node: bool,
+        key: AgentKey | None = None,
     ) -> Placement:
-        """Raises ConfigError with no URL given and no node running, unless `offline_without_node`."""
+        """Raises ConfigError with no URL given and no node running, unless `offline_without_node`. `key`: sign
+        with this key (a person's, unlocked) instead of the agent's key in the home."""
         where = epibus_home(home)
         explicit = explicit_nats_url(nats_url)
         box = outbox_path(where) if outbox is True else (outbox or None)
         offline = offline_without_node and explicit is None and box is not None and read_node_info(where) is None
         servers = [] if offline else split_servers(resolve_nats_url(explicit, where))
         follow = NodeFollower(where, servers) if explicit is None and not offline else None
-        key = AgentKey.load_or_create(where, agent or default_agent())
-        return cls(where, servers, key, box, follow, offline)
+        signer = key or AgentKey.load_or_create(where, agent or default_agent())
+        return cls(where, servers, signer, box, follow, offline, given_key=key is not None)
 
     def local_enrolment(self) -> Callable[[], Awaitable[object]] | None:
         """Agents under a node's home are enrolled with the node's key on first connect, unless the node runs
         with auto-enrolment off (`epibus up --no-auto-enrol`) or EPIBUS_AUTO_ENROL=0."""
+        if self.given_key:
+            return None
         info = read_node_info(self.home)
         if (info is not None and not info.auto_enrol) or os.environ.get("EPIBUS_AUTO_ENROL", "1") == "0":
             return None

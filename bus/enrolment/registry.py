@@ -225,6 +225,13 @@ class AgentRegistry:
         if entry is None or replace_key:
             return
         current = decode_enrolment(entry.value or b"", key=enrolment.agent_id, revision=entry.revision)
+        if current.identity is not None and current.identity != enrolment.identity and current.active:
+            # A person's identity never becomes an agent's (its reviews would pass to a key kept in clear).
+            raise Conflict(
+                f"agent {enrolment.agent_id}",
+                f"it is enrolled as a {current.identity} and this enrolment makes it an {enrolment.identity}",
+                fix="revoke it first, or choose another name",
+            )
         if current.public_key != enrolment.public_key and current.active:
             raise Conflict(
                 f"agent {enrolment.agent_id}",

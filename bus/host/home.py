@@ -79,6 +79,21 @@ def default_journal_url(home: Path) -> str:
     return f"sqlite:///{home / 'journal.db'}"
 
 
+def person_key_path(home: Path, name: str) -> Path:
+    """Where a person's passphrase-encrypted key lives: apart from agents' keys (`keys/`), which are in clear and
+    which any process started for an agent may load."""
+    return home / "persons" / f"{name}.key"
+
+
+def person_refusal(name: str) -> str:
+    """Why a process started for an agent (a command's --agent, an MCP server, the statusline) will not run as
+    this identity."""
+    return (
+        f"{name} is a person's identity: it signs only at the CLI, with `--person {name}` and the passphrase; no "
+        "agent, MCP server or statusline runs as a person"
+    )
+
+
 def outbox_path(home: Path) -> Path:
     return home / "outbox.db"
 

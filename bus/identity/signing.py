@@ -27,7 +27,7 @@ import nacl.signing
 import nkeys
 
 from bus.errors import ConfigError, Forbidden, InvalidEvent
-from bus.host.home import private_dir
+from bus.host.home import person_key_path, person_refusal, private_dir
 from bus.model.auth import inbox_prefix, node_identity
 from bus.model.event import LEGACY_SCHEMA_VERSION, SCHEMA_VERSION, Actor, Envelope, encode_event, signing_payload
 from bus.model.fields import AGENT_PATTERN
@@ -82,6 +82,11 @@ class AgentKey:
         self._pair = nkeys.from_seed(seed)
         self.public_key: str = self._pair.public_key.decode()
 
+    @property
+    def seed(self) -> bytes:
+        """The nkey seed (secret): only a key file's writer reads it."""
+        return bytes(self._pair.seed)
+
     @functools.cached_property
     def actor(self) -> Actor:
         return Actor(agent_id=self.agent_id, public_key=self.public_key)
@@ -96,6 +101,8 @@ class AgentKey:
         read it), else from `home/keys`, created (0600) on first use."""
         if not AGENT_PATTERN.fullmatch(agent_id):
             raise ConfigError("agent", f"{agent_id!r} must match {AGENT_PATTERN.pattern}")
+        if person_key_path(home, agent_id).exists():
+            raise ConfigError("agent", person_refusal(agent_id))
         if creds := os.environ.get(CREDS_ENV):
             return cls(agent_id, creds_seed(Path(creds)))
         return cls.load_or_create_at(home / "keys" / f"{agent_id}.nk", agent_id)

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from bus.model.fields import AGENT_PATTERN
-from bus.model.vocab import Role
+from bus.model.vocab import Identity, Role
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_SUBJECTS,
@@ -83,10 +83,23 @@ class Enrolment(BaseModel):
     enrolled_by: Owner
     enrolled_at: datetime
     revoked_at: datetime | None = None
+    # None: enrolled before identities had a kind, an agent (a reviewer role it holds no longer makes its
+    # verifications a person's review).
+    identity: Identity | None = None
+
+    @model_validator(mode="after")
+    def _reviewers_are_people(self) -> Enrolment:
+        if self.identity is Identity.agent and Role.reviewer in self.roles:
+            raise ValueError(reviewer_refusal(self.agent_id))
+        return self
 
     @property
     def active(self) -> bool:
         return self.revoked_at is None
+
+    @property
+    def is_person(self) -> bool:
+        return self.identity is Identity.person
 
     def member_of(self, project: str) -> bool:
         if project == POLICY_PROJECT:
@@ -107,7 +120,16 @@ class Enrolment(BaseModel):
             and set(self.roles) == set(other.roles)
             and set(self.projects) == set(other.projects)
             and self.active == other.active
+            and self.identity == other.identity
         )
+
+
+def reviewer_refusal(agent_id: str) -> str:
+    """Why an agent identity may not hold the reviewer role (its verifications would pass for a person's)."""
+    return (
+        f"{agent_id} is an agent identity and only a person may hold the reviewer role (a reviewer's verification "
+        f"is recorded as a person's review); enrol the person with `epibus person add`"
+    )
 
 
 FIRST_USE = "first-use"

@@ -191,8 +191,9 @@ def authorize(event: Envelope, seq: int, lookup: Lookup, authority: Authority) -
 
 
 def human_review(event: Envelope, seq: int, authority: Authority) -> bool:
-    """A verification by an identity with the reviewer role is a person's review."""
-    return authority.standing(event.actor, seq).has_role(Role.reviewer)
+    """A verification is a person's review when its signer was enrolled as a person at that point of the stream
+    (a person's key is kept encrypted and signs only at the CLI; no agent identity may hold reviewer)."""
+    return authority.standing(event.actor, seq).is_person
 
 
 def _rule(name: str, why: str) -> str:

@@ -25,7 +25,7 @@ from pydantic_core import ErrorDetails, from_json
 from bus.errors import ConfigError, validation_message
 from bus.model.auth import ANY_PROJECT, AgentId, Owner, ProjectScope, PublicKey
 from bus.model.fields import AGENT_PATTERN
-from bus.model.vocab import Role
+from bus.model.vocab import Identity, Role
 from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
 
 MAX_K = 1000  # hits per recall: more would not fit in one reply
@@ -136,6 +136,7 @@ class EnrolRequest(Message):
         description=f"a list of project slugs, or [{ANY_PROJECT!r}] for every project"
     )
     replace_key: bool = Field(False, description="true to rotate the key of an agent enrolled with another")
+    identity: Identity = Field(Identity.agent, description="agent or person (only a person holds reviewer)")
     if_absent: bool = Field(
         False, description="true to leave an agent already enrolled (or revoked) as it is: a local first connect"
     )
@@ -518,6 +519,7 @@ class SharedEnrolment(Message):
     enrolled_by: Owner
     enrolled_at: UtcTime
     revoked_at: UtcTime | None = None
+    identity: Identity | None = None
 
 
 class EnrolmentViewRecord(Message):

@@ -88,6 +88,13 @@ class Role(StrEnum):
     admin = "admin"
 
 
+class Identity(StrEnum):
+    """Who stands behind an enrolled key: a program, or a person who typed a passphrase to sign."""
+
+    agent = "agent"
+    person = "person"
+
+
 HELP: dict[type[StrEnum], dict[str, str]] = {
     EpistemicSource: {
         "intuition": "no retrieval since the goal opened",
@@ -140,9 +147,13 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
     },
     Role: {
         "agent": "publishes and reads in its projects; verifies other authors' claims there",
-        "reviewer": "a person's review: may audit and verify in its projects",
+        "reviewer": "a person's review: may audit and verify in its projects (persons only)",
         "coordinator": "may be seated as a coordinator of its projects' mesh",
         "admin": "enrols and revokes agents, seats first coordinators, forgets, repairs and reindexes",
+    },
+    Identity: {
+        "agent": "a program's key, kept in clear under its home; never holds reviewer",
+        "person": "a person's key, encrypted with their passphrase (`epibus person add`); signs only at the CLI",
     },
 }
 

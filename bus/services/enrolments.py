@@ -38,6 +38,7 @@ from bus.model.auth import (
     first_use_enrolment,
     is_node_identity,
     render_authorization,
+    reviewer_refusal,
 )
 from bus.model.authority import enrolment_event
 from bus.model.fields import AGENT_PATTERN
@@ -52,7 +53,7 @@ from bus.model.requests import (
     EnrolRequest,
     RevokeRequest,
 )
-from bus.model.vocab import Role
+from bus.model.vocab import Identity, Role
 from bus.outbox.outbox_file import OutboxRow
 from bus.outbox.publish import retrying_unavailable, send_one
 from bus.services.responder import Responder, Service, serve
@@ -237,6 +238,8 @@ class Enrolments:
         if request.agent_id.startswith(NODE_PREFIX):
             why = f"{request.agent_id!r}: ids starting {NODE_PREFIX!r} name nodes; choose another name"
             raise ConfigError("agent_id", why)
+        if Role.reviewer in request.roles and request.identity is not Identity.person:
+            raise ConfigError("roles", reviewer_refusal(request.agent_id))
         enrolment = Enrolment(
             agent_id=request.agent_id,
             public_key=request.public_key,
@@ -245,6 +248,7 @@ class Enrolments:
             projects=tuple(dict.fromkeys(request.projects)),
             enrolled_by=self.node_name,
             enrolled_at=datetime.now(UTC),
+            identity=request.identity,
         )
         if request.if_absent:  # a client enrolling itself never demotes, re-keys or un-revokes an agent
             # Its standing is a first use's (every project, its own owner): nothing to record on the stream.

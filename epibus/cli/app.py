@@ -34,6 +34,7 @@ from epibus.cli import (
     mirror_cmd,
     natsctx,
     ops,
+    persons,
     reads,
     recall,
     reindex,
@@ -62,6 +63,7 @@ register_publish_commands()
 app.add_typer(publish_app, name="publish")
 app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
+app.add_typer(persons.person_app, name="person")
 app.add_typer(streams.streams_app, name="streams")
 app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(mirror_cmd.mirror_app, name="mirror")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from bus.client.client import connect
+from bus.identity.signing import AgentKey
 from bus.model.kinds import Evidence
 from bus.model.state import TRUST_TRANSITIONS
 from bus.model.vocab import ResolutionKind, Trust, describe
@@ -54,7 +55,8 @@ def trust_help() -> str:
 async def _transition(
     kind: str, body: dict[str, Any], project: str, artifact_id: str, target: dict[str, Any]
 ) -> Receipt:
-    async with connect(target["nats"], agent=target["agent"], home=target["home"], outbox=False) as client:
+    where = {"agent": target["agent"], "home": target["home"], "key": target.get("key")}
+    async with connect(target["nats"], **where, outbox=False) as client:
         return await client.transition(kind, body, project=project, artifact_id=artifact_id)
 
 
@@ -106,13 +108,16 @@ def verify(
     agent: AgentOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
+    signer: AgentKey | None = None,
 ) -> None:
     """Vouch for another agent's artifact (trust → verified; a verified one gains another record).
-    The verifier is the signing agent (--agent), an agent or reviewer of another owner than the author's."""
+    The verifier is the signing agent (--agent), or `signer` (a person's key), of another owner than the
+    author's."""
     artifact_id = ids.artifact_id(artifact_id, field="ARTIFACT_ID", project=project, journal=journal, home=home)
     pointers = [_evidence(v) for v in evidence or []]
     body = {"note": note, "evidence": [p.model_dump(mode="json") for p in pointers]}
-    receipt = run(_transition("verified", body, project, artifact_id, {"nats": nats, "agent": agent, "home": home}))
+    target = {"nats": nats, "agent": agent, "home": home, "key": signer}
+    receipt = run(_transition("verified", body, project, artifact_id, target))
     _print_receipt("verified", receipt, artifact_id, as_json)
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from bus.client.fleet import ask_verify
+from bus.errors import ConfigError
 from epibus.cli import inputs, state
 from epibus.cli.common import (
     AgentOpt,
@@ -23,6 +24,7 @@ from epibus.cli.common import (
     run,
     table,
 )
+from epibus.cli.persons import PassphraseStdinOpt, PersonOpt, person_signer
 
 
 @handles_errors
@@ -34,12 +36,17 @@ def verify(
     nats: NatsOpt = None,
     journal: JournalOpt = None,
     agent: AgentOpt = None,
+    person: PersonOpt = None,
+    passphrase_stdin: PassphraseStdinOpt = False,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Vouch for another agent's artifact (trust -> verified; a verified one gains another record). The
-    verifier is the signing --agent, of another owner than the author's. To compare the stores, run
-    `epibus reconcile`."""
+    verifier is the signing --agent, or --person (a person's review: asks their passphrase), of another owner
+    than the author's. To compare the stores, run `epibus reconcile`."""
+    if passphrase_stdin and person is None:
+        raise ConfigError("--passphrase-stdin", "unlocks a person's key: add --person NAME")
+    signer = person_signer(home, person, from_stdin=passphrase_stdin) if person is not None else None
     state.verify(
         artifact_id,
         project,
@@ -50,6 +57,7 @@ def verify(
         agent=agent,
         home=home,
         as_json=as_json,
+        signer=signer,
     )
 
 

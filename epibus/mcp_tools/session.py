@@ -18,7 +18,7 @@ from bus.client.connection import requires_authentication
 from bus.enrolment.recent import RecentEnrolments
 from bus.enrolment.registry import AgentRegistry
 from bus.errors import Forbidden, Unavailable
-from bus.host.home import default_journal_url, epibus_home, read_node_info, resolve_journal_url
+from bus.host.home import default_journal_url, epibus_home, person_refusal, read_node_info, resolve_journal_url
 from bus.identity.signing import AgentKey
 from bus.model.auth import AUDIT_ROLES, Enrolment
 from mesh.agent import MeshAgent
@@ -95,6 +95,8 @@ class AgentSession:
         if client.nc is None or not requires_authentication(client.nc):
             return None
         client.enrolment = await self._recent.get(self.agent, lambda: AgentRegistry(client.js).get(self.agent))
+        if client.enrolment is not None and client.enrolment.is_person:
+            raise Forbidden(self.agent, "run an MCP server as", "a person", person_refusal(self.agent))
         if client.enrolment is None:
             raise Forbidden(
                 self.agent, "read", "anything", "it is not enrolled; an admin enrols it with `epibus agent add`"

@@ -11,10 +11,9 @@ from typing import Any
 
 import mcp_types as types
 
-from bus.errors import Forbidden
 from bus.model.kinds import require_kind
 from bus.model.state import TRUST_TRANSITIONS
-from bus.model.vocab import ReceiptLevel, Role, Trust, describe
+from bus.model.vocab import ReceiptLevel, Trust, describe
 from epibus.mcp_tools import inputs as i
 from epibus.mcp_tools.schema import ToolInput, tool_schema
 from epibus.mcp_tools.session import AgentSession
@@ -91,16 +90,7 @@ async def _transition(session: AgentSession, kind: str, args: i.ArtifactInput, b
 
 
 async def verify(session: AgentSession, args: i.VerifyInput) -> Result:
-    enrolment = await session.enrolment()
-    if enrolment is not None and enrolment.has_role(Role.reviewer):
-        # A reviewer's verification is recorded as a person's review; through MCP a model would make it.
-        raise Forbidden(
-            session.agent,
-            "verify through MCP",
-            f"claim {args.artifact_id}",
-            "it holds the reviewer role, so its verification would be recorded as a person's review; a person "
-            "reviews with `epibus verify` and their own key",
-        )
+    # An agent's verification: a person's review is made only with a person's key, which no MCP server holds.
     evidence = [e.model_dump(mode="json") for e in args.evidence]
     return await _transition(session, "verified", args, {"note": args.note, "evidence": evidence})
 
@@ -249,8 +239,8 @@ def knowledge_tools() -> list[ToolSpec]:
         ToolSpec(
             "verify",
             "Vouch for another agent's claim (trust -> verified; a verified claim gains another record). The "
-            "verifier is this agent, whose signature is checked; an author never verifies its own claim, and an "
-            "identity with the reviewer role (a person's review) verifies with the CLI, not here. "
+            "verifier is this agent, whose signature is checked; an author never verifies its own claim. A "
+            "person's review is made by the person at the CLI, never here. "
             f"Trust: {describe(Trust)}. Moves: {TRUST_MOVES}.",
             i.VerifyInput,
             verify,

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import ConfigError
-from bus.host.home import NodeInfo, default_agent, epibus_home, outbox_path, read_node_info
+from bus.host.home import (
+    NodeInfo,
+    default_agent,
+    epibus_home,
+    outbox_path,
+    person_key_path,
+    person_refusal,
+    read_node_info,
+)
 from bus.outbox.outbox_schema import Depth, read_depth
 
 STATUS_FILE = "status.json"
@@ -205,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the line (or the JSON object); 0 whenever it printed, so a prompt never breaks on it."""
+    """Print the line (or the JSON object); 0 whenever it printed, so a prompt never breaks on it. 1, with one
+    line on stderr, when asked to run as a person."""
     args = parser().parse_args(argv)
     agent = args.agent or default_agent()
     try:
@@ -214,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         facts = {"ok": True, "node": UNKNOWN, "outbox": None, "status_readable": True, "problems": [str(e)]}
         facts |= {"agent": agent, "project": args.project, "inbox": None, "ack": None, "unknowns": None}
     else:
+        if person_key_path(home, agent).exists():
+            print(f"epibus statusline: {person_refusal(agent)}", file=sys.stderr)
+            return 1
         facts = gather(home, agent, args.project)
     if args.as_json:
         print(json.dumps(facts | {"line": line(facts)}, sort_keys=True, default=str))

@@ -23,7 +23,7 @@ from tests.bus.test_state import P, claim, ev, standing, state
 
 @pytest.fixture(scope="module")
 def keys() -> dict[str, AgentKey]:
-    return {name: AgentKey.generate(name) for name in ("alice", "alice2", "bob", "root", "rita")}
+    return {name: AgentKey.generate(name) for name in ("alice", "alice2", "bob", "root", "rita", "olga")}
 
 
 def never(_hash: str) -> bool:
@@ -96,17 +96,29 @@ def test_another_identity_of_the_authors_owner_may_not_verify_and_another_owner_
         decide(ev(keys["alice"], "verified", {}, artifact_id="a1"), 10, {"a1": state("a1")}.get, never, authority)
 
 
-def test_agents_and_reviewers_verify_and_a_reviewers_verification_is_marked_a_human_review(
+def test_agents_and_reviewers_verify_and_only_a_persons_verification_is_marked_a_human_review(
     keys: dict[str, AgentKey],
 ) -> None:
-    authority = Authority.of([(1, standing("rita", Role.reviewer)), (1, standing("root", Role.admin))])
+    authority = Authority.of(
+        [
+            (1, standing("rita", Role.reviewer)),  # a person
+            (1, standing("root", Role.admin)),
+            (1, standing("bob", Role.agent)),
+            # Enrolled before identities had a kind: it keeps its reviewer role, its verifications pass for no
+            # person's.
+            (1, standing("olga", Role.agent, Role.reviewer).model_copy(update={"identity": None})),
+        ]
+    )
     lookup = {"a1": state("a1")}.get
-    by_reviewer = decide(ev(keys["rita"], "verified", {}, artifact_id="a1"), 10, lookup, never, authority)
-    by_agent = decide(ev(keys["bob"], "verified", {}, artifact_id="a1"), 10, lookup, never, authority)
-    assert by_reviewer.verification is not None
-    assert by_reviewer.verification.human_review
-    assert by_agent.verification is not None
-    assert not by_agent.verification.human_review
+    reviews = {
+        name: decide(ev(keys[name], "verified", {}, artifact_id="a1"), 10, lookup, never, authority).verification
+        for name in ("rita", "bob", "olga")
+    }
+    assert {name: v.human_review for name, v in reviews.items() if v is not None} == {
+        "rita": True,
+        "bob": False,
+        "olga": False,
+    }
     message = refusal(ev(keys["root"], "verified", {}, artifact_id="a1"), authority)
     assert "rule verifier-role: only an agent or a reviewer verifies; its roles are admin" in message
 

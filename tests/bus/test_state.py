@@ -20,14 +20,23 @@ from bus.model.fold import Fold
 from bus.model.rollback import plan_rollback
 from bus.model.state import FLAG_UNEARNED, ArtifactState, decide, relevance, time_weight
 from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED, content_hash
-from bus.model.vocab import Lifecycle, ResolutionKind, Role, Trust
+from bus.model.vocab import Identity, Lifecycle, ResolutionKind, Role, Trust
 
 P = "proj"
 RECORD_KEY = AgentKey.generate("record").public_key  # records apply by agent id; the key is not consulted
 
 
-def standing(agent: str, *roles: Role, owner: str | None = None, projects: tuple[str, ...] = ("*",)) -> Enrolment:
-    """An enrolment record for the rules (`bus.model.authority`): roles default to agent, owner to the agent itself."""
+def standing(
+    agent: str,
+    *roles: Role,
+    owner: str | None = None,
+    projects: tuple[str, ...] = ("*",),
+    identity: Identity | None = None,
+) -> Enrolment:
+    """An enrolment record for the rules (`bus.model.authority`): roles default to agent, owner to the agent itself,
+    the identity to a person's where it holds reviewer (only persons may)."""
+    if identity is None:
+        identity = Identity.person if Role.reviewer in roles else Identity.agent
     return Enrolment(
         agent_id=agent,
         public_key=RECORD_KEY,
@@ -36,6 +45,7 @@ def standing(agent: str, *roles: Role, owner: str | None = None, projects: tuple
         projects=projects,
         enrolled_by="tests",
         enrolled_at=datetime(2024, 1, 1, tzinfo=UTC),
+        identity=identity,
     )
 
 

@@ -365,38 +365,36 @@ async def test_a_server_started_before_its_node_says_so_then_serves_once_the_nod
             await asyncio.to_thread(stop_node_process, process)
 
 
-async def test_a_reviewer_reads_the_audit_door_through_mcp_but_reviews_as_a_person_with_the_cli(
+async def test_a_person_reviews_at_the_cli_and_an_admin_reads_it_through_mcp_as_a_persons_review(
     node: Path, project: str
 ) -> None:
-    rita = AgentKey.load_or_create(node, "rita")
-    epibus(node, "agent", "add", "rita", "--key", rita.public_key, "-p", project, "--role", "reviewer")
+    passphrase = "the reviewer's own words\n"
+    run_epibus(node, "person", "add", "rita", "-p", project, "--passphrase-stdin", stdin_text=passphrase)
+    root = AgentKey.load_or_create(node, "root")
+    epibus(node, "agent", "add", "root", "--key", root.public_key, "-p", project, "--role", "admin")
     async with agent(node, "alice") as alice:
         artifact = (await call(alice, "publish_finding", **finding(project, "the queue drops under load")))[
             "artifact_id"
         ]
-    before = event_ids(node, project)
-    async with agent(node, "rita") as reviewer:
-        me = await call(reviewer, "whoami")
-        assert me["enrolment"]["roles"] == ["reviewer"]
-        assert me["enrolment"]["projects"] == [project]
-        # through MCP a model would be making a person's review: refused, nothing written
-        message = await refused(reviewer, "verify", project=project, artifact_id=artifact, note="looks right")
-        assert message.startswith("Forbidden: agent 'rita' may not verify through MCP"), message
-        assert event_ids(node, project) == before
-        # the person reviews with the CLI and the same key; the audit door shows it as a human review
-        await asyncio.to_thread(
-            epibus, node, "verify", artifact, "-p", project, "--agent", "rita", "--note", "read the load test myself"
-        )
-        audited = await eventually(lambda: _verified_in_audit(reviewer, project, artifact), timeout_s=20)
-        message = await refused(reviewer, "artifacts", project=f"{project}-other")
-        assert message.startswith(f"Forbidden: agent 'rita' may not read project {project}-other"), message
-        # an admin moves rita to another project: the running server stops reading this one
+        await call(alice, "whoami")
+    # The person reviews with the CLI and their passphrase; no MCP server runs as them.
+    await asyncio.to_thread(
+        run_epibus, node, "verify", artifact, "-p", project, "--person", "rita", "--passphrase-stdin",
+        "--note", "read the load test myself", stdin_text=passphrase,
+    )  # fmt: skip
+    async with agent(node, "root") as admin:
+        me = await call(admin, "whoami")
+        assert me["enrolment"]["roles"] == ["admin"]
+        audited = await eventually(lambda: _verified_in_audit(admin, project, artifact), timeout_s=20)
+        message = await refused(admin, "artifacts", project=f"{project}-other")
+        assert message.startswith(f"Forbidden: agent 'root' may not read project {project}-other"), message
+        # an admin moves root to another project: the running server stops reading this one
         moved = f"{project}-x"
         await asyncio.to_thread(
-            epibus, node, "agent", "add", "rita", "--key", rita.public_key, "-p", moved, "--role", "reviewer"
+            epibus, node, "agent", "add", "root", "--key", root.public_key, "-p", moved, "--role", "admin"
         )
-        message = await eventually(lambda: _refused_or_none(reviewer, "artifacts", project=project), timeout_s=20)
-        assert message.startswith(f"Forbidden: agent 'rita' may not read project {project}"), message
+        message = await eventually(lambda: _refused_or_none(admin, "artifacts", project=project), timeout_s=20)
+        assert message.startswith(f"Forbidden: agent 'root' may not read project {project}"), message
     assert [(v["verifier"], v["human_review"]) for v in audited["verifications"]] == [("rita", True)]
 
 

@@ -25,7 +25,7 @@ from epibus.cli.mesh_roster import seat_as_operator
 from epibus.node.node import Node, NodeConfig
 from mesh.agent import MeshAgent
 from mesh.watch import TaskWatcher
-from tests.support import eventually, journal_rows_of_kind, operator_credentials
+from tests.support import eventually, identity_for, journal_rows_of_kind, operator_credentials
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 ROLES = {
@@ -106,7 +106,12 @@ class Fleet:
 async def _enrol(nc: NatsClient, admin: AgentKey, key: AgentKey, project: str) -> None:
     projects = [project, f"{project}-b"]
     request = build_request(
-        EnrolRequest, agent_id=key.agent_id, public_key=key.public_key, projects=projects, roles=ROLES[key.agent_id]
+        EnrolRequest,
+        agent_id=key.agent_id,
+        public_key=key.public_key,
+        projects=projects,
+        roles=ROLES[key.agent_id],
+        identity=identity_for(list(ROLES[key.agent_id])),
     )
     await enrol.enrol(nc, admin, request)
 

@@ -35,7 +35,7 @@ from observers.mirror.store import Filter
 from observers.reads import snapshot
 from observers.verify import verify
 from tests.conftest import finding
-from tests.support import eventually, operator_credentials
+from tests.support import eventually, identity_for, operator_credentials
 
 CLAIM = "the nightly backup skips the audit volume"
 
@@ -70,6 +70,7 @@ async def _enrol(node: Node, home: Path, key: AgentKey, owner: str, roles: list[
             owner=owner,
             roles=roles,
             projects=projects,
+            identity=identity_for(roles),
         )
         await enrol.enrol(nc, admin, request)
     finally:

@@ -1,0 +1,94 @@
+"""A person's review through the CLI, as people and agents do it on one node: an admin makes a person (a key
+encrypted with the passphrase they type), the person verifies with it, and the reads tell that review from an
+agent's. A wrong passphrase writes nothing; the reviewer role is a person's only; no agent process runs as a
+person."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus.identity.signing import AgentKey
+from tests.support import last_json, run_epibus, start_node_process, stop_node_process
+
+pytestmark = pytest.mark.slow
+P = "reviews"
+PASSPHRASE = "correct horse battery staple"
+
+
+def epibus(home: Path, *args: str, stdin_text: str | None = None, check: bool = True) -> Any:
+    return run_epibus(home, *args, stdin_text=stdin_text, check=check)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("reviews") / "home"
+    process, _status = start_node_process(home)
+    try:
+        yield home
+    finally:
+        stop_node_process(process)
+
+
+def test_a_person_reviews_with_their_passphrase_and_the_reads_tell_it_from_an_agents(node: Path) -> None:
+    made = last_json(epibus(node, "person", "add", "dana", "-p", P, "--passphrase-stdin", "--json",
+                            stdin_text=PASSPHRASE + "\n"))  # fmt: skip
+    assert (made["identity"], made["roles"], made["projects"]) == ("person", ["reviewer"], [P])
+    assert PASSPHRASE not in Path(made["key_file"]).read_text()
+    claim = last_json(epibus(node, "publish", "finding", "-p", P, "--agent", "alice", "--text", "the cache is cold",
+                             "--impact", "0.9", "--confidence", "0.7", "--subject", "s", "--wait", "journaled",
+                             "--json"))["artifact_id"]  # fmt: skip
+    epibus(node, "verify", claim, "-p", P, "--agent", "bob", "--note", "ran it", "--json")
+
+    wrong = epibus(node, "verify", claim, "-p", P, "--person", "dana", "--passphrase-stdin",
+                   stdin_text="not the passphrase\n", check=False)  # fmt: skip
+    assert "passphrase: does not unlock dana's key" in one_line_error(wrong)
+    no_terminal = epibus(node, "verify", claim, "-p", P, "--person", "dana", check=False)
+    assert "no terminal to ask dana's passphrase on" in one_line_error(no_terminal)
+    log = last_json(epibus(node, "audit", "-p", P, "--journal", "node", "--json"))[0]["verifications"]
+    assert [(v["verifier"], v["human_review"]) for v in log] == [("bob", False)]  # nothing was written
+
+    epibus(node, "verify", claim, "-p", P, "--person", "dana", "--passphrase-stdin", "--note", "read the trace",
+           stdin_text=PASSPHRASE + "\n")  # fmt: skip
+
+    def reviewed() -> list[tuple[str, bool]]:
+        rows = last_json(epibus(node, "audit", "-p", P, "--journal", "node", "--json"))[0]["verifications"]
+        return [(v["verifier"], v["human_review"]) for v in rows]
+
+    assert reviewed() == [("bob", False), ("dana", True)]
+
+
+def test_the_reviewer_role_is_a_persons_only(node: Path) -> None:
+    rita = AgentKey.generate("rita")
+    refused = epibus(node, "agent", "add", "rita", "--key", rita.public_key, "-p", P, "--role", "reviewer",
+                     check=False)  # fmt: skip
+    assert "rita is an agent identity and only a person may hold the reviewer role" in one_line_error(refused)
+    listed = {a["agent_id"] for a in last_json(epibus(node, "agent", "list", "--json"))}
+    assert "rita" not in listed
+    as_agent = epibus(node, "person", "add", "erin", "-p", P, "--role", "agent", "--passphrase-stdin",
+                      stdin_text=PASSPHRASE + "\n", check=False)  # fmt: skip
+    assert "--role" in one_line_error(as_agent)
+
+
+def test_no_agent_process_runs_as_a_person(node: Path) -> None:
+    epibus(node, "person", "add", "flo", "-p", P, "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
+    published = epibus(node, "publish", "finding", "-p", P, "--agent", "flo", "--text", "x", "--impact", "0.1",
+                       "--confidence", "0.1", "--subject", "s", check=False)  # fmt: skip
+    assert "flo is a person's identity: it signs only at the CLI" in one_line_error(published)
+    mcp = epibus(node, "mcp", "--agent", "flo", check=False)
+    assert mcp.returncode != 0
+    assert "flo is a person's identity" in mcp.stderr
+    statusline = epibus(node, "statusline", "--agent", "flo", check=False)
+    assert statusline.returncode == 1
+    assert "flo is a person's identity" in statusline.stderr
+    assert not (node / "keys" / "flo.nk").exists()
