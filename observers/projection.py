@@ -22,7 +22,7 @@ from bus.model.auth import Enrolment
 from bus.model.authority import NO_RECORDS, Authority
 from bus.model.erasure import ErasedMap, ErasedRecord, erased_record, with_erased
 from bus.model.event import Envelope, validate_event
-from bus.model.state import REFUSED, ArtifactState, Change, decide, event_references
+from bus.model.state import REFUSED, ArtifactState, Change, decide, event_references, vouched_of
 from bus.model.tombstones import content_hash
 from observers.schema import (
     artifacts,
@@ -41,21 +41,45 @@ REBUILD_CHUNK = 2_000
 
 
 def state_to_row(s: ArtifactState) -> dict[str, Any]:
-    """An `artifacts` row: the state's record, with times as datetimes and flags as one comma-joined string."""
+    """An `artifacts` row: the state's record, with times as datetimes, flags as one comma-joined string and who
+    vouched as JSON lists (NULL when empty)."""
     record = s.to_record()
-    return record | {"created_at": s.created_at, "updated_at": s.updated_at, "flags": ",".join(record["flags"]) or None}
+    return record | {
+        "created_at": s.created_at,
+        "updated_at": s.updated_at,
+        "flags": ",".join(record["flags"]) or None,
+        "verified_by": json.dumps(record["verified_by"]) if s.verified_by else None,
+        "reviewed_by": json.dumps(record["reviewed_by"]) if s.reviewed_by else None,
+        "reviewed_at": s.reviewed_at,
+    }
 
 
 def row_to_state(m: Any) -> ArtifactState:
     """The state an `artifacts` row holds (its datetimes read back in UTC)."""
-    updated_at = m["updated_at"]
+    updated_at, reviewed_at = m["updated_at"], m["reviewed_at"]
     return ArtifactState.from_record(
         dict(m)
         | {
             "created_at": as_utc(m["created_at"]).isoformat(),
             "updated_at": as_utc(updated_at).isoformat() if updated_at is not None else None,
             "flags": m["flags"].split(",") if m["flags"] else [],
+            "verified_by": json.loads(m["verified_by"]) if m["verified_by"] else [],
+            "reviewed_by": json.loads(m["reviewed_by"]) if m["reviewed_by"] else [],
+            "reviewed_at": as_utc(reviewed_at).isoformat() if reviewed_at is not None else None,
         }
+    )
+
+
+VOUCHED_COLUMNS = (artifacts.c.verified_by, artifacts.c.reviewed_by, artifacts.c.reviewed_at)
+
+
+def row_vouched(m: Any) -> dict[str, Any]:
+    """Who vouched, from an `artifacts` row's (or a join's) three columns; an event of no artifact: no one."""
+    reviewed_at = m["reviewed_at"]
+    return vouched_of(
+        json.loads(m["verified_by"]) if m["verified_by"] else [],
+        json.loads(m["reviewed_by"]) if m["reviewed_by"] else [],
+        as_utc(reviewed_at) if reviewed_at is not None else None,
     )
 
 

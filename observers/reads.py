@@ -59,6 +59,7 @@ class ArtifactView:
     def as_dict(self) -> dict[str, Any]:
         record = self.state.to_record()
         return {name: record[name] for name in VIEW_FIELDS} | {
+            "vouched": self.state.vouched(),
             "relevance": round(self.relevance, 6),
             "verifications": [
                 {

@@ -33,6 +33,7 @@ class RecallHit:
     score: float
     state: Mapping[str, Any]
     provenance: Mapping[str, Any]
+    vouched: Mapping[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +46,7 @@ class RecallHit:
             "score": round(self.score, 6),
             "state": dict(self.state),
             "provenance": dict(self.provenance),
+            "vouched": dict(self.vouched),
         }
 
 
@@ -103,6 +105,7 @@ def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
             "recorded_at": record["created_at"],
             "commit": next((e["ref"] for e in payload.get("evidence", []) if e.get("kind") == "commit"), None),
         },
+        vouched=state.vouched(),
     )
 
 

@@ -121,6 +121,10 @@ artifacts = Table(
     Column("flags", String(200), nullable=True),
     Column("last_seq", BigInteger, nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=True),
+    # v5: who vouched (JSON lists of identity names) and when a person last reviewed
+    Column("verified_by", Text, nullable=True),
+    Column("reviewed_by", Text, nullable=True),
+    Column("reviewed_at", DateTime(timezone=True), nullable=True),
     Index("ix_artifacts_state", "project", "trust", "lifecycle"),
     Index("ix_artifacts_kind", "project", "kind"),
     Index("ix_artifacts_revises", "project", "revises"),
@@ -212,6 +216,15 @@ def _v4_authority(conn: Connection) -> None:
     # journal would.
 
 
+def _v5_vouched(conn: Connection) -> None:
+    present = {c["name"] for c in inspect(conn).get_columns("artifacts")}
+    timestamp = "TIMESTAMP WITH TIME ZONE" if conn.dialect.name == "postgresql" else "DATETIME"
+    for name, sql_type in (("verified_by", "TEXT"), ("reviewed_by", "TEXT"), ("reviewed_at", timestamp)):
+        if name not in present:
+            conn.execute(text(f"ALTER TABLE artifacts ADD COLUMN {name} {sql_type}"))
+    # The projection is decided again to fill them from the verifications the stream holds.
+
+
 # Recomputes the state projection from the events table, inside the migration's transaction.
 Rebuild = Callable[[Connection], object]
 
@@ -222,6 +235,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None], bool]] = [
     (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection, True),
     (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests, False),
     (4, "authority: enrolment_log, verifications.human_review; projection decided again", _v4_authority, True),
+    (5, "artifacts: who vouched (agents, people, the last review); projection decided again", _v5_vouched, True),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -21,7 +21,7 @@ from bus.intake.stream_read import read_stream
 from bus.model.erasure import erased_digests
 from bus.model.ids import point_id
 from bus.model.requests import StoreCheckReply, VerifyReply, VerifyRequest
-from bus.model.state import ArtifactState
+from bus.model.state import ABSENT_RECORD_VALUES, ArtifactState
 from bus.services.responder import Service
 from bus.subjects import STREAM, VERIFY, events_filter
 from observers.journal import Journal
@@ -189,7 +189,8 @@ async def _mirror_side(
             report.mismatched.append(state.created_event_id)
             continue
         want = state_payload(state)
-        if any(found.payload.get(k) != want[k] for k in STATE_FIELDS if k not in ("last_seq", "updated_at")):
+        have = {k: found.payload.get(k, ABSENT_RECORD_VALUES.get(k)) for k in STATE_FIELDS}
+        if any(have[k] != want[k] for k in STATE_FIELDS if k not in ("last_seq", "updated_at")):
             report.stale.append(state.created_event_id)
     return report
 

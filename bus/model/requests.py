@@ -204,6 +204,15 @@ class ErrorReply(Message):
     error: Annotated[str, StringConstraints(max_length=MAX_ERROR_CHARS)]
 
 
+class Vouched(Message):
+    """Who vouched for a claim: agents and people who verified it, the last person and when."""
+
+    agents: Count = 0
+    people: Count = 0
+    last_person: AgentId | None = None
+    last_person_at: Annotated[str, StringConstraints(max_length=40)] | None = None
+
+
 class RecallHitReply(Message):
     artifact_id: str
     event_id: str
@@ -214,6 +223,7 @@ class RecallHitReply(Message):
     score: Score
     state: dict[str, Any]
     provenance: dict[str, Any]
+    vouched: Vouched = Vouched()  # a node of an earlier release sends none
 
 
 class RecallReply(Message):

@@ -9,7 +9,7 @@ of rules."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
@@ -68,7 +68,7 @@ class Verification:
     recorded_at: datetime
     stream_seq: int
     note: str | None
-    human_review: bool = False  # the verifier held the reviewer role
+    human_review: bool = False  # the verifier was enrolled as a person
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class ArtifactState:
     flags: frozenset[str] = frozenset()
     last_seq: int = 0
     updated_at: datetime | None = None
+    # Who vouched: agents that verified it (distinct, in order), persons who reviewed it (distinct, the last
+    # reviewer last) and when the last person did.
+    verified_by: tuple[str, ...] = ()
+    reviewed_by: tuple[str, ...] = ()
+    reviewed_at: datetime | None = None
     # Rebuilt from a `forgotten` event's history (the content was erased): rules may read it, stores never
     # write it.
     erased: bool = False
@@ -133,6 +138,9 @@ class ArtifactState:
             "flags": sorted(self.flags),
             "last_seq": self.last_seq,
             "updated_at": self.updated_at.isoformat() if self.updated_at else None,
+            "verified_by": list(self.verified_by),
+            "reviewed_by": list(self.reviewed_by),
+            "reviewed_at": self.reviewed_at.isoformat() if self.reviewed_at else None,
         }
 
     @classmethod
@@ -141,6 +149,7 @@ class ArtifactState:
         fields may be missing (a payload written before they existed)."""
         resolution = record.get("resolution")
         updated_at = record.get("updated_at")
+        reviewed_at = record.get("reviewed_at")
         return cls(
             project=record["project"],
             artifact_id=record["artifact_id"],
@@ -165,7 +174,26 @@ class ArtifactState:
             flags=frozenset(record.get("flags") or ()),
             last_seq=int(record.get("last_seq") or 0),
             updated_at=datetime.fromisoformat(updated_at) if updated_at else None,
+            verified_by=tuple(record.get("verified_by") or ()),
+            reviewed_by=tuple(record.get("reviewed_by") or ()),
+            reviewed_at=datetime.fromisoformat(reviewed_at) if reviewed_at else None,
         )
+
+    def with_verification(self, verifier: str, *, by_person: bool, at: datetime, seq: int) -> ArtifactState:
+        """This state verified by `verifier` at `at` (stream sequence `seq`): an agent joins `verified_by` once;
+        a person moves to the end of `reviewed_by`, the last person to review."""
+        vouched: dict[str, Any]
+        if by_person:
+            people = (*(p for p in self.reviewed_by if p != verifier), verifier)
+            vouched = {"reviewed_by": people, "reviewed_at": at}
+        else:
+            agents = self.verified_by if verifier in self.verified_by else (*self.verified_by, verifier)
+            vouched = {"verified_by": agents}
+        return replace(self, trust=Trust.verified, last_seq=seq, updated_at=at, **vouched)
+
+    def vouched(self) -> dict[str, Any]:
+        """Who vouched for it, as every read shows it (see `vouched_of`)."""
+        return vouched_of(self.verified_by, self.reviewed_by, self.reviewed_at)
 
     def safe(self, *, include_resolved: bool = False) -> bool:
         """What the safe door may show: never contradicted, rolled back, retracted, mistyped or forgotten;
@@ -372,7 +400,7 @@ def _decide_transition(event: Envelope, seq: int, lookup: Lookup, authority: Aut
             )
         reviewed = human_review(event, seq, authority)
         record = Verification(str(event.event_id), aid, event.actor.agent_id, at, seq, body.note, reviewed)
-        updated = replace(current, trust=Trust.verified, last_seq=seq, updated_at=at)
+        updated = current.with_verification(event.actor.agent_id, by_person=reviewed, at=at, seq=seq)
         return Change(str(event.event_id), (updated,), verification=record)
     if isinstance(body, ContradictedBody):
         if body.contradicted_by == aid:
@@ -410,6 +438,33 @@ def _decide_resolution(event: Envelope, body: ResolvedBody, current: ArtifactSta
     if body.resolution is ResolutionKind.retracted:
         tomb = Tombstone(current.content_hash, aid, str(event.event_id), "retracted")
     return Change(str(event.event_id), (updated,), tombstone=tomb)
+
+
+def vouched_of(verified_by: Sequence[str], reviewed_by: Sequence[str], reviewed_at: datetime | None) -> dict[str, Any]:
+    """Who vouched for an artifact: how many agents and people verified it, and the last person's name and time
+    (None when no person did)."""
+    return {
+        "agents": len(verified_by),
+        "people": len(reviewed_by),
+        "last_person": reviewed_by[-1] if reviewed_by else None,
+        "last_person_at": reviewed_at.isoformat() if reviewed_at else None,
+    }
+
+
+def vouched_text(vouched: Mapping[str, Any]) -> str:
+    """`ArtifactState.vouched()` in words, as tables show it: "2 agents, 1 person (dana, 2026-12-07 22:10Z)"."""
+    agents, people = int(vouched["agents"]), int(vouched["people"])
+    if not agents and not people:
+        return "no one"
+    parts = [f"{agents} agent{'s' if agents != 1 else ''}"] if agents else []
+    if people:
+        at = str(vouched["last_person_at"] or "")[:16].replace("T", " ")
+        parts.append(f"{people} {'person' if people == 1 else 'people'} ({vouched['last_person']}, {at}Z)")
+    return ", ".join(parts)
+
+
+# A record key a store may lack (written before it existed) reads as this value.
+ABSENT_RECORD_VALUES: dict[str, Any] = {"verified_by": [], "reviewed_by": [], "reviewed_at": None}
 
 
 def by_id(states: Iterable[ArtifactState]) -> Mapping[str, ArtifactState]:

@@ -18,6 +18,7 @@ from bus.client.recall import RecallAnswer
 from bus.errors import AmbiguousId
 from bus.host.home import epibus_home, resolve_journal_url
 from bus.model.requests import JournalReadRequest, build_request
+from bus.model.state import vouched_text
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -125,6 +126,7 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
             v["kind"],
             state_label(v),
             v["author"],
+            vouched_text(v["vouched"]),
             f"{v['relevance']:.3f}",
             ",".join(sorted(v["flags"])),
             v["content"],
@@ -139,7 +141,7 @@ def state_label(view: dict[str, Any]) -> str:
     return f"{view['trust']}/{life}"
 
 
-COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "relevance", "flags", "content"]
+COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "vouched", "relevance", "flags", "content"]
 
 
 def _cutoff(as_of: str | None) -> datetime | None:

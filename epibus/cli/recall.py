@@ -9,6 +9,7 @@ import typer
 
 from bus.client.recall import RecallAnswer, ask_all, recall_request
 from bus.model.requests import RecallRequest
+from bus.model.state import vouched_text
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -51,6 +52,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
             h["artifact_id"],
             f"{h['state']['trust']}/{h['state']['lifecycle']}",
             h["provenance"]["actor"],
+            vouched_text(h["vouched"]),
             h["content"],
         ]
         for h in answer.hits
@@ -58,7 +60,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
     console.print(
         table(
             f"{title}: {len(rows)} hit(s) from {', '.join(answer.nodes)}",
-            ["score", "similarity", "kind", "artifact", "state", "actor", "content"],
+            ["score", "similarity", "kind", "artifact", "state", "actor", "vouched", "content"],
             rows,
         )
     )

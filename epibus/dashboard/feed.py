@@ -18,7 +18,9 @@ from typing import Any
 from sqlalchemy import and_, select
 
 from bus.errors import EpibusError
+from bus.model.state import vouched_text
 from observers.journal import Journal
+from observers.projection import VOUCHED_COLUMNS, row_vouched
 from observers.schema import artifacts, as_utc, events
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ def latest_events(journal: Journal, limit: int = LATEST) -> list[dict[str, Any]]
     e, a = events.c, artifacts.c
     joined = events.outerjoin(artifacts, and_(a.project == e.project, a.artifact_id == e.artifact_id))
     columns = (e.stream_seq, e.event_id, e.kind, e.project, e.artifact_id, e.actor_id, e.received_at, e.status)
-    state = (e.reason, a.trust, a.lifecycle, a.resolution, a.forgotten, a.content)
+    state = (e.reason, a.trust, a.lifecycle, a.resolution, a.forgotten, a.content, *VOUCHED_COLUMNS)
     query = select(*columns, *state).select_from(joined).order_by(e.stream_seq.desc()).limit(limit)
     with journal.reading("reading the latest events for the dashboard") as conn:
         rows = conn.execute(query).all()
@@ -73,6 +75,7 @@ def latest_events(journal: Journal, limit: int = LATEST) -> list[dict[str, Any]]
             "lifecycle": "forgotten" if r.forgotten else r.lifecycle,
             "resolution": r.resolution,
             "text": (r.content or "")[:CONTENT_CHARS],
+            "vouched": vouched_text(row_vouched(r._mapping)),
         }
         for r in rows
     ]

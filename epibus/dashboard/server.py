@@ -12,6 +12,7 @@ import uvicorn
 from bus.broker.loops import cancel_and_wait
 from bus.errors import ConfigError, Unavailable
 from bus.model.requests import RecallRequest
+from bus.model.state import vouched_text
 from epibus.dashboard.app import build_app
 from epibus.dashboard.feed import Feed
 from epibus.dashboard.security import TokenGate, allowed_hosts, check_bind_host, ui_token
@@ -104,4 +105,4 @@ class Dashboard:
                 found = await recall(store, embedder, request.query, request.project, k=request.k)
         except TimeoutError as e:
             raise Unavailable("recall", f"no answer within {RECALL_TIMEOUT_S:g}s; the node is busy, try again") from e
-        return [hit.as_dict() for hit in found.hits]
+        return [hit.as_dict() | {"vouched_text": vouched_text(hit.vouched)} for hit in found.hits]

@@ -35,6 +35,9 @@ STATE_FIELDS = (
     "forgotten",
     "last_seq",
     "updated_at",
+    "verified_by",
+    "reviewed_by",
+    "reviewed_at",
 )
 
 

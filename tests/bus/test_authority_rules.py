@@ -15,7 +15,7 @@ from bus.model.auth import ANY_PROJECT
 from bus.model.authority import NO_RECORDS, Authority, enrolment_event, enrolment_record
 from bus.model.event import Envelope, draft_event
 from bus.model.fold import Fold
-from bus.model.state import decide
+from bus.model.state import ArtifactState, decide, vouched_text
 from bus.model.vocab import Lifecycle, Role, Trust
 from bus.subjects import POLICY_PROJECT
 from tests.bus.test_state import P, claim, ev, standing, state
@@ -195,3 +195,19 @@ def test_a_record_names_its_change_in_words_for_tail_and_recall(keys: dict[str, 
     record = standing("bob", Role.reviewer, owner="bob@corp", projects=("ops", "web"))
     text = enrolment_event(node, record).body.content_text()
     assert text == "bob enrolled by tests: owner bob@corp, roles reviewer, projects ops, web, active"
+
+
+def test_who_vouched_counts_agents_once_and_names_the_last_person(keys: dict[str, AgentKey]) -> None:
+    authority = Authority.of(
+        [(1, standing("rita", Role.reviewer)), (1, standing("olga", Role.reviewer)), (1, standing("bob", Role.agent))]
+    )
+    current = state("a1")
+    for name in ("bob", "rita", "bob", "olga", "rita"):
+        event = ev(keys[name], "verified", {}, artifact_id="a1")
+        (current,) = decide(event, 10, {"a1": current}.get, never, authority).artifacts
+        last = event.recorded_at
+    assert (current.verified_by, current.reviewed_by, current.reviewed_at) == (("bob",), ("olga", "rita"), last)
+    assert current.vouched() == {"agents": 1, "people": 2, "last_person": "rita", "last_person_at": last.isoformat()}
+    assert vouched_text(current.vouched()) == f"1 agent, 2 people (rita, {last.isoformat()[:16].replace('T', ' ')}Z)"
+    assert ArtifactState.from_record(current.to_record()) == current  # every store keeps it whole
+    assert vouched_text(state("a2").vouched()) == "no one"

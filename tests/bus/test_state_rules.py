@@ -73,7 +73,8 @@ def test_each_trust_move_gives_the_hand_written_outcome(agents: dict[str, AgentK
     after = replace(before, trust=expected, last_seq=10, updated_at=at)
     if kind == "verified":
         record = Verification(eid, "a1", "bob", at, 10, "checked")
-        assert decide(event, 10, lookup, never, STAFF) == Change(eid, (after,), verification=record)
+        vouched = replace(after, verified_by=("bob",))  # an agent's verification, not a person's
+        assert decide(event, 10, lookup, never, STAFF) == Change(eid, (vouched,), verification=record)
     elif kind == "contradicted":
         assert decide(event, 10, lookup, never, STAFF) == Change(eid, (replace(after, contradicted_by="other"),))
     else:

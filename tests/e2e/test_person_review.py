@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bus.identity.signing import AgentKey
-from tests.support import last_json, run_epibus, start_node_process, stop_node_process
+from tests.support import eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 P = "reviews"
@@ -66,6 +66,22 @@ def test_a_person_reviews_with_their_passphrase_and_the_reads_tell_it_from_an_ag
         return [(v["verifier"], v["human_review"]) for v in rows]
 
     assert reviewed() == [("bob", False), ("dana", True)]
+    # Every read says who vouched: the journal's (artifacts, briefing) and the mirror's (recall), as JSON and
+    # as the table a person reads.
+    (listed,) = last_json(epibus(node, "artifacts", "-p", P, "--json"))
+    vouched = listed["vouched"]
+    assert (vouched["agents"], vouched["people"], vouched["last_person"]) == (1, 1, "dana")
+    assert vouched["last_person_at"] is not None
+    briefed = last_json(epibus(node, "briefing", "-p", P, "--json"))
+    assert [a["vouched"] for a in briefed["top"] if a["artifact_id"] == claim] == [vouched]
+
+    def recalled() -> dict[str, Any] | None:
+        hits = last_json(epibus(node, "recall", "is the cache cold", "-p", P, "--json"))["hits"]
+        return hits[0]["vouched"] if hits and hits[0]["vouched"]["people"] else None
+
+    assert eventually_sync(recalled, timeout_s=20) == vouched
+    table = epibus(node, "artifacts", "-p", P).stdout
+    assert "1 agent, 1 person (dana," in " ".join(table.split())
 
 
 def test_the_reviewer_role_is_a_persons_only(node: Path) -> None:

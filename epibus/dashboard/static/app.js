@@ -70,7 +70,7 @@ function showEvents(data) {
     if (previous !== null && e.seq > previous) tr.className = "new";
     const state = e.status === "applied" ? [e.trust, e.lifecycle, e.resolution] : [e.status];
     tr.append(cell(e.seq, "num"), cell(time(e.at), "nowrap"), cell(e.kind), cell(e.project, "nowrap"), cell(e.artifact_id, "id"),
-      cell(e.actor), stateCell(state), cell(e.status === "applied" ? e.text : e.reason, "text"));
+      cell(e.actor), stateCell(state), cell(e.vouched, "nowrap"), cell(e.status === "applied" ? e.text : e.reason, "text"));
     return tr;
   }, "no events in the journal yet");
   if (data.events.length) seenSeq = Math.max(seenSeq ?? 0, data.events[0].seq);
@@ -170,7 +170,8 @@ async function recall(event) {
     const tr = document.createElement("tr");
     tr.dataset.artifactId = h.artifact_id;
     tr.append(cell(h.score.toFixed(3), "num"), cell(h.kind), cell(h.artifact_id, "id"),
-      stateCell([h.state.trust, h.state.lifecycle, h.state.resolution]), cell(h.provenance.actor), cell(h.content, "text"));
+      stateCell([h.state.trust, h.state.lifecycle, h.state.resolution]), cell(h.provenance.actor), cell(h.vouched_text, "nowrap"),
+      cell(h.content, "text"));
     return tr;
   });
   if (!answer.hits.length) {
