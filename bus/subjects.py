@@ -63,6 +63,8 @@ FORGET_ERASE = "epibus.forget.erase"
 ENROL = "epibus.agent.enrol"
 REVOKE = "epibus.agent.revoke"
 LIST_AGENTS = "epibus.agent.list"
+POLICY_SET = "epibus.policy.set"
+POLICY_SHOW = "epibus.policy.show"
 ADMIN_QUEUE = "epibus-admin"
 # Core NATS requests answered by a fleet's hub (the node holding the fleet CA): an admin invites a node or removes
 # one; a joining node redeems its invite, signed by the invite's one-time key.
@@ -106,7 +108,10 @@ PROJECT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # the events it governs. No agent is a member of this project and the broker refuses agents' publishes to it.
 POLICY_PROJECT = "epibus"
 ENROLMENT_KIND = "enrolment"
+REVIEW_POLICY_KIND = "review_policy"
 ENROLMENTS_FILTER = f"epi.{POLICY_PROJECT}.{ENROLMENT_KIND}.*"
+# Every record a node keeps in the policy project: enrolments and projects' review policies.
+AUTHORITY_FILTER = f"epi.{POLICY_PROJECT}.*.*"
 KIND_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 ARTIFACT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 CONSUMER_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

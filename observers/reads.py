@@ -11,18 +11,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import false, func, select
+from sqlalchemy.engine import Connection
 
+from bus.model.auth import ReviewPolicy
 from bus.model.event import validate_event
 from bus.model.fold import Fold
 from bus.model.ids import SHOWN_MATCHES
 from bus.model.lineage import Lineage, lineage
+from bus.model.review import review_status, safe_review_order
 from bus.model.state import FLAG_UNEARNED, UNSAFE_TRUST, ArtifactState, Verification, relevance
 from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED
 from bus.model.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
 from observers.journal import Journal
 from observers.projection import FORGOTTEN, enrolments_in_journal, forgets_in_journal, row_to_state
 from observers.schema import artifacts as artifacts_table
-from observers.schema import as_utc, events, stored_at, verifications
+from observers.schema import as_utc, events, review_policies, stored_at, verifications
 
 RECENT = timedelta(days=14)
 UNKNOWN_KIND = "unknown"
@@ -55,11 +58,13 @@ class ArtifactView:
     state: ArtifactState
     relevance: float
     verifications: tuple[Verification, ...] = ()
+    review: str | None = None  # under the project's review policy: awaiting review, reviewed, or nothing asked
 
     def as_dict(self) -> dict[str, Any]:
         record = self.state.to_record()
         return {name: record[name] for name in VIEW_FIELDS} | {
             "vouched": self.state.vouched(),
+            "review": self.review,
             "relevance": round(self.relevance, 6),
             "verifications": [
                 {
@@ -82,10 +87,15 @@ class Snapshot:
     at: datetime
     states: dict[str, ArtifactState]
     verifications: tuple[Verification, ...]
+    policy: ReviewPolicy | None = None  # the project's review policy then
 
     def view(self, state: ArtifactState, *, with_log: bool = False) -> ArtifactView:
         log = tuple(v for v in self.verifications if v.artifact_id == state.artifact_id) if with_log else ()
-        return ArtifactView(state, relevance(state, self.at), log)
+        return ArtifactView(state, relevance(state, self.at), log, review_status(state, self.policy))
+
+    def safe_ranked(self, views: list[ArtifactView], limit: int) -> list[ArtifactView]:
+        """The safe door's order: by relevance, then the review policy (awaiting review last, or withheld)."""
+        return safe_review_order(_ranked(views, len(views)), lambda v: v.review, self.policy)[:limit]
 
 
 def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -> Snapshot:
@@ -103,7 +113,7 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
                 )
                 for r in found
             )
-            return Snapshot(project, datetime.now(UTC), states, log)
+            return Snapshot(project, datetime.now(UTC), states, log, _newest_policy(conn, project))
         cutoff = as_of.astimezone(UTC)
         rows = conn.execute(
             select(events.c.envelope, events.c.stream_seq)
@@ -118,7 +128,25 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
         authority = enrolments_in_journal(conn)
         erased = forgets_in_journal(conn, authority)
         fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased, authority)
-    return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications))
+    then = [p for _, p in authority.policies.get(project, ()) if p.set_at <= cutoff]
+    return Snapshot(project, cutoff, fold.artifacts, tuple(fold.verifications), then[-1] if then else None)
+
+
+def _newest_policy(conn: Connection, project: str) -> ReviewPolicy | None:
+    newest = conn.execute(
+        select(review_policies.c.policy)
+        .where(review_policies.c.project == project)
+        .order_by(review_policies.c.stream_seq.desc())
+        .limit(1)
+    ).scalar()
+    return ReviewPolicy.model_validate_json(newest) if newest is not None else None
+
+
+def review_policy(journal: Journal, project: str) -> ReviewPolicy | None:
+    """The project's review policy as this journal last recorded it (None: none was ever set). Raises
+    Unavailable or ComponentFailed."""
+    with journal.reading(f"reading the review policy of {project}") as conn:
+        return _newest_policy(conn, project)
 
 
 def _ranked(views: list[ArtifactView], limit: int) -> list[ArtifactView]:
@@ -142,7 +170,7 @@ def artifacts(
         for s in snap.states.values()
         if s.safe(include_resolved=include_resolved) and (kinds is None or s.kind in kinds)
     ]
-    return _ranked(chosen, limit)
+    return snap.safe_ranked(chosen, limit)
 
 
 def audit_artifacts(
@@ -207,9 +235,9 @@ def briefing(
         project=project,
         goal=goal,
         at=snap.at,
-        top=_ranked([v for v in safe if v.state.kind != UNKNOWN_KIND], limit),
-        for_goal=_ranked([v for v in safe if goal is not None and v.state.goal_id == goal], limit),
-        open_unknowns=_ranked([v for v in safe if v.state.kind == UNKNOWN_KIND], limit),
+        top=snap.safe_ranked([v for v in safe if v.state.kind != UNKNOWN_KIND], limit),
+        for_goal=snap.safe_ranked([v for v in safe if goal is not None and v.state.goal_id == goal], limit),
+        open_unknowns=snap.safe_ranked([v for v in safe if v.state.kind == UNKNOWN_KIND], limit),
         recent_mistakes_and_dead_ends=sorted(
             (v for v in safe if v.state.kind in ("mistake", "dead_end") and v.state.created_at >= recent_since),
             key=lambda v: v.state.created_at,
@@ -218,8 +246,8 @@ def briefing(
         recently_superseded=sorted(superseded, key=lambda v: v.state.updated_at or v.state.created_at, reverse=True)[
             :limit
         ],
-        unearned_confidence=_ranked([v for v in safe if FLAG_UNEARNED in v.state.flags], limit),
-        previously_retracted=_ranked([v for v in safe if FLAG_PREVIOUSLY_RETRACTED in v.state.flags], limit),
+        unearned_confidence=snap.safe_ranked([v for v in safe if FLAG_UNEARNED in v.state.flags], limit),
+        previously_retracted=snap.safe_ranked([v for v in safe if FLAG_PREVIOUSLY_RETRACTED in v.state.flags], limit),
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from bus.errors import ConfigError
 from bus.intake.admission import TimeBounds
+from bus.model.auth import ReviewPolicy
+from bus.model.review import review_status, safe_review_order
 from bus.model.state import ArtifactState, relevance
 from observers.journal import Journal
 from observers.mirror.embed import Embedder
@@ -34,6 +36,7 @@ class RecallHit:
     state: Mapping[str, Any]
     provenance: Mapping[str, Any]
     vouched: Mapping[str, Any]
+    review: str | None = None  # under the project's review policy: awaiting review, reviewed, or nothing asked
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +50,7 @@ class RecallHit:
             "state": dict(self.state),
             "provenance": dict(self.provenance),
             "vouched": dict(self.vouched),
+            "review": self.review,
         }
 
 
@@ -84,7 +88,7 @@ def safe_filter(project: str, *, kinds: Sequence[str] | None, include_resolved: 
 HIT_STATE_FIELDS = ("trust", "lifecycle", "resolution", "superseded_by", "contradicted_by")
 
 
-def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
+def _hit(found: Hit, state: ArtifactState, now: datetime, policy: ReviewPolicy | None = None) -> RecallHit:
     weight = relevance(state, now)
     payload = found.payload
     record = state.to_record()
@@ -106,6 +110,7 @@ def _hit(found: Hit, state: ArtifactState, now: datetime) -> RecallHit:
             "commit": next((e["ref"] for e in payload.get("evidence", []) if e.get("kind") == "commit"), None),
         },
         vouched=state.vouched(),
+        review=review_status(state, policy),
     )
 
 
@@ -136,15 +141,17 @@ async def recall(
     as_of: datetime | None = None,
     journal: Journal | None = None,
     timings: dict[str, float] | None = None,
+    policy: ReviewPolicy | None = None,
 ) -> RecallResult:
     """The safe door. With as_of, candidates recorded by then are judged by the state the journal says they
-    had then (the mirror holds only the current state). `timings` (when given) adds up the seconds spent
+    had then (the mirror holds only the current state). `policy`: the project's review policy (claims awaiting
+    a person's review ranked after the rest, or withheld). `timings` (when given) adds up the seconds spent
     embedding the query and searching. Raises Unavailable if the store or model fails."""
     if as_of is None:
         where = safe_filter(project, kinds=kinds, include_resolved=include_resolved)
         found = await _candidates(store, embedder, query, where, k, timings)
         now = datetime.now(UTC)
-        hits = [_hit(h, payload_state(h.payload), now) for h in found]
+        hits = [_hit(h, payload_state(h.payload), now, policy) for h in found]
     else:
         if journal is None:
             raise ConfigError("as_of", "recall as of a time needs the journal (pass journal=)")
@@ -157,13 +164,15 @@ async def recall(
         )
         found = await _candidates(store, embedder, query, where, k * 2, timings)
         then = snapshot(journal, project, as_of=as_of)
+        policy = then.policy  # the policy in force then
         hits = [
-            _hit(h, then.states[aid], then.at)
+            _hit(h, then.states[aid], then.at, policy)
             for h in found
             if (aid := str(h.payload.get("artifact_id"))) in then.states
             and then.states[aid].safe(include_resolved=include_resolved)
         ]
-    return RecallResult(query, project, sorted(hits, key=lambda h: -h.score)[:k])
+    ranked = sorted(hits, key=lambda h: -h.score)
+    return RecallResult(query, project, safe_review_order(ranked, lambda h: h.review, policy)[:k])
 
 
 async def audit_recall(

@@ -153,6 +153,14 @@ enrolment_log = Table(
     Column("enrolment", Text, nullable=False),
 )
 
+review_policies = Table(
+    "review_policies",  # v5: projects' review policies as the stream recorded them (an input, never rebuilt)
+    metadata,
+    Column("stream_seq", BigInteger, primary_key=True),
+    Column("project", String(63), nullable=False),
+    Column("policy", Text, nullable=False),
+)
+
 tombstones = Table(
     "tombstones",
     metadata,
@@ -222,6 +230,7 @@ def _v5_vouched(conn: Connection) -> None:
     for name, sql_type in (("verified_by", "TEXT"), ("reviewed_by", "TEXT"), ("reviewed_at", timestamp)):
         if name not in present:
             conn.execute(text(f"ALTER TABLE artifacts ADD COLUMN {name} {sql_type}"))
+    metadata.create_all(conn, tables=[review_policies])
     # The projection is decided again to fill them from the verifications the stream holds.
 
 
@@ -235,7 +244,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None], bool]] = [
     (2, "state projection: artifacts, verifications, tombstones, event status", _v2_state_projection, True),
     (3, "events.digest: the first event under an id is the only one kept", _v3_event_digests, False),
     (4, "authority: enrolment_log, verifications.human_review; projection decided again", _v4_authority, True),
-    (5, "artifacts: who vouched (agents, people, the last review); projection decided again", _v5_vouched, True),
+    (5, "who vouched (agents, people, last review); review_policies; projection decided again", _v5_vouched, True),
 ]
 LATEST_VERSION = MIGRATIONS[-1][0]
 

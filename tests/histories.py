@@ -27,13 +27,13 @@ from bus.broker.streams import ensure_streams
 from bus.client.project_view import load_project
 from bus.enrolment.registry import AgentRegistry
 from bus.identity.signing import AgentKey, node_event_key, wire_message
-from bus.model.auth import Enrolment
-from bus.model.authority import enrolment_event
+from bus.model.auth import Enrolment, ReviewPolicy
+from bus.model.authority import enrolment_event, policy_event
 from bus.model.erasure import erased_events, erased_history
 from bus.model.event import Envelope, draft_event
 from bus.model.state import REFUSED, ArtifactState, decide
-from bus.model.vocab import ResolutionKind, Role
-from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, STREAM, event_subject
+from bus.model.vocab import ResolutionKind, ReviewMode, Role
+from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, REVIEW_POLICY_KIND, STREAM, event_subject
 from tests.support import identity_for
 
 AGENTS = ("alice", "bob", "carol")
@@ -42,6 +42,7 @@ TEXTS = ("the cache is cold", "p99 doubled", "the index is stale", "retries hide
 RESOLUTIONS = tuple(ResolutionKind)
 ROLE_SETS = ((Role.agent,), (Role.agent, Role.admin), (Role.reviewer,), (Role.admin,), (Role.coordinator,))
 SCOPES = ("every project", "this project", "another project")
+POLICY_IMPACTS = (None, 0.0, 0.5, 0.9)
 
 # (operation, *small integers); targets index the artifacts made so far, modulo their number.
 Op = tuple[Any, ...]
@@ -66,6 +67,8 @@ GRAMMAR: tuple[tuple[str, tuple[Sequence[Any], ...]], ...] = (
     # agent, its roles, its projects, one owner shared with the other agents drawn so (else its own), revoked
     ("enrol", (AGENT, range(len(ROLE_SETS)), range(len(SCOPES)), (False, True), (False, False, False, True))),
     ("share_owner", (AGENT, AGENT)),  # two agents become identities of one owner: neither verifies the other
+    # the project's review policy, as a node records it: which impact needs a person, rank or withhold
+    ("policy", (range(len(POLICY_IMPACTS)), tuple(ReviewMode))),
 )
 ops = st.one_of(
     *(st.tuples(st.just(name), *(st.sampled_from(list(values)) for values in args)) for name, args in GRAMMAR)
@@ -251,6 +254,17 @@ class _Builder:
         event = enrolment_event(self.keys.node, enrolment, session_id="s")
         self.send(event, subject=event_subject(POLICY_PROJECT, ENROLMENT_KIND, key.agent_id))
 
+    def _policy(self, impact_i: int, mode: ReviewMode) -> None:
+        policy = ReviewPolicy(
+            project=self.project,
+            human_review_impact=POLICY_IMPACTS[impact_i],
+            mode=mode,
+            set_by="histories",
+            set_at=datetime.now(UTC),
+        )
+        event = policy_event(self.keys.node, policy, session_id="s")
+        self.send(event, subject=event_subject(POLICY_PROJECT, REVIEW_POLICY_KIND, self.project))
+
     def _share_owner(self, first_i: int, second_i: int) -> None:
         for agent_i in (first_i, second_i):
             self._enrol(agent_i, 0, 0, True, False)
@@ -321,16 +335,20 @@ async def forget(js: JetStreamContext, key: AgentKey, artifact_id: str, *, proje
     return int(ack.seq)
 
 
-StateKey = tuple[str | None, ...]
+StateKey = tuple[object, ...]
 
 
 def state_key(s: ArtifactState) -> StateKey:
-    """What every path must agree on for an artifact: identity, trust, lifecycle, resolution and links."""
+    """What every path must agree on for an artifact: identity, who vouched, trust, lifecycle, resolution and
+    links."""
     resolution = s.resolution.value if s.resolution else None
     return (
         s.kind,
         s.author,
         s.created_event_id,
+        s.verified_by,
+        s.reviewed_by,
+        s.reviewed_at,
         s.trust.value,
         s.lifecycle.value,
         resolution,

@@ -23,10 +23,13 @@ from bus.model.requests import (
     AgentListRequest,
     EnrolmentReply,
     EnrolRequest,
+    PolicyReply,
+    PolicySetRequest,
+    PolicyShowRequest,
     RevokeRequest,
     build_request,
 )
-from bus.subjects import ENROL, LIST_AGENTS, REVOKE
+from bus.subjects import ENROL, LIST_AGENTS, POLICY_SET, POLICY_SHOW, REVOKE
 
 log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 10.0
@@ -54,6 +57,16 @@ async def enrol(nc: NatsClient, admin: AgentKey, request: EnrolRequest) -> dict[
 
 async def revoke(nc: NatsClient, admin: AgentKey, agent_id: str) -> dict[str, Any]:
     return (await _ask(nc, admin, REVOKE, RevokeRequest(agent_id=agent_id), EnrolmentReply)).enrolment
+
+
+async def set_policy(nc: NatsClient, admin: AgentKey, request: PolicySetRequest) -> PolicyReply:
+    """The review policy the node recorded. Raises Forbidden (not an admin of the project), Refused, Unavailable."""
+    return await _ask(nc, admin, POLICY_SET, request, PolicyReply)
+
+
+async def show_policy(nc: NatsClient, signer: AgentKey, project: str) -> PolicyReply:
+    """The project's review policy as a node holds it. Raises Forbidden (not a member), Unavailable."""
+    return await _ask(nc, signer, POLICY_SHOW, PolicyShowRequest(project=project), PolicyReply)
 
 
 async def list_agents(nc: NatsClient, admin: AgentKey) -> list[dict[str, Any]]:

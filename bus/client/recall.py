@@ -13,6 +13,7 @@ from bus.broker.ask import fan_out, refused_by_all
 from bus.errors import Unavailable
 from bus.identity.signing import AgentKey
 from bus.model.requests import ErrorReply, RecallReply, RecallRequest, build_request
+from bus.model.review import safe_review_order
 from bus.subjects import RECALL
 
 
@@ -91,5 +92,7 @@ async def ask_all(nc: NatsClient, request: RecallRequest, *, signer: AgentKey, t
         failures = answer.failed_nodes | {n: "no answer" for n in answer.missing_nodes}
         why = "; ".join(f"{n}: {e}" for n, e in failures.items()) or "no node with a mirror answered"
         raise Unavailable("recall", f"{why} within {timeout_s}s (is `epibus up` running with its mirror on?)")
-    answer.hits = sorted(merged.values(), key=lambda h: -h["score"])[: request.k]
+    # Each node ordered its hits under the project's review policy; merged, the same rule orders them again.
+    by_score = sorted(merged.values(), key=lambda h: -h["score"])
+    answer.hits = safe_review_order(by_score, lambda h: h.get("review"), None)[: request.k]
     return answer

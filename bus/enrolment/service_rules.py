@@ -32,6 +32,8 @@ from bus.model.requests import (
     EraseRequest,
     ForgetProofRequest,
     JournalReadRequest,
+    PolicySetRequest,
+    PolicyShowRequest,
     RecallRequest,
     ReindexRequest,
     TombstoneCheckRequest,
@@ -167,6 +169,17 @@ def admin_rule(asker: Asker, request: BaseModel) -> None:
     """Enrolment, reindexing, erasing: admins only."""
     if not asker.has_role(Role.admin):
         raise asker.refuse("only an admin may (its roles: " + ", ".join(_roles(asker)) + ")")
+
+
+def policy_rule(asker: Asker, request: PolicySetRequest) -> None:
+    """A project's review policy: set by an admin who is a member of it."""
+    admin_rule(asker, request)
+    _member(asker, request.project)
+
+
+def policy_show_rule(asker: Asker, request: PolicyShowRequest) -> None:
+    """A project's review policy: read by its members."""
+    _member(asker, request.project)
 
 
 def enrolled_rule(asker: Asker, request: BaseModel) -> None:

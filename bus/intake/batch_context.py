@@ -18,12 +18,12 @@ from bus.errors import Unavailable
 from bus.identity.confinement import confined_key
 from bus.intake.admission import Admission, Delivery, Rejected
 from bus.intake.stream_read import read_stream
-from bus.model.auth import Enrolment
-from bus.model.authority import NO_RECORDS, Authority, enrolment_record
+from bus.model.auth import Enrolment, ReviewPolicy
+from bus.model.authority import NO_RECORDS, Authority, enrolment_record, policy_record
 from bus.model.erasure import ErasedMap, ErasedRecord, erased_record
 from bus.model.event import Envelope
 from bus.subjects import (
-    ENROLMENTS_FILTER,
+    AUTHORITY_FILTER,
     STREAM,
     events_filter,
     parse_event_subject,
@@ -123,14 +123,16 @@ class ForgottenArtifacts:
 
 
 class EnrolmentLog:
-    """The stream's enrolment records (`epi.epibus.enrolment.*`), each admitted like any message and kept only
-    if it is a valid record (`bus.model.authority.enrolment_record`). Read on from where the last read stopped: a
-    record is never erased, and one stored before an event is in the stream whenever that event is read."""
+    """The stream's enrolment records (`epi.epibus.enrolment.*`) and review policies (`epi.epibus.review_policy.*`),
+    each admitted like any message and kept only if it is a valid record (`bus.model.authority`). Read on from
+    where the last read stopped: a record is never erased, and one stored before an event is in the stream
+    whenever that event is read."""
 
     def __init__(self, js: JetStreamContext, admission: Admission) -> None:
         self._js = js
         self._admission = admission
         self._records: list[tuple[int, Enrolment]] = []
+        self._policies: list[tuple[int, ReviewPolicy]] = []  # projects' review policies, recorded beside them
         self._seen: set[str] = set()  # event ids read: a record resent later is a repeat, never a new record
         self._next_seq = 1
         self._authority = NO_RECORDS
@@ -151,7 +153,7 @@ class EnrolmentLog:
         while True:
             try:
                 async with asyncio.timeout(JS_TIMEOUT_S):
-                    msg = await self._js.get_msg(STREAM, seq=self._next_seq, subject=ENROLMENTS_FILTER, next=True)
+                    msg = await self._js.get_msg(STREAM, seq=self._next_seq, subject=AUTHORITY_FILTER, next=True)
             except nats.js.errors.NotFoundError:
                 break
             except NATS_OR_API_ERROR as e:
@@ -161,7 +163,7 @@ class EnrolmentLog:
             await self._take(msg.seq, msg.subject, msg.data, msg.time, msg.headers)
             read = True
         if read:
-            self._authority = Authority.of(self._records)
+            self._authority = Authority.of(self._records, self._policies)
         return self._authority
 
     async def _read_served(self, view: EnrolmentView) -> Authority:
@@ -179,14 +181,14 @@ class EnrolmentLog:
         if key is not None:
             return await self._read_served(enrolment_view(self._js._nc, key))
         read = False
-        async for batch in read_stream(self._js, STREAM, filter_subject=ENROLMENTS_FILTER, start_seq=self._next_seq):
+        async for batch in read_stream(self._js, STREAM, filter_subject=AUTHORITY_FILTER, start_seq=self._next_seq):
             for msg in batch:
                 await self._take(
                     msg.metadata.sequence.stream, msg.subject, msg.data, msg.metadata.timestamp, msg.headers
                 )
                 read = True
         if read:
-            self._authority = Authority.of(self._records)
+            self._authority = Authority.of(self._records, self._policies)
         return self._authority
 
     async def _take(
@@ -201,6 +203,9 @@ class EnrolmentLog:
             record = enrolment_record(event)
             if record is not None:
                 self._records.append((seq, record))
+            policy = policy_record(event)
+            if policy is not None:
+                self._policies.append((seq, policy))
         self._next_seq = seq + 1
 
 

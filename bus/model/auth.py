@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from bus.model.fields import AGENT_PATTERN
-from bus.model.vocab import Identity, Role
+from bus.model.fields import AGENT_PATTERN, Unit
+from bus.model.vocab import Identity, ReviewMode, Role
 from bus.subjects import (
     AGENT_KEYS_BUCKET,
     DLQ_SUBJECTS,
@@ -122,6 +122,18 @@ class Enrolment(BaseModel):
             and self.active == other.active
             and self.identity == other.identity
         )
+
+
+class ReviewPolicy(BaseModel):
+    """What a project asks of its claims. `human_review_impact` None: no claim needs a person."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: Annotated[str, StringConstraints(pattern=PROJECT_PATTERN.pattern)]
+    human_review_impact: Unit | None = None
+    mode: ReviewMode = ReviewMode.rank
+    set_by: AgentId
+    set_at: datetime
 
 
 def reviewer_refusal(agent_id: str) -> str:

@@ -20,12 +20,12 @@ from datetime import UTC, datetime
 from typing import ClassVar, Protocol
 
 from bus.errors import Forbidden
-from bus.model.auth import NODE_PREFIX, Enrolment, first_use_enrolment, is_node_identity
+from bus.model.auth import NODE_PREFIX, Enrolment, ReviewPolicy, first_use_enrolment, is_node_identity
 from bus.model.event import Actor, Envelope, draft_event
 from bus.model.ids import new_event_id
 from bus.model.kinds import Body, FindingBody, ForgottenBody, ResolvedBody, RolledBackBody, VerifiedBody, register_kind
 from bus.model.vocab import ResolutionKind, Role
-from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT
+from bus.subjects import ENROLMENT_KIND, POLICY_PROJECT, REVIEW_POLICY_KIND
 
 # The rules, by the name a refusal gives.
 RULE_ENROLMENT = "enrolment-records"
@@ -58,6 +58,26 @@ class EnrolmentBody(Body):
 register_kind(EnrolmentBody)
 
 
+class ReviewPolicyBody(Body):
+    """A project's review policy from this point of the stream on, as the node that an admin asked wrote it."""
+
+    kind: ClassVar[str] = REVIEW_POLICY_KIND
+    system_record: ClassVar[bool] = True  # published by nodes, never by hand
+    policy: ReviewPolicy
+
+    def content_text(self) -> str:
+        p = self.policy
+        if p.human_review_impact is None:
+            return f"{p.project}: no claim needs a person's review (set by {p.set_by})"
+        return (
+            f"{p.project}: claims of impact {p.human_review_impact:g} or more need a person's review, "
+            f"{p.mode.value} until then (set by {p.set_by})"
+        )
+
+
+register_kind(ReviewPolicyBody)
+
+
 class EventSigner(Protocol):
     """A key that signs events as its actor (bus.identity.signing.AgentKey): the model names what it needs and
     stays free of key files."""
@@ -82,11 +102,38 @@ def enrolment_event(node: EventSigner, enrolment: Enrolment, *, session_id: str 
     return node.sign(draft)
 
 
+def policy_event(node: EventSigner, policy: ReviewPolicy, *, session_id: str = "policy") -> Envelope:
+    """The signed record of a project's review policy, filed under the project's name in the policy project."""
+    draft = draft_event(
+        REVIEW_POLICY_KIND,
+        ReviewPolicyBody(policy=policy),
+        project=POLICY_PROJECT,
+        actor=node.actor,
+        session_id=session_id,
+        artifact_id=policy.project,
+        event_id=new_event_id(),
+    )
+    return node.sign(draft)
+
+
+def _policy_problem(event: Envelope, body: ReviewPolicyBody) -> str | None:
+    if event.project != POLICY_PROJECT:
+        return f"review policies live in project {POLICY_PROJECT}, not {event.project}"
+    if not is_node_identity(event.actor.agent_id, event.actor.public_key):
+        return "only a node publishes review policies (an admin asks one: epibus policy set)"
+    if event.artifact_id != body.policy.project:
+        return f"the policy is filed under {event.artifact_id} but governs {body.policy.project}"
+    return None
+
+
 def enrolment_problem(event: Envelope) -> str | None:
-    """Why an event in the policy project, or of the enrolment kind, enrols nobody (None: it is a record)."""
+    """Why an event in the policy project, or of a kind only it holds, records nothing (None: it is a record,
+    an enrolment or a project's review policy)."""
     body = event.body
+    if isinstance(body, ReviewPolicyBody):
+        return _policy_problem(event, body)
     if not isinstance(body, EnrolmentBody):
-        return f"project {POLICY_PROJECT} holds only enrolment records"
+        return f"project {POLICY_PROJECT} holds only enrolment records and review policies"
     if event.project != POLICY_PROJECT:
         return f"enrolment records live in project {POLICY_PROJECT}, not {event.project}"
     if not is_node_identity(event.actor.agent_id, event.actor.public_key):
@@ -100,10 +147,16 @@ def enrolment_problem(event: Envelope) -> str | None:
 
 def enrolment_record(event: Envelope) -> Enrolment | None:
     """The enrolment an admitted event records, or None when it is not a valid enrolment record."""
-    if enrolment_problem(event) is not None:
+    if not isinstance(event.body, EnrolmentBody) or enrolment_problem(event) is not None:
         return None
-    assert isinstance(event.body, EnrolmentBody)
     return event.body.enrolment
+
+
+def policy_record(event: Envelope) -> ReviewPolicy | None:
+    """The review policy an admitted event records, or None when it is not a valid policy record."""
+    if not isinstance(event.body, ReviewPolicyBody) or enrolment_problem(event) is not None:
+        return None
+    return event.body.policy
 
 
 @dataclass(frozen=True)
@@ -111,17 +164,38 @@ class Authority:
     """The enrolment records a stream holds: for each agent, (stream sequence, enrolment) in stream order."""
 
     records: Mapping[str, tuple[tuple[int, Enrolment], ...]] = field(default_factory=dict)
+    # Each project's review policies, (stream sequence, policy) in stream order.
+    policies: Mapping[str, tuple[tuple[int, ReviewPolicy], ...]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, records: Iterable[tuple[int, Enrolment]]) -> Authority:
+    def of(
+        cls, records: Iterable[tuple[int, Enrolment]], policies: Iterable[tuple[int, ReviewPolicy]] = ()
+    ) -> Authority:
         found: dict[str, list[tuple[int, Enrolment]]] = {}
         for seq, enrolment in sorted(records, key=lambda r: r[0]):
             found.setdefault(enrolment.agent_id, []).append((seq, enrolment))
-        return cls({agent: tuple(rows) for agent, rows in found.items()})
+        by_project: dict[str, list[tuple[int, ReviewPolicy]]] = {}
+        for seq, policy in sorted(policies, key=lambda r: r[0]):
+            by_project.setdefault(policy.project, []).append((seq, policy))
+        return cls(
+            {agent: tuple(rows) for agent, rows in found.items()},
+            {project: tuple(rows) for project, rows in by_project.items()},
+        )
 
     @property
     def last_seq(self) -> int:
-        return max((rows[-1][0] for rows in self.records.values()), default=0)
+        """The stream sequence of the newest record, an enrolment or a review policy."""
+        newest = [rows[-1][0] for rows in (*self.records.values(), *self.policies.values())]
+        return max(newest, default=0)
+
+    def policies_in_order(self) -> list[tuple[int, ReviewPolicy]]:
+        return sorted((row for rows in self.policies.values() for row in rows), key=lambda r: r[0])
+
+    def policy(self, project: str, seq: int | None = None) -> ReviewPolicy | None:
+        """The project's review policy in force before stream sequence `seq` (None: the latest), if any."""
+        rows = self.policies.get(project, ())
+        at = len(rows) if seq is None else bisect.bisect_left([s for s, _ in rows], seq)
+        return rows[at - 1][1] if at else None
 
     def in_order(self) -> list[tuple[int, Enrolment]]:
         return sorted((row for rows in self.records.values() for row in rows), key=lambda r: r[0])

@@ -24,8 +24,8 @@ from pydantic_core import ErrorDetails, from_json
 
 from bus.errors import ConfigError, validation_message
 from bus.model.auth import ANY_PROJECT, AgentId, Owner, ProjectScope, PublicKey
-from bus.model.fields import AGENT_PATTERN
-from bus.model.vocab import Identity, Role
+from bus.model.fields import AGENT_PATTERN, Unit
+from bus.model.vocab import Identity, ReviewMode, Role
 from bus.subjects import ARTIFACT_PATTERN, KIND_PATTERN, PROJECT_PATTERN
 
 MAX_K = 1000  # hits per recall: more would not fit in one reply
@@ -224,6 +224,7 @@ class RecallHitReply(Message):
     state: dict[str, Any]
     provenance: dict[str, Any]
     vouched: Vouched = Vouched()  # a node of an earlier release sends none
+    review: Literal["awaiting review", "reviewed"] | None = None  # under the project's review policy
 
 
 class RecallReply(Message):
@@ -302,6 +303,24 @@ class EraseReply(Message):
 class EnrolmentReply(Message):
     node: NodeName
     enrolment: dict[str, Any]
+
+
+class PolicySetRequest(Message):
+    """An admin of the project sets its review policy (`human_review_impact` null: no claim needs a person)."""
+
+    project: Project = Field(description=f"a project slug matching {PROJECT_PATTERN.pattern}")
+    human_review_impact: Unit | None = Field(description="a number from 0 to 1, or null to ask no review")
+    mode: ReviewMode = Field(ReviewMode.rank, description=f"one of {', '.join(ReviewMode)}")
+
+
+class PolicyShowRequest(Message):
+    project: Project = Field(description=f"a project slug matching {PROJECT_PATTERN.pattern}")
+
+
+class PolicyReply(Message):
+    node: NodeName
+    project: Project
+    policy: dict[str, Any] | None  # null: the project never had one
 
 
 class AgentListReply(Message):

@@ -16,11 +16,12 @@ from enum import StrEnum
 from typing import Any
 
 from bus.errors import EpibusError, Forbidden, IllegalTransition
-from bus.model.authority import Authority, EnrolmentBody, authorize, human_review
+from bus.model.authority import Authority, authorize, human_review
 from bus.model.event import Envelope
 from bus.model.kinds import ContradictedBody, FindingBody, ForgottenBody, ResolvedBody, RolledBackBody, VerifiedBody
 from bus.model.tombstones import FLAG_PREVIOUSLY_RETRACTED, Tombstone, content_hash
 from bus.model.vocab import EpistemicSource, Lifecycle, ResolutionKind, Trust
+from bus.subjects import POLICY_PROJECT
 
 # The legal trust moves. verified → verified appends a verification record.
 TRUST_TRANSITIONS: dict[Trust, frozenset[Trust]] = {
@@ -274,8 +275,8 @@ def decide(
     Forbidden naming the rule the actor breaks (`bus.model.authority.authorize`, asked first), or IllegalTransition
     naming the artifact, its current state and what would be legal. Pure: reads through `lookup`, writes nothing."""
     authorize(event, stream_seq, lookup, authority)
-    if isinstance(event.body, EnrolmentBody):
-        return Change(str(event.event_id))  # changes who may do what from here on, no artifact
+    if event.body.system_record and event.project == POLICY_PROJECT:
+        return Change(str(event.event_id))  # an enrolment or a review policy: changes rules from here on
     if event.body.transition:
         return _decide_transition(event, stream_seq, lookup, authority)
     return _decide_new_artifact(event, stream_seq, lookup, is_tombstoned)

@@ -88,6 +88,13 @@ class Role(StrEnum):
     admin = "admin"
 
 
+class ReviewMode(StrEnum):
+    """What the safe door does with a claim that awaits a person's review under its project's policy."""
+
+    rank = "rank"
+    withhold = "withhold"
+
+
 class Identity(StrEnum):
     """Who stands behind an enrolled key: a program, or a person who typed a passphrase to sign."""
 
@@ -150,6 +157,10 @@ HELP: dict[type[StrEnum], dict[str, str]] = {
         "reviewer": "a person's review: may audit and verify in its projects (persons only)",
         "coordinator": "may be seated as a coordinator of its projects' mesh",
         "admin": "enrols and revokes agents, seats first coordinators, forgets, repairs and reindexes",
+    },
+    ReviewMode: {
+        "rank": "shown, marked awaiting review, after every claim that is not awaiting one",
+        "withhold": "not shown by the safe door until a person reviews it (the audit door shows it)",
     },
     Identity: {
         "agent": "a program's key, kept in clear under its home; never holds reviewer",

@@ -35,6 +35,7 @@ from epibus.cli import (
     natsctx,
     ops,
     persons,
+    policy,
     reads,
     recall,
     reindex,
@@ -64,6 +65,7 @@ app.add_typer(publish_app, name="publish")
 app.add_typer(dlq.dlq_app, name="dlq")
 app.add_typer(agents.agent_app, name="agent")
 app.add_typer(persons.person_app, name="person")
+app.add_typer(policy.policy_app, name="policy")
 app.add_typer(streams.streams_app, name="streams")
 app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(mirror_cmd.mirror_app, name="mirror")

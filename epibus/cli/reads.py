@@ -18,6 +18,7 @@ from bus.client.recall import RecallAnswer
 from bus.errors import AmbiguousId
 from bus.host.home import epibus_home, resolve_journal_url
 from bus.model.requests import JournalReadRequest, build_request
+from bus.model.review import AWAITING_REVIEW
 from bus.model.state import vouched_text
 from epibus.cli import inputs
 from epibus.cli.common import (
@@ -124,7 +125,7 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         [
             v["artifact_id"],
             v["kind"],
-            state_label(v),
+            state_label(v) + (f", {v['review']}" if v["review"] == AWAITING_REVIEW else ""),
             v["author"],
             vouched_text(v["vouched"]),
             f"{v['relevance']:.3f}",
@@ -189,10 +190,14 @@ def audit(
     nats: NatsOpt = None,
     agent: AgentOpt = None,
     home: HomeOpt = None,
+    reviews: Annotated[
+        bool, typer.Option("--reviews", help="Only who reviewed what, and the claims awaiting a person's review.")
+    ] = False,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
 ) -> None:
-    """The audit read: every artifact whatever its state, with its verification log (reviewers and admins)."""
+    """The audit read: every artifact whatever its state, with its verification log (reviewers and admins).
+    With --reviews: the claims the project's review policy holds for a person, and what people reviewed."""
     request = build_request(
         JournalReadRequest,
         read="audit",
@@ -202,10 +207,30 @@ def audit(
         limit=limit,
     )
     views = journal_read(request, journal=journal, nats=nats, agent=agent, home=home, as_json=as_json)
+    if reviews:
+        _show_reviews(project, views, as_json)
+        return
     if as_json:
         emit_json(views)
         return
     console.print(table(f"audit of {project}: {len(views)} artifact(s)", COLUMNS, artifact_rows(views)))
+
+
+def _show_reviews(project: str, views: list[dict[str, Any]], as_json: bool) -> None:
+    """Claims awaiting a person's review (under the project's policy), and every person's review."""
+    awaiting = [v for v in views if v["review"] == AWAITING_REVIEW]
+    reviews = [
+        {"artifact_id": v["artifact_id"], "person": log["verifier"], "at": log["at"], "note": log["note"]}
+        for v in views
+        for log in v["verifications"]
+        if log["human_review"]
+    ]
+    if as_json:
+        emit_json({"project": project, "awaiting": awaiting, "reviews": sorted(reviews, key=lambda r: r["at"])})
+        return
+    console.print(table(f"awaiting a person's review in {project} ({len(awaiting)})", COLUMNS, artifact_rows(awaiting)))
+    rows = [[r["artifact_id"], r["person"], r["at"], r["note"] or ""] for r in sorted(reviews, key=lambda r: r["at"])]
+    console.print(table(f"reviewed by people in {project} ({len(rows)})", ["artifact", "person", "at", "note"], rows))
 
 
 BRIEFING_SECTIONS = (

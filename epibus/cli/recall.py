@@ -50,7 +50,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
             f"{h['similarity']:.3f}",
             h["kind"],
             h["artifact_id"],
-            f"{h['state']['trust']}/{h['state']['lifecycle']}",
+            f"{h['state']['trust']}/{h['state']['lifecycle']}" + (f", {h['review']}" if h["review"] else ""),
             h["provenance"]["actor"],
             vouched_text(h["vouched"]),
             h["content"],

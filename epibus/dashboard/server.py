@@ -18,6 +18,7 @@ from epibus.dashboard.feed import Feed
 from epibus.dashboard.security import TokenGate, allowed_hosts, check_bind_host, ui_token
 from epibus.dashboard.snapshot import node_snapshot
 from epibus.monitoring.http_serving import EmbeddedServer, listen, netloc
+from observers.reads import review_policy
 from observers.recall import recall
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ class Dashboard:
             raise ConfigError("recall", "this node runs no mirror (started with --mirror off); use a node with one")
         try:
             async with asyncio.timeout(RECALL_TIMEOUT_S):
-                found = await recall(store, embedder, request.query, request.project, k=request.k)
+                journal = self.node.journal
+                policy = None if journal is None else await asyncio.to_thread(review_policy, journal, request.project)
+                found = await recall(store, embedder, request.query, request.project, k=request.k, policy=policy)
         except TimeoutError as e:
             raise Unavailable("recall", f"no answer within {RECALL_TIMEOUT_S:g}s; the node is busy, try again") from e
         return [hit.as_dict() | {"vouched_text": vouched_text(hit.vouched)} for hit in found.hits]

@@ -3,6 +3,7 @@ as it stands when the request arrives (a reindex swaps its store and its consume
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ from observers.mirror.embed import Embedder
 from observers.mirror.lookup import indexed_events
 from observers.mirror.reindex import Progress, ReindexCounts
 from observers.mirror.store import VectorStore
+from observers.reads import review_policy
 from observers.recall import audit_recall, recall
 
 Publish = Callable[[str, bytes], Awaitable[None]]
@@ -96,6 +98,7 @@ class MirrorServices:
                 as_of=request.as_of,
                 journal=self.journal,
                 timings=self.recall_seconds,
+                policy=await asyncio.to_thread(review_policy, self.journal, request.project),
             )
         hits = [RecallHitReply.model_validate(h.as_dict(), strict=False) for h in result.hits]
         self.recalls += 1

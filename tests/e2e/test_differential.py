@@ -37,6 +37,7 @@ from bus.client.project_view import load_project
 from bus.host.server import NatsServer
 from bus.intake.reader import replay
 from bus.intake.runner import ConsumerRunner
+from bus.model.review import review_status
 from bus.model.state import ArtifactState
 from bus.subjects import STREAM, events_filter
 from observers.journal import Journal, JournalObserver
@@ -44,6 +45,7 @@ from observers.mirror.edge import EdgeVectorStore
 from observers.mirror.observer import MirrorObserver, payload_state
 from observers.mirror.store import Filter, VectorStore
 from observers.projection import row_to_state
+from observers.reads import review_policy
 from observers.schema import artifacts, events
 from observers.verify import verify
 from tests.conftest import postgres_database
@@ -165,7 +167,10 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
                 await drain(journal_runner)
                 await drain(live_mirror)
 
-        first_seq, _ = await publish(js, build(history, keys, project), before_forget=live_nodes_catch_up)
+        # A closing claim: runners confined to the project's subjects learn the records made after its last
+        # event (a review policy) with its next one; a node's journal reads every subject and learns them at once.
+        closed = [*history, ("claim", 0, 0, 0, "none", 0)]
+        first_seq, _ = await publish(js, build(closed, keys, project), before_forget=live_nodes_catch_up)
         start = max(first_seq, 1)
         fold = (await load_project(js, project)).fold
 
@@ -201,6 +206,13 @@ async def run_paths(bus: Bus, history: list[Op], seed: int, workdir: Path) -> No
             "mirror rebuilt": await mirror_states(rebuilt, project),
         }
         assert differences(paths) == {}, history
+        # The project's review policy, as every journal recorded it and the client's fold read it, and what it
+        # makes of each claim the safe door would show (awaiting a person, reviewed, or nothing asked).
+        policy = (await load_project(js, project)).authority.policy(project)
+        policies = {j.safe_url: await asyncio.to_thread(review_policy, j, project) for j in journals}
+        assert set(policies.values()) == {policy}, policies
+        reviews = {name: {aid: review_status(s, policy) for aid, s in states.items()} for name, states in paths.items()}
+        assert all(found == reviews["fold"] for found in reviews.values()), reviews
 
         # The same events, each applied or rejected alike. A journal that saw an artifact's events before its
         # forget keeps a redacted audit row for each ("forgotten"); a path that read the stream after the

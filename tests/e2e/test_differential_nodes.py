@@ -15,9 +15,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from bus.client.project_view import load_project
 from bus.host.server import NatsServer
+from bus.model.review import review_status
 from bus.model.state import ArtifactState
 from epibus.node.node import Node, NodeConfig
 from observers.journal import Journal
+from observers.reads import review_policy
 from observers.verify import verify
 from tests.e2e.test_differential import journal_events, journal_states, mirror_states
 from tests.e2e.test_one_truth import caught_up
@@ -70,10 +72,17 @@ async def run_nodes(server: NatsServer, history: list[Op], workdir: Path) -> Non
                 assert live.journal is not None
                 # A node that saw an artifact's events before its forget keeps a redacted row for each.
                 assert kept_events(second.journal, project) == kept_events(live.journal, project)
+                # One review policy on both nodes and in the client's fold, even one set after the last claim.
+                policy = (await load_project(js, project)).authority.policy(project)
+                for node in (live, second):
+                    assert node.journal is not None
+                    assert await asyncio.to_thread(review_policy, node.journal, project) == policy, node.name
             await live.reindex_mirror()
             _, paths["reindexed mirror"] = await node_states(live, project)
             await assert_clean(live, project)
         assert differences(paths) == {}, history
+        reviews = {name: {aid: review_status(s, policy) for aid, s in states.items()} for name, states in paths.items()}
+        assert all(found == reviews["fold"] for found in reviews.values()), reviews
     finally:
         await nc.close()
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from bus.identity.signing import AgentKey
+from bus.host.home import read_node_info
+from bus.identity.signing import AgentKey, node_key
 from tests.support import eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
@@ -108,3 +109,62 @@ def test_no_agent_process_runs_as_a_person(node: Path) -> None:
     assert statusline.returncode == 1
     assert "flo is a person's identity" in statusline.stderr
     assert not (node / "keys" / "flo.nk").exists()
+
+
+def publish(home: Path, text: str, impact: str, project: str) -> str:
+    out = epibus(home, "publish", "finding", "-p", project, "--agent", "alice", "--text", text, "--impact", impact,
+                 "--confidence", "0.7", "--subject", "s", "--wait", "indexed", "--json")  # fmt: skip
+    return str(last_json(out)["artifact_id"])
+
+
+def safe_reads(home: Path, project: str) -> tuple[list[tuple[str, str | None]], list[tuple[str, str | None]]]:
+    """What the safe door shows, in order, with each claim's review status: the journal's and the mirror's."""
+    listed = last_json(epibus(home, "artifacts", "-p", project, "--json"))
+    hits = last_json(epibus(home, "recall", "the deploy and the cache", "-p", project, "--json"))["hits"]
+    return [(a["artifact_id"], a["review"]) for a in listed], [(h["artifact_id"], h["review"]) for h in hits]
+
+
+def test_a_projects_review_policy_holds_its_weighty_claims_for_a_person(node: Path, tmp_path: Path) -> None:
+    q = "weighty"
+    set_policy = last_json(epibus(node, "policy", "set", "-p", q, "--human-review-impact", "0.8", "--json"))
+    assert (set_policy["policy"]["human_review_impact"], set_policy["policy"]["mode"]) == (0.8, "rank")
+    small = publish(node, "the deploy slowed the cache a little", "0.3", q)
+    big = publish(node, "the deploy broke the cache for every tenant", "0.9", q)
+    # Ranked after the rest until a person reviews it, by the journal's door and the mirror's alike.
+    assert safe_reads(node, q) == ([(small, None), (big, "awaiting review")], [(small, None), (big, "awaiting review")])
+    awaiting = last_json(epibus(node, "audit", "--reviews", "-p", q, "--journal", "node", "--json"))
+    assert ([a["artifact_id"] for a in awaiting["awaiting"]], awaiting["reviews"]) == ([big], [])
+
+    epibus(node, "policy", "set", "-p", q, "--human-review-impact", "0.8", "--withhold")
+    assert safe_reads(node, q) == ([(small, None)], [(small, None)])  # withheld from the safe door...
+    audited = last_json(epibus(node, "audit", "-p", q, "--journal", "node", "--json"))
+    assert {a["artifact_id"]: a["review"] for a in audited} == {small: None, big: "awaiting review"}  # ...not hidden
+
+    epibus(node, "person", "add", "gil", "-p", q, "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
+    epibus(node, "verify", big, "-p", q, "--person", "gil", "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
+    reviewed = ([(big, "reviewed"), (small, None)], [(big, "reviewed"), (small, None)])
+    assert eventually_sync(lambda: safe_reads(node, q) == reviewed, timeout_s=20)
+    who = last_json(epibus(node, "audit", "--reviews", "-p", q, "--journal", "node", "--json"))
+    assert (who["awaiting"], [(r["artifact_id"], r["person"]) for r in who["reviews"]]) == ([], [(big, "gil")])
+
+    shown = last_json(epibus(node, "policy", "show", "-p", q, "--json"))
+    assert (shown["policy"]["mode"], shown["policy"]["set_by"]) == ("withhold", made_by_operator(node))
+
+
+def made_by_operator(home: Path) -> str:
+    """The identity the CLI signs with under a node's home: the node's own (its operator)."""
+    return node_key(home).agent_id
+
+
+def test_only_an_admin_of_the_project_sets_its_review_policy(node: Path, tmp_path: Path) -> None:
+    info = read_node_info(node)
+    assert info is not None
+    url = info.nats_url
+    mallory = AgentKey.load_or_create(tmp_path, "mallory")
+    epibus(node, "agent", "add", "mallory", "--key", mallory.public_key, "-p", "weighty2")
+    refused = run_epibus(tmp_path, "policy", "set", "-p", "weighty2", "--human-review-impact", "0.1", "--nats", url,
+                         "--agent", "mallory", check=False)  # fmt: skip
+    assert "only an admin may" in one_line_error(refused)
+    shown = last_json(run_epibus(tmp_path, "policy", "show", "-p", "weighty2", "--nats", url, "--agent", "mallory",
+                                 "--json"))  # fmt: skip
+    assert shown["policy"] is None  # nothing was recorded
