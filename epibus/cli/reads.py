@@ -19,7 +19,7 @@ from bus.errors import AmbiguousId
 from bus.host.home import epibus_home, resolve_journal_url
 from bus.model.requests import JournalReadRequest, build_request
 from bus.model.review import AWAITING_REVIEW
-from bus.model.state import vouched_text
+from bus.model.state import vouched_cells
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -127,7 +127,7 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
             v["kind"],
             state_label(v) + (f", {v['review']}" if v["review"] == AWAITING_REVIEW else ""),
             v["author"],
-            vouched_text(v["vouched"]),
+            *vouched_cells(v["vouched"]),
             f"{v['relevance']:.3f}",
             ",".join(sorted(v["flags"])),
             v["content"],
@@ -142,7 +142,8 @@ def state_label(view: dict[str, Any]) -> str:
     return f"{view['trust']}/{life}"
 
 
-COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "vouched", "relevance", "flags", "content"]
+# agents and people: who verified it (the last person named)
+COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "agents", "people", "relevance", "flags", "content"]
 
 
 def _cutoff(as_of: str | None) -> datetime | None:

@@ -9,7 +9,7 @@ import typer
 
 from bus.client.recall import RecallAnswer, ask_all, recall_request
 from bus.model.requests import RecallRequest
-from bus.model.state import vouched_text
+from bus.model.state import vouched_cells
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -47,12 +47,11 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
     rows = [
         [
             f"{h['score']:.3f}",
-            f"{h['similarity']:.3f}",
             h["kind"],
             h["artifact_id"],
             f"{h['state']['trust']}/{h['state']['lifecycle']}" + (f", {h['review']}" if h["review"] else ""),
             h["provenance"]["actor"],
-            vouched_text(h["vouched"]),
+            *vouched_cells(h["vouched"]),
             h["content"],
         ]
         for h in answer.hits
@@ -60,7 +59,7 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
     console.print(
         table(
             f"{title}: {len(rows)} hit(s) from {', '.join(answer.nodes)}",
-            ["score", "similarity", "kind", "artifact", "state", "actor", "vouched", "content"],
+            ["score", "kind", "artifact", "state", "actor", "agents", "people", "content"],
             rows,
         )
     )

@@ -15,7 +15,7 @@ from bus.model.auth import ANY_PROJECT
 from bus.model.authority import NO_RECORDS, Authority, enrolment_event, enrolment_record
 from bus.model.event import Envelope, draft_event
 from bus.model.fold import Fold
-from bus.model.state import ArtifactState, decide, vouched_text
+from bus.model.state import ArtifactState, decide, vouched_cells, vouched_text
 from bus.model.vocab import Lifecycle, Role, Trust
 from bus.subjects import POLICY_PROJECT
 from tests.bus.test_state import P, claim, ev, standing, state
@@ -211,3 +211,4 @@ def test_who_vouched_counts_agents_once_and_names_the_last_person(keys: dict[str
     assert vouched_text(current.vouched()) == f"1 agent, 2 people (rita, {last.isoformat()[:16].replace('T', ' ')}Z)"
     assert ArtifactState.from_record(current.to_record()) == current  # every store keeps it whole
     assert vouched_text(state("a2").vouched()) == "no one"
+    assert [vouched_cells(v) for v in (current.vouched(), state("a2").vouched())] == [("1", "rita+1"), ("", "")]
