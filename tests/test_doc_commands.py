@@ -64,7 +64,7 @@ def _shown_refused(lines: list[str], index: int) -> bool:
 
 def _command_only(text: str) -> str:
     words = shlex.split(text, comments=True)
-    for stop in ("|", "&&", ";", ">", "2>&1", "&"):
+    for stop in ("|", "&&", ";", ">", "2>&1", "&", "<", "<<<"):
         if stop in words:
             words = words[: words.index(stop)]
     return shlex.join(words)

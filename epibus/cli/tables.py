@@ -94,7 +94,7 @@ def fitted(
     if wide and _natural_width(columns, cells, kinds) > width:
         return expanded(title, columns, cells)
     # Before a short column (a kind, a state) is cut: empty columns go, then ids shrink to unique prefixes.
-    if _natural_width(columns, cells, kinds) > width:
+    if cells and _natural_width(columns, cells, kinds) > width:  # no rows: the headers say what would be there
         kept = [i for i in range(len(columns)) if any(row[i] for row in cells)]  # an empty column says nothing
         columns, kinds = [columns[i] for i in kept], [kinds[i] for i in kept]
         cells = [[row[i] for i in kept] for row in cells]

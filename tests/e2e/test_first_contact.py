@@ -226,7 +226,7 @@ def test_an_agent_on_the_light_install_publishes_reads_recalls_tails_and_consume
     event_id = published.stdout.strip()
     for args, word in (
         (["artifacts", "-p", "light", "--agent", "dora"], "1 artifact(s) in light"),
-        (["recall", "what does a light client do", "-p", "light", "--agent", "dora"], "a light client publishes"),
+        (["recall", "what does a light client do", "-p", "light", "--agent", "dora"], "a light client"),
         (["tail", "-p", "light", "-n", "1", "--from-start", "--agent", "dora"], event_id),
     ):
         result = light(home, tmp_path, "-m", "epibus", *args)
