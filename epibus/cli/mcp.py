@@ -63,6 +63,7 @@ async def _serve(session: AgentSession, *, http: bool, host: str, port: int, as_
     from epibus.mcp_tools.server import EpibusMcp  # the MCP SDK, loaded only to serve (see `mcp`)
 
     async with session:
+        await session.refuse_a_person()
         server = EpibusMcp(session)
         try:
             await _transport(server, session, http=http, host=host, port=port, as_json=as_json)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class SessionConfig:
     journal: str | None = None  # default: the local node's journal
 
 
+log = logging.getLogger(__name__)
+A_PERSON = "a person"  # what an MCP server never runs as
+
+
 class AgentSession:
     """Use as `async with`. Every tool call goes through `client()` and `journal()`."""
 
@@ -55,6 +60,19 @@ class AgentSession:
 
     async def __aenter__(self) -> AgentSession:
         return self
+
+    async def refuse_a_person(self) -> None:
+        """At start: raise Forbidden when the key this server signs with is enrolled as a person's (a model sits
+        behind an MCP server). A node that does not answer yet, or a key it does not know, is left to the first
+        call, which reports it."""
+        try:
+            await self.enrolment()
+        except Unavailable as e:
+            log.warning("epibus mcp: the node did not answer at start (%s); the first call asks again", e)
+        except Forbidden as e:
+            if e.target == A_PERSON:
+                raise
+            log.warning("epibus mcp: %s", e)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._drop_client()
@@ -96,7 +114,7 @@ class AgentSession:
             return None
         client.enrolment = await self._recent.get(self.agent, lambda: AgentRegistry(client.js).get(self.agent))
         if client.enrolment is not None and client.enrolment.is_person:
-            raise Forbidden(self.agent, "run an MCP server as", "a person", person_refusal(self.agent))
+            raise Forbidden(self.agent, "run an MCP server as", A_PERSON, person_refusal(self.agent))
         if client.enrolment is None:
             raise Forbidden(
                 self.agent, "read", "anything", "it is not enrolled; an admin enrols it with `epibus agent add`"

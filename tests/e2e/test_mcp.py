@@ -396,6 +396,11 @@ async def test_a_person_reviews_at_the_cli_and_an_admin_reads_it_through_mcp_as_
         message = await eventually(lambda: _refused_or_none(admin, "artifacts", project=project), timeout_s=20)
         assert message.startswith(f"Forbidden: agent 'root' may not read project {project}"), message
     assert [(v["verifier"], v["human_review"]) for v in audited["verifications"]] == [("rita", True)]
+    assert (audited["vouched"]["agents"], audited["vouched"]["people"], audited["vouched"]["last_person"]) == (
+        0,
+        1,
+        "rita",
+    )
 
 
 async def _refused_or_none(client: Client, tool: str, **arguments: Any) -> str | None:

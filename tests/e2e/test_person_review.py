@@ -6,6 +6,7 @@ person."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 
 from bus.host.home import read_node_info
+from bus.identity.person import unlock_person_key
 from bus.identity.signing import AgentKey, node_key
-from tests.support import eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
+from tests.support import cli_env, eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 P = "reviews"
@@ -99,7 +101,7 @@ def test_the_reviewer_role_is_a_persons_only(node: Path) -> None:
     assert "--role" in one_line_error(as_agent)
 
 
-def test_no_agent_process_runs_as_a_person(node: Path) -> None:
+def test_no_agent_process_runs_as_a_person(node: Path, tmp_path: Path) -> None:
     epibus(node, "person", "add", "flo", "-p", P, "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
     published = epibus(node, "publish", "finding", "-p", P, "--agent", "flo", "--text", "x", "--impact", "0.1",
                        "--confidence", "0.1", "--subject", "s", check=False)  # fmt: skip
@@ -111,6 +113,19 @@ def test_no_agent_process_runs_as_a_person(node: Path) -> None:
     assert statusline.returncode == 1
     assert "flo is a person's identity" in statusline.stderr
     assert not (node / "keys" / "flo.nk").exists()
+    # Even holding the person's key itself (unlocked, in a .creds file), an MCP server refuses at start.
+    creds = tmp_path / "flo.creds"
+    seed = unlock_person_key(node, "flo", PASSPHRASE).seed.decode()
+    creds.write_text(f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n")
+    info = read_node_info(node)
+    assert info is not None
+    server = subprocess.run(
+        [sys.executable, "-m", "epibus", "mcp", "--agent", "flo", "--nats", info.nats_url],
+        env=cli_env(tmp_path / "elsewhere") | {"NATS_CREDS": str(creds)},
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert server.returncode == 1, server.stderr
+    assert "may not run an MCP server as a person: flo is a person's identity" in server.stderr
 
 
 def publish(home: Path, text: str, impact: str, project: str) -> str:
