@@ -45,12 +45,13 @@ async def _ask(target: Target, admin: AgentKey, call: Any) -> Any:
 
 
 def _show(rows: list[dict[str, Any]], title: str) -> None:
-    columns = ["agent_id", "owner", "roles", "projects", "public_key", "enrolled_at", "revoked_at"]
+    columns = ["agent_id", "identity", "owner", "roles", "projects", "public_key", "enrolled_at", "revoked_at"]
+    shown_rows = [r | {"identity": r.get("identity") or "agent"} for r in rows]  # none recorded: an agent
     console.print(
         table(
             title,
             columns,
-            [[", ".join(r[c]) if isinstance(r[c], list) else r[c] for c in columns] for r in rows],
+            [[", ".join(r[c]) if isinstance(r[c], list) else r[c] for c in columns] for r in shown_rows],
         )
     )
 
