@@ -222,16 +222,19 @@ class AgentRegistry:
             raise Unavailable("nats", f"agent key registry: {type(e).__name__} {e}") from e
 
     def _check_key(self, entry: KeyValue.Entry | None, enrolment: Enrolment, *, replace_key: bool) -> None:
-        if entry is None or replace_key:
+        if entry is None:
             return
         current = decode_enrolment(entry.value or b"", key=enrolment.agent_id, revision=entry.revision)
-        if current.identity is not None and current.identity != enrolment.identity and current.active:
-            # A person's identity never becomes an agent's (its reviews would pass to a key kept in clear).
+        if current.kind != enrolment.kind and current.active:
+            # A person's identity never becomes an agent's, not even by a new key: its reviews would pass to a key
+            # kept in clear.
             raise Conflict(
                 f"agent {enrolment.agent_id}",
-                f"it is enrolled as a {current.identity} and this enrolment makes it an {enrolment.identity}",
+                f"it is enrolled as {current.kind.value} and this enrolment makes it {enrolment.kind.value}",
                 fix="revoke it first, or choose another name",
             )
+        if replace_key:
+            return
         if current.public_key != enrolment.public_key and current.active:
             raise Conflict(
                 f"agent {enrolment.agent_id}",

@@ -113,15 +113,20 @@ class Enrolment(BaseModel):
         return self.model_copy(update={"revoked_at": at})
 
     def same_standing(self, other: Enrolment) -> bool:
-        """Whether two records give an identity the same key, owner, roles, projects and revocation."""
+        """Whether two records give an identity the same key, owner, roles, projects, revocation and kind."""
         return (
             self.public_key == other.public_key
             and self.owner == other.owner
             and set(self.roles) == set(other.roles)
             and set(self.projects) == set(other.projects)
             and self.active == other.active
-            and self.identity == other.identity
+            and self.kind == other.kind
         )
+
+    @property
+    def kind(self) -> Identity:
+        """Its identity kind; a record from before kinds were recorded is an agent's."""
+        return self.identity or Identity.agent
 
 
 class ReviewPolicy(BaseModel):

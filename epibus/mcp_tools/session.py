@@ -18,7 +18,7 @@ from bus.client.client import EpibusClient, connect
 from bus.client.connection import requires_authentication
 from bus.enrolment.recent import RecentEnrolments
 from bus.enrolment.registry import AgentRegistry
-from bus.errors import Forbidden, Unavailable
+from bus.errors import ConfigError, Forbidden, Unavailable
 from bus.host.home import default_journal_url, epibus_home, person_refusal, read_node_info, resolve_journal_url
 from bus.identity.signing import AgentKey
 from bus.model.auth import AUDIT_ROLES, Enrolment
@@ -67,8 +67,8 @@ class AgentSession:
         call, which reports it."""
         try:
             await self.enrolment()
-        except Unavailable as e:
-            log.warning("epibus mcp: the node did not answer at start (%s); the first call asks again", e)
+        except (Unavailable, ConfigError) as e:  # no node yet: the first call asks again, and says so
+            log.warning("epibus mcp: no answer from a node at start (%s); the first call asks again", e)
         except Forbidden as e:
             if e.target == A_PERSON:
                 raise

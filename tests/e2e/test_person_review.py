@@ -99,6 +99,10 @@ def test_the_reviewer_role_is_a_persons_only(node: Path) -> None:
     as_agent = epibus(node, "person", "add", "erin", "-p", P, "--role", "agent", "--passphrase-stdin",
                       stdin_text=PASSPHRASE + "\n", check=False)  # fmt: skip
     assert "--role" in one_line_error(as_agent)
+    # A person's identity never passes to an agent's key, not even as a key rotation.
+    epibus(node, "person", "add", "hal", "-p", P, "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
+    rotated = epibus(node, "agent", "add", "hal", "--key", rita.public_key, "-p", P, "--replace-key", check=False)
+    assert "it is enrolled as person and this enrolment makes it agent" in one_line_error(rotated)
 
 
 def test_no_agent_process_runs_as_a_person(node: Path, tmp_path: Path) -> None:
