@@ -82,10 +82,12 @@ async def fleet(tmp_path: Path, project: str) -> AsyncIterator[Fleet]:
     home = tmp_path / "home"
     async with Node(NodeConfig(home=home, name="node-a")) as node:
         assert node.authenticated
-        keys = {name: AgentKey.load_or_create(home, name) for name in ENROLLED}
+        # A person's key is never among the node home's agent keys (the node would enrol it as an agent).
+        where = {name: tmp_path / "people" if Role.reviewer in roles else home for name, (_, roles) in ENROLLED.items()}
+        keys = {name: AgentKey.load_or_create(where[name], name) for name in ENROLLED}
         for name, (owner, roles) in ENROLLED.items():
             await _enrol(node, home, keys[name], owner, roles, [project])
-        clients = {name: await connect(node.nats_url, agent=name, home=home, outbox=False) for name in ENROLLED}
+        clients = {name: await connect(node.nats_url, key=keys[name], home=home, outbox=False) for name in ENROLLED}
         operator = await nats.connect(node.nats_url, **operator_credentials(home))
         try:
             yield Fleet(node, home, project, keys, clients, operator)

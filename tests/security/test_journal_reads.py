@@ -39,8 +39,10 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 @contextlib.asynccontextmanager
 async def agent(node: Node, name: str, projects: list[str], roles: list[Role]) -> AsyncIterator[EpibusClient]:
     home = node.config.home
-    await enrol_agent(node.nats_url, home, AgentKey.load_or_create(home, name), roles=roles, projects=projects)
-    async with connect(node.nats_url, agent=name, home=home, outbox=False) as client:
+    # A person's key is never among the node home's agent keys (the node would enrol it as an agent).
+    key = AgentKey.load_or_create(home.parent / "people" if Role.reviewer in roles else home, name)
+    await enrol_agent(node.nats_url, home, key, roles=roles, projects=projects)
+    async with connect(node.nats_url, key=key, home=home, outbox=False) as client:
         yield client
 
 
