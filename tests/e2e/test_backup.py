@@ -15,18 +15,20 @@ import pytest
 
 from bus.client.client import connect
 from tests.conftest import finding
-from tests.support import cli_env, eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
+from tests.support import cli_env, eventually, eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
 
 pytestmark = pytest.mark.slow
 
 
-async def publish_until(home: Path, project: str, stop: asyncio.Event) -> int:
+async def publish_until(home: Path, project: str, stop: asyncio.Event, progress: list[int]) -> int:
+    """Publish until stopped; `progress[0]` counts what was published so far."""
     sent = 0
     async with connect(home=home, agent="writer") as client:
         while not stop.is_set():
             events = [client.event("finding", finding(sent + i), project=project) for i in range(20)]
             await client.publish_many(events)
             sent += len(events)
+            progress[0] = sent
             await asyncio.sleep(0.01)
     return sent
 
@@ -46,9 +48,9 @@ async def test_a_backup_taken_under_load_restores_onto_a_fresh_home_and_reconcil
     home, fresh, backup = tmp_path / "home", tmp_path / "fresh", tmp_path / "backup"
     process, _ = start_node_process(home)
     try:
-        stop = asyncio.Event()
-        writer = asyncio.create_task(publish_until(home, project, stop))
-        await asyncio.sleep(1.0)  # agents are publishing when the backup starts
+        stop, progress = asyncio.Event(), [0]
+        writer = asyncio.create_task(publish_until(home, project, stop, progress))
+        await eventually(lambda: progress[0] >= 100, timeout_s=60)  # agents are publishing when the backup starts
         code, out, err = await epibus_async(home, "backup", str(backup), "--json")
         stop.set()
         sent = await writer
