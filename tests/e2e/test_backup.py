@@ -15,7 +15,15 @@ import pytest
 
 from bus.client.client import connect
 from tests.conftest import finding
-from tests.support import cli_env, eventually, eventually_sync, last_json, run_epibus, start_node_process, stop_node_process
+from tests.support import (
+    cli_env,
+    eventually,
+    eventually_sync,
+    last_json,
+    run_epibus,
+    start_node_process,
+    stop_node_process,
+)
 
 pytestmark = pytest.mark.slow
 
