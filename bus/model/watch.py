@@ -138,4 +138,5 @@ class Notice(Message):
     lifecycle: Annotated[str, StringConstraints(max_length=40)]
     resolution: Annotated[str, StringConstraints(max_length=40)] | None
     recorded_at: UtcTime
+    review: Literal["awaiting review", "reviewed"] | None = None  # under the project's review policy
     node: NodeName

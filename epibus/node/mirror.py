@@ -27,6 +27,7 @@ from observers.mirror.fleet_vectors import FleetEmbedder
 from observers.mirror.observer import MirrorObserver
 from observers.mirror.reindex import Progress, ReindexCounts, rebuild
 from observers.mirror.store import VectorStore
+from observers.reads import review_policy
 from observers.watch.pusher import WatchPusher
 from observers.watch.registry import WatchRegistry
 
@@ -141,7 +142,7 @@ async def open_mirror(
     stack.push_async_callback(close_store)
     info = await store.describe()
     watches = WatchRegistry(lambda: js, embedder, node=node, replicas=replicas, closed=closed)
-    pusher = WatchPusher(lambda: js, watches.book, node=node)
+    pusher = WatchPusher(lambda: js, watches.book, node=node, policy=lambda project: review_policy(journal, project))
     name = f"mirror-{info.store_id[:8]}"
     observer = MirrorObserver(store, embedder, name=name, journal=journal, node=node, listener=pusher)
     runner = ConsumerRunner(nc, observed(observer, home, honour=failpoints), batch_size=MIRROR_BATCH)

@@ -18,6 +18,8 @@ from pydantic import ValidationError
 from bus.broker.nats_errors import message_gone, nats_call
 from bus.errors import EpibusError, Unavailable
 from bus.intake.stream_read import read_stream
+from bus.model.auth import ReviewPolicy
+from bus.model.review import review_status, safe_review_order
 from bus.model.state import UNSAFE_RESOLUTIONS, UNSAFE_TRUST, ArtifactState
 from bus.model.watch import Notice, WatchRecord
 from bus.outbox.outbox_file import OutboxRow
@@ -42,16 +44,27 @@ class PushStats:
     follow_ups: int = 0
     erased: int = 0  # notices of forgotten claims erased
     unreadable: int = 0  # stored notices a follow-up could not read (logged)
+    withheld: int = 0  # matches not pushed: the project's policy withholds the claim until a person reviews it
     match_s: float = 0.0  # time spent in the matrix products
 
 
 class WatchPusher:
     """The mirror's listener for watches (observers.mirror.listener.MirrorListener)."""
 
-    def __init__(self, js: Callable[[], JetStreamContext], book: WatchBook, *, node: str) -> None:
+    def __init__(
+        self,
+        js: Callable[[], JetStreamContext],
+        book: WatchBook,
+        *,
+        node: str,
+        policy: Callable[[str], ReviewPolicy | None] | None = None,
+    ) -> None:
         self._js = js
         self.book = book
         self.node = node
+        # A project's review policy (blocking: read in a thread): a claim the safe door withholds until a person
+        # reviews it is pushed only to audit watches.
+        self._policy = policy
         self.stats = PushStats()
         self._publishing = asyncio.Semaphore(MAX_PUBLISHING)
 
@@ -63,9 +76,15 @@ class WatchPusher:
         self.stats.match_s += time.perf_counter() - started
         self.stats.claims += len(claims)
         self.stats.matched += len(matches)
+        policies = await self._policies({m.claim.state.project for m in matches})
         rows = []
         for m in matches:
-            notice = _notice("match", m.watch, m.claim.state, m.claim.event_id, m.score, self.node)
+            policy = policies.get(m.claim.state.project)
+            review = review_status(m.claim.state, policy)
+            if not m.watch.audit and not safe_review_order([review], lambda r: r, policy):
+                self.stats.withheld += 1
+                continue  # withheld from the safe door until a person reviews it
+            notice = _notice("match", m.watch, m.claim.state, m.claim.event_id, m.score, self.node, review)
             subject = notice_subject(m.watch.owner_key, m.watch.watch_id, notice.project, notice.artifact_id)
             # The row's id is the message id the server deduplicates on: watch id + event id.
             rows.append(OutboxRow(f"{m.watch.watch_id}.{notice.event_id}", subject, notice.model_dump_json().encode()))
@@ -76,6 +95,12 @@ class WatchPusher:
         self.stats.pushed += sum(1 for ack in stored if not ack.duplicate)
         if failed:  # the mirror's batch is held and delivered again: what was stored is then a duplicate
             raise failed[0]
+
+    async def _policies(self, projects: set[str]) -> dict[str, ReviewPolicy | None]:
+        if self._policy is None or not projects:
+            return {}
+        read = self._policy
+        return await asyncio.to_thread(lambda: {project: read(project) for project in projects})
 
     async def changed(self, states: Sequence[ArtifactState]) -> None:
         """A follow-up to every watch a claim was pushed to, once it is no longer trusted (an audit watch is
@@ -157,7 +182,15 @@ class WatchPusher:
             self.stats.pushed += 1
 
 
-def _notice(kind: str, watch: WatchRecord, state: ArtifactState, event_id: str, score: float, node: str) -> Notice:
+def _notice(
+    kind: str,
+    watch: WatchRecord,
+    state: ArtifactState,
+    event_id: str,
+    score: float,
+    node: str,
+    review: str | None = None,
+) -> Notice:
     return Notice.model_validate(
         {
             "notice": kind,
@@ -174,6 +207,7 @@ def _notice(kind: str, watch: WatchRecord, state: ArtifactState, event_id: str, 
             "lifecycle": state.lifecycle.value,
             "resolution": state.resolution.value if state.resolution is not None else None,
             "recorded_at": state.created_at,
+            "review": review,
             "node": node,
         }
     )

@@ -5,6 +5,7 @@ person."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -145,8 +146,15 @@ def safe_reads(home: Path, project: str) -> tuple[list[tuple[str, str | None]], 
     return [(a["artifact_id"], a["review"]) for a in listed], [(h["artifact_id"], h["review"]) for h in hits]
 
 
+def follow(home: Path, count: int) -> list[str]:
+    """The next `count` notices of wendy's watches, as JSON lines (from where she last looked)."""
+    out = epibus(home, "watch", "follow", "--count", str(count), "--agent", "wendy", "--json")
+    return [line for line in out.stdout.splitlines() if line.startswith("{")]
+
+
 def test_a_projects_review_policy_holds_its_weighty_claims_for_a_person(node: Path, tmp_path: Path) -> None:
     q = "weighty"
+    epibus(node, "watch", "--about", "the deploy broke the cache", "-p", q, "--agent", "wendy", "--no-follow")
     set_policy = last_json(epibus(node, "policy", "set", "-p", q, "--human-review-impact", "0.8", "--json"))
     assert (set_policy["policy"]["human_review_impact"], set_policy["policy"]["mode"]) == (0.8, "rank")
     small = publish(node, "the deploy slowed the cache a little", "0.3", q)
@@ -156,17 +164,40 @@ def test_a_projects_review_policy_holds_its_weighty_claims_for_a_person(node: Pa
     awaiting = last_json(epibus(node, "audit", "--reviews", "-p", q, "--journal", "node", "--json"))
     assert ([a["artifact_id"] for a in awaiting["awaiting"]], awaiting["reviews"]) == ([big], [])
 
+    pushed = [json.loads(line) for line in follow(node, 2)]  # a watch is told of both, with their status
+    assert sorted((n["artifact_id"], n["review"]) for n in pushed) == sorted([(small, None), (big, "awaiting review")])
+
     epibus(node, "policy", "set", "-p", q, "--human-review-impact", "0.8", "--withhold")
     assert safe_reads(node, q) == ([(small, None)], [(small, None)])  # withheld from the safe door...
+    again = publish(node, "the deploy broke the cache for every tenant once more", "0.9", q)
+    after = publish(node, "the deploy slowed the cache once more", "0.3", q)
+    # ...and from a watch: the next notice is the claim published after it.
+    assert [json.loads(line)["artifact_id"] for line in follow(node, 1)] == [after]
+    assert again not in [a for a, _ in safe_reads(node, q)[0]]
     audited = last_json(epibus(node, "audit", "-p", q, "--journal", "node", "--json"))
-    assert {a["artifact_id"]: a["review"] for a in audited} == {small: None, big: "awaiting review"}  # ...not hidden
+    assert {a["artifact_id"]: a["review"] for a in audited} == {  # ...not hidden
+        small: None,
+        big: "awaiting review",
+        again: "awaiting review",
+        after: None,
+    }
 
     epibus(node, "person", "add", "gil", "-p", q, "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
     epibus(node, "verify", big, "-p", q, "--person", "gil", "--passphrase-stdin", stdin_text=PASSPHRASE + "\n")
-    reviewed = ([(big, "reviewed"), (small, None)], [(big, "reviewed"), (small, None)])
-    assert eventually_sync(lambda: safe_reads(node, q) == reviewed, timeout_s=20)
+
+    def reviewed() -> bool:  # first by relevance and by similarity now, no longer held back
+        listed, recalled = safe_reads(node, q)
+        return listed[0] == recalled[0] == (big, "reviewed") and {*listed[1:]} == {*recalled[1:]} == {
+            (small, None),
+            (after, None),
+        }
+
+    assert eventually_sync(reviewed, timeout_s=20)
     who = last_json(epibus(node, "audit", "--reviews", "-p", q, "--journal", "node", "--json"))
-    assert (who["awaiting"], [(r["artifact_id"], r["person"]) for r in who["reviews"]]) == ([], [(big, "gil")])
+    assert ([a["artifact_id"] for a in who["awaiting"]], [(r["artifact_id"], r["person"]) for r in who["reviews"]]) == (
+        [again],
+        [(big, "gil")],
+    )
 
     shown = last_json(epibus(node, "policy", "show", "-p", q, "--json"))
     assert (shown["policy"]["mode"], shown["policy"]["set_by"]) == ("withhold", made_by_operator(node))
