@@ -142,6 +142,7 @@ def watch_figures(watches: tuple[WatchRegistry, WatchPusher] | None) -> dict[str
         "duplicates": stats.duplicates,
         "follow_ups": stats.follow_ups,
         "erased": stats.erased,
+        "withheld": stats.withheld,
         "match_ms_per_claim": round(1000 * stats.match_s / stats.claims, 3) if stats.claims else None,
         "latest": [
             {

@@ -340,7 +340,7 @@ def _watch_families(node: NodeView) -> list[Metric]:
     ):
         registered.add_metric([outcome], n)
     for outcome, n in (("pushed", stats.pushed), ("duplicate", stats.duplicates), ("follow_up", stats.follow_ups),
-                       ("erased", stats.erased)):  # fmt: skip
+                       ("erased", stats.erased), ("withheld", stats.withheld)):  # fmt: skip
         notices.add_metric([outcome], n)
     matched.add_metric(["claims"], stats.claims)
     matched.add_metric(["matches"], stats.matched)
