@@ -29,8 +29,6 @@ from bus.enrolment.service_rules import (
     admin_rule,
     current_asker,
     enrolled_rule,
-    policy_rule,
-    policy_show_rule,
 )
 from bus.errors import ConfigError, EpibusError
 from bus.host.server import AUTHORIZATION_FILE, NatsServer
@@ -43,13 +41,12 @@ from bus.model.auth import (
     FIRST_USE,
     NODE_PREFIX,
     Enrolment,
-    ReviewPolicy,
     first_use_enrolment,
     is_node_identity,
     render_authorization,
     reviewer_refusal,
 )
-from bus.model.authority import enrolment_event, policy_event
+from bus.model.authority import enrolment_event
 from bus.model.fields import AGENT_PATTERN
 from bus.model.requests import (
     MAX_VIEW_RECORDS,
@@ -60,23 +57,19 @@ from bus.model.requests import (
     EnrolmentViewReply,
     EnrolmentViewRequest,
     EnrolRequest,
-    PolicyReply,
-    PolicySetRequest,
-    PolicyShowRequest,
     RevokeRequest,
 )
 from bus.model.vocab import Identity, Role
 from bus.outbox.outbox_file import OutboxRow
 from bus.outbox.publish import retrying_unavailable, send_one
 from bus.services.responder import Responder, Service, serve
+from bus.services.review_policies import ReviewPolicies
 from bus.subjects import (
     ADMIN_QUEUE,
     ENROL,
     ENROLMENT_VIEW,
     ENROLMENT_VIEW_QUEUE,
     LIST_AGENTS,
-    POLICY_SET,
-    POLICY_SHOW,
     REVOKE,
 )
 
@@ -207,7 +200,8 @@ class Enrolments:
     async def serve(self, nc: NatsClient) -> dict[str, Responder[Any, Any]]:
         name, queue = self.node_name, ADMIN_QUEUE
         admin: Authorizer[Any] = self.guard.authorizer(admin_rule, always=True)  # on any server: admins only
-        return {
+        policies = ReviewPolicies(self.js, self.signer, self.records, self.guard, node_name=name)
+        return await policies.serve(nc) | {
             ENROL: await serve(
                 nc, ENROL, EnrolRequest, EnrolmentReply, self._enrol, node=name, authorize=admin, queue=queue
             ),
@@ -217,48 +211,7 @@ class Enrolments:
             LIST_AGENTS: await serve(
                 nc, LIST_AGENTS, AgentListRequest, AgentListReply, self._list, node=name, authorize=admin, queue=queue
             ),
-            POLICY_SET: await serve(
-                nc,
-                POLICY_SET,
-                PolicySetRequest,
-                PolicyReply,
-                self._set_policy,
-                node=name,
-                queue=queue,
-                authorize=self.guard.authorizer(policy_rule, always=True),
-            ),
-            POLICY_SHOW: await serve(
-                nc,
-                POLICY_SHOW,
-                PolicyShowRequest,
-                PolicyReply,
-                self._show_policy,
-                node=name,
-                queue=queue,
-                authorize=self.guard.authorizer(policy_show_rule),
-            ),
         }
-
-    async def _set_policy(self, request: PolicySetRequest) -> PolicyReply:
-        """Record the project's review policy on the stream (signed by this node), where every path reads it."""
-        asker = current_asker()
-        policy = ReviewPolicy(
-            project=request.project,
-            human_review_impact=request.human_review_impact,
-            mode=request.mode,
-            set_by=asker.agent_id if asker is not None else self.node_name,
-            set_at=datetime.now(UTC),
-        )
-        row = OutboxRow.of(policy_event(self.signer, policy, session_id=self.node_name))
-        async for attempt in retrying_unavailable():
-            with attempt:
-                await send_one(self.js, row, timeout_s=JS_TIMEOUT_S)
-        return PolicyReply(node=self.node_name, project=policy.project, policy=policy.model_dump(mode="json"))
-
-    async def _show_policy(self, request: PolicyShowRequest) -> PolicyReply:
-        policy = (await self.records.read()).policy(request.project)
-        dumped = policy.model_dump(mode="json") if policy is not None else None
-        return PolicyReply(node=self.node_name, project=request.project, policy=dumped)
 
     def view_service(self) -> Service[EnrolmentViewRequest]:
         """What an agent may see of the fleet's enrolments (`bus.enrolment.enrolment_view`): any enrolled agent
