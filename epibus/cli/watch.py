@@ -126,19 +126,20 @@ def stop_command(
 ) -> None:
     """Stop one of your watches: nothing more is pushed for it."""
 
-    async def stopped(client: EpibusClient) -> bool:
+    async def stopped(client: EpibusClient) -> tuple[str, bool]:
         # A table cuts ids at 80 columns: a unique prefix of one of your watches names it, as ids do elsewhere.
         owned, _ = await client.watches.list_own()
         matching = [w.watch_id for w in owned if w.watch_id.startswith(watch_id.lower())]
         if len(matching) > 1:
             raise ConfigError("watch_id", f"{watch_id!r} is the start of {len(matching)} of your watches; give more")
-        return await client.watches.stop(matching[0] if matching else watch_id)
+        named = matching[0] if matching else watch_id
+        return named, await client.watches.stop(named)
 
-    done = run(_with_client(nats, agent, home, stopped))
+    named, done = run(_with_client(nats, agent, home, stopped))
     if as_json:
-        emit_json({"ok": True, "watch_id": watch_id, "stopped": done})
+        emit_json({"ok": True, "watch_id": named, "stopped": done})
         return
-    said = f"watch {watch_id} stopped" if done else f"no watch {watch_id} of yours (stopped already?)"
+    said = f"watch {named} stopped" if done else f"no watch {watch_id} of yours (stopped already?)"
     console.print(shown(said))
 
 

@@ -53,7 +53,8 @@ def test_a_watch_from_the_cli_tells_of_a_match_then_only_of_what_was_missed(home
     shown = run_epibus(home, "watch", "list", columns=80).stdout
     assert made["watch_id"][:12] in shown  # at 80 columns, its shortest unique prefix at least
     assert "1 of 32" in shown
-    assert last_json(run_epibus(home, "watch", "stop", made["watch_id"][:10], "--json"))["stopped"] is True
+    stopped = last_json(run_epibus(home, "watch", "stop", made["watch_id"][:10], "--json"))
+    assert (stopped["watch_id"], stopped["stopped"]) == (made["watch_id"], True)  # the whole id it named
     assert last_json(run_epibus(home, "watch", "list", "--json"))["watches"] == []
     refused = run_epibus(home, "watch", "--about", "x", check=False)
     assert refused.returncode == 1
