@@ -27,7 +27,7 @@ def watch_families(node: NodeView) -> list[Metric]:
     notices = CounterMetricFamily(
         "epibus_watch_notices",
         "Notices by what became of them: pushed (stored), duplicate (another node pushed it first), follow_up "
-        "(no longer trusted), erased (a forgotten claim's).",
+        "(no longer trusted), erased (a forgotten claim's), withheld (the project's review policy holds the claim).",
         labels=["outcome"],
     )
     matched = CounterMetricFamily("epibus_watch_claims_matched", "Claims matched against the watches, and matches.",
