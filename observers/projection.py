@@ -322,9 +322,7 @@ def rebuild(conn: Connection) -> int:
         conn.execute(delete(table))
     conn.execute(update(events).where(events.c.status != FORGOTTEN).values(status="applied", reason=None, flags=None))
     # A journal being migrated to the version that keeps them has no enrolment records yet.
-    tables = inspect(conn)
-    policies = tables.has_table(review_policies.name)
-    authority = enrolments_in_journal(conn, policies=policies) if tables.has_table(enrolment_log.name) else NO_RECORDS
+    authority = enrolments_in_journal(conn) if inspect(conn).has_table(enrolment_log.name) else NO_RECORDS
     erased = forgets_in_journal(conn, authority)
     applied, after = 0, 0
     while True:
@@ -375,17 +373,19 @@ def record_enrolments(conn: Connection, authority: Authority) -> int | None:
         rows = [{"stream_seq": seq, "agent_id": e.agent_id, "enrolment": e.model_dump_json()} for seq, e in new]
         conn.execute(enrolment_log.insert(), rows)
     # Review policies decide nothing (reads apply them): kept, never a reason to decide again.
-    kept_policy = conn.execute(select(func.max(review_policies.c.stream_seq))).scalar() or 0
-    policies = [(seq, p) for seq, p in authority.policies_in_order() if seq > kept_policy]
+    policies = authority.policies_in_order()
+    if policies:  # most batches carry none: no query for them
+        kept_policy = conn.execute(select(func.max(review_policies.c.stream_seq))).scalar() or 0
+        policies = [(seq, p) for seq, p in policies if seq > kept_policy]
     if policies:
         rows = [{"stream_seq": seq, "project": p.project, "policy": p.model_dump_json()} for seq, p in policies]
         conn.execute(review_policies.insert(), rows)
     return new[0][0] if new else None
 
 
-def enrolments_in_journal(conn: Connection, *, policies: bool = True) -> Authority:
-    """The enrolment records this journal has decided with, and the review policies it keeps: a rebuild and an
-    as-of read decide with them again. `policies` False: a journal migrated from before it kept them."""
+def enrolments_in_journal(conn: Connection, *, policies: bool = False) -> Authority:
+    """The enrolment records this journal has decided with: a rebuild and an as-of read decide with them again.
+    `policies`: with the review policies it keeps too (reads apply them; deciding never does)."""
     rows = conn.execute(select(enrolment_log.c.stream_seq, enrolment_log.c.enrolment))
     records = [(row.stream_seq, Enrolment.model_validate_json(row.enrolment)) for row in rows]
     if not policies:

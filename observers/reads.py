@@ -125,7 +125,7 @@ def snapshot(journal: Journal, project: str, *, as_of: datetime | None = None) -
             )
             .order_by(events.c.stream_seq)
         )
-        authority = enrolments_in_journal(conn)
+        authority = enrolments_in_journal(conn, policies=True)
         erased = forgets_in_journal(conn, authority)
         fold = Fold.of([(validate_event(json.loads(r.envelope)), r.stream_seq) for r in rows], erased, authority)
     then = [p for _, p in authority.policies.get(project, ()) if p.set_at <= cutoff]

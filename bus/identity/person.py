@@ -78,8 +78,9 @@ def write_person_key(home: Path, key: AgentKey, passphrase: str) -> Path:
     return path
 
 
-def person_public_key(home: Path, name: str) -> str:
-    """The public half of a person's key (readable without the passphrase). Raises NotFound."""
+def require_person_key(home: Path, name: str) -> str:
+    """The public half of the person's key here (readable without the passphrase). Raises NotFound naming the
+    file and `epibus person add`, or ConfigError for a file that is not a person's key."""
     return str(_document(home, name)["public_key"])
 
 

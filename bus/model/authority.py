@@ -88,60 +88,49 @@ class EventSigner(Protocol):
     def sign(self, event: Envelope) -> Envelope: ...
 
 
-def enrolment_event(node: EventSigner, enrolment: Enrolment, *, session_id: str = "enrolment") -> Envelope:
-    """The signed record of an enrolment change. `node` is the node's event identity (signing.node_event_key)."""
+def _node_record(node: EventSigner, body: EnrolmentBody | ReviewPolicyBody, filed_as: str, session_id: str) -> Envelope:
     draft = draft_event(
-        ENROLMENT_KIND,
-        EnrolmentBody(enrolment=enrolment),
+        body.kind,
+        body,
         project=POLICY_PROJECT,
         actor=node.actor,
         session_id=session_id,
-        artifact_id=enrolment.agent_id,
+        artifact_id=filed_as,
         event_id=new_event_id(),
     )
     return node.sign(draft)
+
+
+def enrolment_event(node: EventSigner, enrolment: Enrolment, *, session_id: str = "enrolment") -> Envelope:
+    """The signed record of an enrolment change. `node` is the node's event identity (signing.node_event_key)."""
+    return _node_record(node, EnrolmentBody(enrolment=enrolment), enrolment.agent_id, session_id)
 
 
 def policy_event(node: EventSigner, policy: ReviewPolicy, *, session_id: str = "policy") -> Envelope:
     """The signed record of a project's review policy, filed under the project's name in the policy project."""
-    draft = draft_event(
-        REVIEW_POLICY_KIND,
-        ReviewPolicyBody(policy=policy),
-        project=POLICY_PROJECT,
-        actor=node.actor,
-        session_id=session_id,
-        artifact_id=policy.project,
-        event_id=new_event_id(),
-    )
-    return node.sign(draft)
-
-
-def _policy_problem(event: Envelope, body: ReviewPolicyBody) -> str | None:
-    if event.project != POLICY_PROJECT:
-        return f"review policies live in project {POLICY_PROJECT}, not {event.project}"
-    if not is_node_identity(event.actor.agent_id, event.actor.public_key):
-        return "only a node publishes review policies (an admin asks one: epibus policy set)"
-    if event.artifact_id != body.policy.project:
-        return f"the policy is filed under {event.artifact_id} but governs {body.policy.project}"
-    return None
+    return _node_record(node, ReviewPolicyBody(policy=policy), policy.project, session_id)
 
 
 def enrolment_problem(event: Envelope) -> str | None:
     """Why an event in the policy project, or of a kind only it holds, records nothing (None: it is a record,
     an enrolment or a project's review policy)."""
     body = event.body
-    if isinstance(body, ReviewPolicyBody):
-        return _policy_problem(event, body)
-    if not isinstance(body, EnrolmentBody):
+    if isinstance(body, EnrolmentBody):
+        what, asks, filed_as = "enrolment records", "epibus agent add", body.enrolment.agent_id
+        misfiled = f"the record is filed under {event.artifact_id} but enrols {filed_as}"
+    elif isinstance(body, ReviewPolicyBody):
+        what, asks, filed_as = "review policies", "epibus policy set", body.policy.project
+        misfiled = f"the policy is filed under {event.artifact_id} but governs {filed_as}"
+    else:
         return f"project {POLICY_PROJECT} holds only enrolment records and review policies"
     if event.project != POLICY_PROJECT:
-        return f"enrolment records live in project {POLICY_PROJECT}, not {event.project}"
+        return f"{what} live in project {POLICY_PROJECT}, not {event.project}"
     if not is_node_identity(event.actor.agent_id, event.actor.public_key):
-        return "only a node publishes enrolment records (an admin asks one: epibus agent add)"
-    if event.artifact_id != body.enrolment.agent_id:
-        return f"the record is filed under {event.artifact_id} but enrols {body.enrolment.agent_id}"
-    if body.enrolment.agent_id.startswith(NODE_PREFIX):
-        return f"{body.enrolment.agent_id} is a node identity: nodes are not enrolled"
+        return f"only a node publishes {what} (an admin asks one: {asks})"
+    if event.artifact_id != filed_as:
+        return misfiled
+    if isinstance(body, EnrolmentBody) and filed_as.startswith(NODE_PREFIX):
+        return f"{filed_as} is a node identity: nodes are not enrolled"
     return None
 
 

@@ -28,11 +28,15 @@ def review_status(state: ArtifactState, policy: ReviewPolicy | None) -> str | No
     return REVIEWED if state.reviewed_by else AWAITING_REVIEW
 
 
+def withheld(status: str | None, policy: ReviewPolicy | None) -> bool:
+    """Whether the safe door leaves out a claim of this `review_status` under the policy."""
+    return status == AWAITING_REVIEW and policy is not None and policy.mode is ReviewMode.withhold
+
+
 def safe_review_order(items: Sequence[T], status_of: Callable[[T], str | None], policy: ReviewPolicy | None) -> list[T]:
     """The safe door's items under the policy, order otherwise kept: those whose `review_status` is awaiting
     review after the rest (`rank`), or left out (`withhold`)."""
     waiting = [status_of(item) == AWAITING_REVIEW for item in items]
     kept = [item for item, wait in zip(items, waiting, strict=True) if not wait]
-    if policy is not None and policy.mode is ReviewMode.withhold:
-        return kept
-    return kept + [item for item, wait in zip(items, waiting, strict=True) if wait]
+    last = [item for item, wait in zip(items, waiting, strict=True) if wait and not withheld(AWAITING_REVIEW, policy)]
+    return kept + last

@@ -13,8 +13,8 @@ import typer
 
 from bus.client import enrol
 from bus.errors import ConfigError, EpibusError
-from bus.host.home import epibus_home, person_key_path
-from bus.identity.person import require_passphrase_shape, unlock_person_key, write_person_key
+from bus.host.home import epibus_home
+from bus.identity.person import require_passphrase_shape, require_person_key, unlock_person_key, write_person_key
 from bus.identity.signing import AgentKey
 from bus.model.auth import ANY_PROJECT
 from bus.model.requests import EnrolRequest, build_request
@@ -54,8 +54,7 @@ def read_passphrase(name: str, *, from_stdin: bool, confirm: bool = False) -> st
 def person_signer(home: Path | None, name: str, *, from_stdin: bool) -> AgentKey:
     """A person's key, unlocked for this command. Raises NotFound, ConfigError (wrong passphrase)."""
     where = epibus_home(home)
-    if not person_key_path(where, name).exists():
-        unlock_person_key(where, name, "")  # raises NotFound, naming the file and `person add`
+    require_person_key(where, name)  # before a passphrase is asked for a key that is not here
     return unlock_person_key(where, name, read_passphrase(name, from_stdin=from_stdin))
 
 

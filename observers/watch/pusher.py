@@ -19,7 +19,7 @@ from bus.broker.nats_errors import message_gone, nats_call
 from bus.errors import EpibusError, Unavailable
 from bus.intake.stream_read import read_stream
 from bus.model.auth import ReviewPolicy
-from bus.model.review import review_status, safe_review_order
+from bus.model.review import review_status, withheld
 from bus.model.state import UNSAFE_RESOLUTIONS, UNSAFE_TRUST, ArtifactState
 from bus.model.watch import Notice, WatchRecord
 from bus.outbox.outbox_file import OutboxRow
@@ -81,7 +81,7 @@ class WatchPusher:
         for m in matches:
             policy = policies.get(m.claim.state.project)
             review = review_status(m.claim.state, policy)
-            if not m.watch.audit and not safe_review_order([review], lambda r: r, policy):
+            if not m.watch.audit and withheld(review, policy):
                 self.stats.withheld += 1
                 continue  # withheld from the safe door until a person reviews it
             notice = _notice("match", m.watch, m.claim.state, m.claim.event_id, m.score, self.node, review)
