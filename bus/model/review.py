@@ -6,8 +6,8 @@ enrolments, so every path reads the same policy at the same point of the stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from bus.model.auth import ReviewPolicy
 from bus.model.state import ArtifactState
@@ -26,6 +26,15 @@ def review_status(state: ArtifactState, policy: ReviewPolicy | None) -> str | No
     if state.impact is None or state.impact < policy.human_review_impact:
         return None
     return REVIEWED if state.reviewed_by else AWAITING_REVIEW
+
+
+def vouched_cells(vouched: Mapping[str, Any], review: str | None = None) -> tuple[str, str]:
+    """Who vouched (`ArtifactState.vouched()`) as two narrow table cells, agents and people: ("1", "dana"),
+    ("2", "dana+1") (the last person and how many more), ("", "awaiting") for a claim awaiting a person's
+    review under its project's policy, ("", "") when no one vouched."""
+    people, agents = int(vouched["people"]), int(vouched["agents"])
+    named = f"{vouched['last_person']}" + (f"+{people - 1}" if people > 1 else "") if people else ""
+    return (str(agents) if agents else "", named or ("awaiting" if review == AWAITING_REVIEW else ""))
 
 
 def withheld(status: str | None, policy: ReviewPolicy | None) -> bool:

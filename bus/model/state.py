@@ -464,14 +464,6 @@ def vouched_text(vouched: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def vouched_cells(vouched: Mapping[str, Any]) -> tuple[str, str]:
-    """`vouched()` as two narrow table cells, agents and people: ("1", "dana"), ("2", "dana+1") (the last person
-    and how many more), ("", "") when no one vouched."""
-    people, agents = int(vouched["people"]), int(vouched["agents"])
-    named = f"{vouched['last_person']}" + (f"+{people - 1}" if people > 1 else "") if people else ""
-    return (str(agents) if agents else "", named)
-
-
 # A record key a store may lack (written before it existed) reads as this value.
 ABSENT_RECORD_VALUES: dict[str, Any] = {"verified_by": [], "reviewed_by": [], "reviewed_at": None}
 

@@ -18,8 +18,7 @@ from bus.client.recall import RecallAnswer
 from bus.errors import AmbiguousId
 from bus.host.home import epibus_home, resolve_journal_url
 from bus.model.requests import JournalReadRequest, build_request
-from bus.model.review import AWAITING_REVIEW
-from bus.model.state import vouched_cells
+from bus.model.review import AWAITING_REVIEW, vouched_cells
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -125,9 +124,9 @@ def artifact_rows(views: list[dict[str, Any]]) -> list[list[Any]]:
         [
             v["artifact_id"],
             v["kind"],
-            state_label(v) + (f", {v['review']}" if v["review"] == AWAITING_REVIEW else ""),
+            state_label(v),
             v["author"],
-            *vouched_cells(v["vouched"]),
+            *vouched_cells(v["vouched"], v["review"]),
             f"{v['relevance']:.3f}",
             ",".join(sorted(v["flags"])),
             v["content"],
@@ -142,7 +141,7 @@ def state_label(view: dict[str, Any]) -> str:
     return f"{view['trust']}/{life}"
 
 
-# agents and people: who verified it (the last person named)
+# agents and people: who verified it (the last person named, or "awaiting" a person's review)
 COLUMNS = ["artifact", "kind", "trust/lifecycle", "author", "agents", "people", "relevance", "flags", "content"]
 
 

@@ -9,7 +9,7 @@ import typer
 
 from bus.client.recall import RecallAnswer, ask_all, recall_request
 from bus.model.requests import RecallRequest
-from bus.model.state import vouched_cells
+from bus.model.review import vouched_cells
 from epibus.cli import inputs
 from epibus.cli.common import (
     AgentOpt,
@@ -49,9 +49,9 @@ def _show(answer: RecallAnswer, title: str, as_json: bool) -> None:
             f"{h['score']:.3f}",
             h["kind"],
             h["artifact_id"],
-            f"{h['state']['trust']}/{h['state']['lifecycle']}" + (f", {h['review']}" if h["review"] else ""),
+            f"{h['state']['trust']}/{h['state']['lifecycle']}",
             h["provenance"]["actor"],
-            *vouched_cells(h["vouched"]),
+            *vouched_cells(h["vouched"], h["review"]),
             h["content"],
         ]
         for h in answer.hits

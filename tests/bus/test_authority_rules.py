@@ -15,7 +15,8 @@ from bus.model.auth import ANY_PROJECT
 from bus.model.authority import NO_RECORDS, Authority, enrolment_event, enrolment_record
 from bus.model.event import Envelope, draft_event
 from bus.model.fold import Fold
-from bus.model.state import ArtifactState, decide, vouched_cells, vouched_text
+from bus.model.review import AWAITING_REVIEW, vouched_cells
+from bus.model.state import ArtifactState, decide, vouched_text
 from bus.model.vocab import Lifecycle, Role, Trust
 from bus.subjects import POLICY_PROJECT
 from tests.bus.test_state import P, claim, ev, standing, state
@@ -212,3 +213,4 @@ def test_who_vouched_counts_agents_once_and_names_the_last_person(keys: dict[str
     assert ArtifactState.from_record(current.to_record()) == current  # every store keeps it whole
     assert vouched_text(state("a2").vouched()) == "no one"
     assert [vouched_cells(v) for v in (current.vouched(), state("a2").vouched())] == [("1", "rita+1"), ("", "")]
+    assert vouched_cells(state("a2").vouched(), AWAITING_REVIEW) == ("", "awaiting")
