@@ -28,6 +28,7 @@ from bus.errors import ComponentFailed, ModelMismatch, StoreDamaged, Unavailable
 from bus.host.disk import require_room
 from bus.host.home import private_dir, private_tree, write_private
 from bus.host.server_guard import SPAWNER, die_with_parent
+from observers.mirror.seal import LAYOUT
 from observers.mirror.shards import Export, ShardSet
 from observers.mirror.store import (
     MIRROR_REMEDY,
@@ -89,11 +90,14 @@ class SealStats:
 class EdgeVectorStore:
     """A VectorStore on qdrant-edge. Use `await EdgeVectorStore.open(path, model_id, dimension)`."""
 
-    def __init__(self, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS) -> None:
+    def __init__(
+        self, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS, layout: int = LAYOUT
+    ) -> None:
         self.path = path
         self.model_id = model_id
         self.dimension = dimension
         self.seal_points = seal_points
+        self.layout = layout  # what seals build (observers.mirror.seal.LAYOUT; another only in tests)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epibus-edge")
         self._shards: ShardSet | None = None
         self.store_id = ""
@@ -104,11 +108,12 @@ class EdgeVectorStore:
 
     @classmethod
     async def open(
-        cls, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS
+        cls, path: Path, model_id: str, dimension: int, *, seal_points: int = SEAL_POINTS, layout: int = LAYOUT
     ) -> EdgeVectorStore:
         """Open or create. Raises ModelMismatch if the collection was built for another model or dimension.
-        Shards frozen when the store last closed are sealed again, in the background."""
-        store = cls(path, model_id, dimension, seal_points=seal_points)
+        Shards frozen when the store last closed are sealed again, in the background, and sealed shards of an
+        older layout are rebuilt in the layout of now (said in the log and in `shard_states`)."""
+        store = cls(path, model_id, dimension, seal_points=seal_points, layout=layout)
         try:
             await store._call(store._open)
         except BaseException:
@@ -118,6 +123,13 @@ class EdgeVectorStore:
         if unsealed > store.seal_points:  # a mirror from before sealing: its one shard is moved now, not left in RAM
             log.warning("%s: sealing the %d points of a shard from before sealed shards", path, unsealed)
             await store._call(store._write, store.shards.freeze)
+        if outdated := store.shards.outdated():
+            log.warning(
+                "%s: %d sealed shards of an older layout are rebuilt in the background (`epibus mirror migrate` "
+                "does it now); until then they are searched as they are",
+                path,
+                len(outdated),
+            )
         store._start_sealing()
         return store
 
@@ -151,7 +163,7 @@ class EdgeVectorStore:
             self.store_id = str(meta["store_id"])
         else:
             self.store_id = str(uuid.uuid4())
-        shards = ShardSet(self.path, self.dimension, self._engine)
+        shards = ShardSet(self.path, self.dimension, self._engine, layout=self.layout)
         require_room(self.path, "mirror")
         shards.open()
         self._shards = shards
@@ -252,7 +264,12 @@ class EdgeVectorStore:
         """How many shards are hot, frozen (waiting for their seal) and sealed, from memory (no engine call)."""
         listed = list(self._shards.shards) if self._shards is not None else []
         frozen = sum(1 for s in listed[:-1] if not s.sealed)
-        return {"hot": 1 if listed else 0, "frozen": frozen, "sealed": sum(1 for s in listed if s.sealed)}
+        return {
+            "hot": 1 if listed else 0,
+            "frozen": frozen,
+            "sealed": sum(1 for s in listed if s.sealed),
+            "outdated": sum(1 for s in listed if s.sealed and s.layout != self.layout),
+        }
 
     async def shard_layout(self) -> list[dict[str, Any]]:
         """Each shard: its name, whether it is sealed, its points."""
@@ -262,16 +279,21 @@ class EdgeVectorStore:
 
     def _start_sealing(self) -> None:
         """Seal the frozen shards in the background (one task, owned by the store and ended by close)."""
-        if self._shards is None or not self._shards.frozen():
+        if self._shards is None or not (self._shards.frozen() or self._shards.outdated()):
             return
         if self._sealing is not None and not self._sealing.done():
             return
         self._sealing = asyncio.get_running_loop().create_task(self._seal_frozen(), name=f"seal {self.path}")
 
     async def _seal_frozen(self) -> None:
-        """Seal frozen shards, oldest first, then merge sealed shards of one size tier."""
+        """Seal frozen shards, oldest first, then rebuild sealed shards of an older layout, then merge sealed
+        shards of one size tier."""
         while self._shards is not None:
-            waiting = self._shards.frozen()[:1] or await self._call(self._shards.to_merge, self.seal_points)
+            waiting = (
+                self._shards.frozen()[:1]
+                or self._shards.outdated()[:1]
+                or await self._call(self._shards.to_merge, self.seal_points)
+            )
             if not waiting:
                 return
             await asyncio.sleep(max(0.0, self._next_seal_at - time.monotonic()))
@@ -303,7 +325,9 @@ class EdgeVectorStore:
     async def _run_worker(self, export: Export) -> float:
         """Run `observers.mirror.seal` on the exported points; it dies with this process. Returns seconds."""
         started = time.perf_counter()
-        command = [sys.executable, "-m", "observers.mirror.seal", str(export.folder), str(export.target)]
+        command = [
+            sys.executable, "-m", "observers.mirror.seal", str(export.folder), str(export.target), str(export.layout)
+        ]  # fmt: skip
         process = SPAWNER.run(
             lambda: subprocess.Popen(
                 command,
@@ -342,10 +366,14 @@ class EdgeVectorStore:
 
     async def migrate(self) -> int:
         """Move every point searched from RAM (a mirror from before sealed shards held them all in one shard)
-        into sealed shards now, rather than as the seals get to it. Returns how many points moved."""
-        unsealed = int(await self._call(self.shards.unsealed_count))
+        into sealed shards, and rebuild every sealed shard of an older layout, now rather than as the seals get
+        to it. Returns how many points moved."""
+        moved = int(await self._call(self.shards.unsealed_count)) + int(await self._call(self.shards.outdated_count))
         await self.optimize()
-        return unsealed
+        async with self._rebuilding:
+            for name in list(self.shards.outdated()):
+                await self._rebuild([name])
+        return moved
 
     async def compact(self) -> int:
         """Rewrite every shard a delete may have left bytes in, so a deleted point leaves none behind:

@@ -76,7 +76,7 @@ class EdgeProcessVectorStore:
         self.store_id = ""
         self.seals = SealStats()
         self.restarts = 0
-        self._states: dict[str, int] = {"hot": 0, "frozen": 0, "sealed": 0}
+        self._states: dict[str, int] = {"hot": 0, "frozen": 0, "sealed": 0, "outdated": 0}
         self._process: subprocess.Popen[bytes] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task[None] | None = None

@@ -33,7 +33,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     sent: list[dict[str, Any]] = []  # the figures last sent to the node
 
     def state() -> dict[str, Any]:
-        shards = store.shard_states() if store is not None else {"hot": 0, "frozen": 0, "sealed": 0}
+        shards = store.shard_states() if store is not None else {"hot": 0, "frozen": 0, "sealed": 0, "outdated": 0}
         return state_of(store.seals, shards) if store is not None else {"shards": shards, "seals": {}}
 
     def reply(call_id: int, ok: bool, value: object) -> None:

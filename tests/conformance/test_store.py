@@ -246,7 +246,8 @@ async def test_migrating_keeps_every_point_its_payload_and_its_id(
     for event_id, before in made.items():
         after = found[point_id(event_id)]
         assert after.payload == {**before.payload, "model_id": MODEL, "dimension": DIM}
-        assert after.vector == pytest.approx(before.vector, abs=1e-6)
+        # an edge mirror's sealed shards keep original vectors as float16 (3 significant digits)
+        assert after.vector == pytest.approx(before.vector, abs=1e-3)
     assert (await store.describe()).count == 7
     for event_id, before in made.items():  # still searchable by meaning
         (top,) = await store.search(before.vector, Filter(equals={"project": "p"}), limit=1)

@@ -141,6 +141,6 @@ async def test_a_seal_that_ends_between_calls_reaches_the_node_without_a_call(tm
         await store.upsert(points(5))  # fills the hot shard: it is frozen, and a worker seals it
         assert store.seals.sealed == 0
         await eventually(lambda: store.seals.sealed == 1 and store.shard_states()["frozen"] == 0, timeout_s=60)
-        assert store.shard_states() == {"hot": 1, "frozen": 0, "sealed": 1}
+        assert store.shard_states() == {"hot": 1, "frozen": 0, "sealed": 1, "outdated": 0}
     finally:
         await store.close()
