@@ -65,7 +65,8 @@ class Sampler:
         while not self.stop.wait(1.0):
             sample = rss_by_role(self.pid)
             if sample:
-                self.samples.append({"t": time.monotonic(), **sample})
+                anon = {f"anon_{role}": mb for role, mb in rss_by_role(self.pid, anon=True).items()}
+                self.samples.append({"t": time.monotonic(), **sample, **anon})
 
 
 def anon_mb(pid: int) -> float:
@@ -281,8 +282,9 @@ async def run_scale(root: Path, events: int, say: Any) -> dict[str, Any]:
     report["rate_near_end"] = round(rate_between(progress, int(events * 0.9), events))
     report["rss_after_ingest_mb"] = {k: round(v) for k, v in after.items()}
     peak = max(sampler.samples, key=lambda s: total(s, "node", "engine", "nats", "seal"))
-    report["rss_peak_mb"] = {k: round(v) for k, v in peak.items() if k != "t"}
+    report["rss_peak_mb"] = {k: round(v) for k, v in peak.items() if k != "t" and not k.startswith("anon_")}
     report["rss_slope_b_per_event"] = slope(sampler.samples, progress, events)
+    report["anon_slope_b_per_event"] = slope(sampler.samples, progress, events, anon=True)
     sizes = store_sizes(home, default_journal_url(home))
     report["disk"] = {s.store: round(s.bytes / events) for s in sizes}
     report["disk_total_b_per_event"] = round(sum(s.bytes for s in sizes) / events)
@@ -297,13 +299,17 @@ async def run_scale(root: Path, events: int, say: Any) -> dict[str, Any]:
     return report
 
 
-def slope(samples: list[dict[str, float]], progress: list[tuple[float, int]], events: int) -> float:
-    """Node + engine RSS growth per mirrored event, from 10% to the end of the catch-up (least squares)."""
+def slope(
+    samples: list[dict[str, float]], progress: list[tuple[float, int]], events: int, *, anon: bool = False
+) -> float:
+    """Node + engine RSS growth per mirrored event, from 10% to the end of the catch-up (least squares); `anon`:
+    of their anonymous memory only (without the mapped file pages the kernel may take back)."""
+    roles = ("anon_node", "anon_engine") if anon else ("node", "engine")
     pairs = []
     for sample in samples:
         done = [n for t, n in progress if t <= sample["t"]]
         if done and done[-1] >= events * 0.1:
-            pairs.append((done[-1], total(sample, "node", "engine") * 2**20))
+            pairs.append((done[-1], total(sample, *roles) * 2**20))
     if len(pairs) < 3:
         raise RuntimeError("too few memory samples to take a slope")
     n = len(pairs)
@@ -336,13 +342,15 @@ def scale_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]
         ("RSS peak while mirroring, MB (with seal workers)", f"{sum(peak.values()):,} (seal {peak['seal']})", "", None),
         ("RAM slope, bytes per mirrored event", f"{report['rss_slope_b_per_event']:,}", f"<= {t['slope_b']:,.0f}",
          report["rss_slope_b_per_event"] <= t["slope_b"]),
+        ("  of anonymous memory only", f"{report['anon_slope_b_per_event']:,}" if "anon_slope_b_per_event" in report
+         else "not measured", "", None),
         ("home disk, KiB per event", f"{kib:.2f}", f"<= {t['disk_kib']}", kib <= t["disk_kib"]),
         ("  per store, bytes per event", stores, "", None),
         ("restart to ready, s", f"{report['restart_to_ready_s']:.1f}", f"<= {t['ready_s']}",
          report["restart_to_ready_s"] <= t["ready_s"]),
+        ("  of which, s", _parts(report.get("restart_parts_s")), "", None),
         ("recall via the node p50 / p99, ms", f"{report['recall_p50_ms']} / {report['recall_p99_ms']}",
          f"p99 <= {t['recall_p99_ms']}", report["recall_p99_ms"] <= t["recall_p99_ms"]),
-        ("  of which, s", _parts(report.get("restart_parts_s")), "", None),
         ("recall again, warm, p50 / p99, ms",
          f"{report.get('recall_warm_p50_ms', '-')} / {report.get('recall_warm_p99_ms', '-')}", "", None),
         ("  the node's mean per recall, cold / warm, ms", _phases(report.get("recall_phases_ms")), "", None),
