@@ -46,6 +46,7 @@ def migrate(
 async def _migrate(kind: str, qdrant_url: str | None, home: Any) -> dict[str, Any]:
     from observers.mirror.edge import EdgeVectorStore
     from observers.mirror.embed import FastEmbedder
+    from observers.mirror.seal import LAYOUT as SEALED_LAYOUT
     from observers.mirror.server import LAYOUT, ServerVectorStore
 
     model = await FastEmbedder(home).load()  # the node's model: the store is opened for it, as the node does
@@ -58,7 +59,7 @@ async def _migrate(kind: str, qdrant_url: str | None, home: Any) -> dict[str, An
             finally:
                 await edge.close()
             return {"mirror": kind, "location": str(home / "mirror"), "points": points, "moved": moved,
-                    "layout": "sealed shards (int8 in RAM, originals on disk)"}  # fmt: skip
+                    "layout": f"sealed shards, layout {SEALED_LAYOUT}"}  # fmt: skip
         if kind == "server":
             if not qdrant_url:
                 raise ConfigError("--qdrant-url", "the server mirror's Qdrant is not named; give --qdrant-url URL")

@@ -74,7 +74,7 @@ def _status_rows(report: dict[str, Any]) -> list[list[Any]]:
             shards, seals = mirror["shards"], mirror["seals"]
             failed = f"; {seals['failures']} seal(s) failed, last: {seals['last_error']}" if seals["failures"] else ""
             outdated = shards.get("outdated", 0)
-            old = f" ({outdated} of an older layout, being rebuilt: `epibus mirror migrate`)" if outdated else ""
+            old = f" ({outdated} of an older layout, being rebuilt)" if outdated else ""
             rows.append(["mirror shards", f"{shards['sealed']} sealed{old}, {shards['frozen']} sealing, 1 hot{failed}"])
     rows.append(["outbox", f"{report['outbox']['depth']} waiting, {report['outbox']['parked']} parked"])
     for role, space in (report.get("disk") or {}).items():

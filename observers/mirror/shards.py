@@ -364,7 +364,7 @@ class ShardSet:
 
     def outdated(self) -> list[str]:
         """Sealed shards of another layout than the one seals build now, oldest first: each is rebuilt."""
-        return [s.name for s in self.shards if s.sealed and s.layout != self.layout and s.name not in self.exports]
+        return [s.name for s in self.shards if s.sealed and s.layout != self.layout]
 
     def outdated_count(self) -> int:
         return sum(self._count(self._shard(name)) for name in self.outdated())
