@@ -268,7 +268,7 @@ class EdgeVectorStore:
             "hot": 1 if listed else 0,
             "frozen": frozen,
             "sealed": sum(1 for s in listed if s.sealed),
-            "outdated": sum(1 for s in listed if s.sealed and s.layout != self.layout),
+            "outdated": len(self._shards.outdated()) if self._shards is not None else 0,
         }
 
     async def shard_layout(self) -> list[dict[str, Any]]:

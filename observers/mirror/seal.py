@@ -133,9 +133,9 @@ def read_points(folder: Path) -> tuple[int, int, Iterator[list[qe.Point]]]:
     """What `PointsFile` wrote: (points, dimension, batches of WRITE_BATCH points), read as they are used."""
     meta = json.loads((folder / "points.json").read_text())
     count, dimension = int(meta["points"]), int(meta["dimension"])
-    vectors = np.memmap(folder / "vectors.f32", dtype=np.float32, mode="r", shape=(count, dimension)) if count else None
-    if count and (folder / "vectors.f32").stat().st_size != count * dimension * 4:
+    if (folder / "vectors.f32").stat().st_size != count * dimension * 4:
         raise SystemExit(f"{folder}: vectors.f32 does not hold {count} vectors of {dimension}")
+    vectors = np.memmap(folder / "vectors.f32", dtype=np.float32, mode="r", shape=(count, dimension)) if count else None
 
     def batches() -> Iterator[list[qe.Point]]:
         batch: list[qe.Point] = []

@@ -197,11 +197,12 @@ class ShardSet:
 
     def set_payload(self, where: qe.Filter, payload: Mapping[str, Any]) -> None:
         matching = qe.CountRequest(filter=where, exact=True)
+        operation = qe.UpdateOperation.set_payload_by_filter(where, dict(payload))
+        write = ("set_payload", (where, dict(payload)))
         for shard in self.shards:
             if shard.flush_each_write and not self.engine(shard.engine.count, matching):
                 continue  # none of its points match: no flush to pay for nothing
-            write = ("set_payload", (where, dict(payload)))
-            self._apply(shard, qe.UpdateOperation.set_payload_by_filter(where, dict(payload)), write)
+            self._apply(shard, operation, write)
 
     def _apply(self, shard: Shard, operation: Any, write: tuple[str, Any]) -> None:
         """One write to one shard, recorded for its export, and flushed where there is no log to replay it."""
