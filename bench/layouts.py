@@ -120,10 +120,12 @@ def measure(path: Path, points: int, queries: int, warmed: bool) -> dict[str, An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--points", type=int, default=100_000)
-    parser.add_argument("--queries", type=int, default=200)
-    parser.add_argument("--json", action="store_true")
+    parser = argparse.ArgumentParser(
+        description="One sealed shard per mirror layout, from the same points, each loaded alone and measured."
+    )
+    parser.add_argument("--points", type=int, default=100_000, help="points in each shard (100,000)")
+    parser.add_argument("--queries", type=int, default=200, help="filtered top-10 queries per shard (200)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--measure", nargs=2, metavar=("SHARD", "WARMED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
